@@ -1,0 +1,170 @@
+"""The pdctl command line: parse, call one engine function, print, map errors to exit codes.
+
+Every command is thin. User mistakes raise `PdctlError` anywhere below; `_guard` prints them as
+one line on stderr and exits 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pdctl import __version__
+from pdctl.errors import PdctlError
+
+app = typer.Typer(
+    name="pdctl",
+    help="Stochastic Parameter Decomposition of neural networks with JAX, driven by pdctl.toml.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Globals:
+    project: Path | None = None
+
+
+def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a PdctlError into one line on stderr and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PdctlError as e:
+            err_console.print(f"error: {e}", markup=False)
+            raise typer.Exit(e.exit_code) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"pdctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    ctx: typer.Context,
+    project: Annotated[
+        Path | None,
+        typer.Option(
+            "--project",
+            "-p",
+            help="Run directory (or its pdctl.toml). Default: the current directory or a parent.",
+        ),
+    ] = None,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """pdctl: decompose a network's parameters with SPD. Start with `pdctl new NAME`."""
+    ctx.obj = Globals()
+    ctx.obj.project = project
+
+
+def _project(ctx: typer.Context):
+    from pdctl.project import Project
+
+    return Project.find(explicit=ctx.obj.project if ctx.obj else None)
+
+
+@app.command()
+@_guard
+def new(
+    name: Annotated[str, typer.Argument(help="Directory to create (a plain name).")],
+    template: Annotated[
+        str, typer.Option("--template", "-t", help="Template: see `pdctl templates`.")
+    ] = "tms",
+) -> None:
+    """Create NAME/pdctl.toml and NAME/README.md from a template."""
+    from pdctl.templates import create_run
+
+    run = create_run(name, template, Path.cwd())
+    console.print(f"created {run}/pdctl.toml from template {template!r}")
+    console.print(f"next: pdctl --project {name} run")
+
+
+@app.command()
+@_guard
+def templates() -> None:
+    """List the run templates."""
+    from pdctl.templates import available
+
+    for name, line in available().items():
+        typer.echo(f"{name:<10} {line}")
+
+
+def _fmt_metrics(metrics: dict[str, Any] | None, limit: int = 3) -> str:
+    if not metrics:
+        return ""
+    keys = [k for k in ("loss", "total") if k in metrics] + [
+        k for k in metrics if k not in ("loss", "total")
+    ]
+    parts = [f"{k}={metrics[k]:.4g}" for k in keys[:limit] if isinstance(metrics[k], int | float)]
+    return " ".join(parts)
+
+
+@app.command()
+@_guard
+def status(
+    ctx: typer.Context,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="One JSON object keyed by stage (init_weights, pretrain, warmup, train); each "
+            "holds the stage's state fields plus `stale`.",
+        ),
+    ] = False,
+) -> None:
+    """Show every stage: status, step, last metrics, timings, checkpoint, staleness."""
+    proj = _project(ctx)
+    report = proj.status_report()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2, default=str))
+        return
+    table = Table(title=f"{proj.root}", title_justify="left")
+    for col in ("stage", "status", "step", "metrics", "wall s", "compile s", "checkpoint"):
+        table.add_column(col)
+    for stage, st in report.items():
+        status_txt = st["status"]
+        if st.get("stale"):
+            status_txt += " (stale)"
+        if st.get("crashed"):
+            status_txt += " (crashed: `pdctl resume`)"
+        steps = st.get("steps")
+        step = f"{st.get('step', '')}" + (f"/{steps}" if steps else "")
+        compile_s = st.get("compile_s")
+        if isinstance(compile_s, dict):
+            compile_s = sum(v for v in compile_s.values() if isinstance(v, int | float))
+        table.add_row(
+            stage,
+            status_txt,
+            step,
+            _fmt_metrics(st.get("metrics")),
+            f"{st['wall_s']:.1f}" if "wall_s" in st else "",
+            f"{compile_s:.1f}" if isinstance(compile_s, int | float) else "",
+            str(st.get("checkpoint", "")),
+        )
+    console.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

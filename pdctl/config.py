@@ -1,0 +1,351 @@
+"""The typed schema of pdctl.toml: every key, its default, its range.
+
+Validation lives here and only here. `parse_config` turns a TOML dict into a `Config` or raises a
+`PdctlError` whose one line names the key path (`train.optim.lr: must be > 0, got -1`).
+`pdctl.toml.example` documents every field below; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pdctl.errors import PdctlError
+
+SCHEMA_VERSION = 1
+STAGES = ("init_weights", "pretrain", "warmup", "train")
+
+Pos = Annotated[int, Field(gt=0)]
+NonNeg = Annotated[int, Field(ge=0)]
+PosF = Annotated[float, Field(gt=0)]
+NonNegF = Annotated[float, Field(ge=0)]
+Frac = Annotated[float, Field(ge=0, le=1)]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    # strict: TOML already has types, so "5" for an int is a mistake, not something to coerce.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RunConfig(Section):
+    seed: NonNeg = 0
+    description: str = ""
+
+
+class TmsTarget(Section):
+    kind: Literal["tms"] = "tms"
+    n_features: Pos = 5
+    n_hidden: Pos = 2
+    n_hidden_layers: NonNeg = 0
+    tied_weights: bool = True
+    bias: bool = True
+
+
+class ResidMlpTarget(Section):
+    kind: Literal["resid_mlp"] = "resid_mlp"
+    n_features: Pos = 100
+    d_embed: Pos = 1000
+    d_mlp: Pos = 50
+    n_layers: Pos = 1
+    embed_seed: NonNeg = 0
+
+
+class LlamaTarget(Section):
+    kind: Literal["llama_mlp"] = "llama_mlp"
+    vocab_size: Pos = 256
+    d_model: Pos = 64
+    n_layers: Pos = 2
+    n_heads: Pos = 4
+    d_mlp: Pos = 256
+    glu: bool = False
+    tied_embeddings: bool = True
+    rope_theta: PosF = 10000.0
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> LlamaTarget:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("d_model / n_heads must be even for RoPE")
+        return self
+
+
+Target = Annotated[TmsTarget | ResidMlpTarget | LlamaTarget, Field(discriminator="kind")]
+
+
+class DataConfig(Section):
+    feature_probability: Frac = 0.05
+    path: str = ""
+    seq_len: Pos = 64
+    synthetic_bytes: Pos = 2_000_000
+
+
+class MeshConfig(Section):
+    data: int = Field(-1, ge=-1)
+    fsdp: int = Field(1, ge=-1)
+    fsdp_min_param_size: NonNeg = 1024
+
+    @model_validator(mode="after")
+    def _one_wildcard(self) -> MeshConfig:
+        if self.data == 0 or self.fsdp == 0:
+            raise ValueError("mesh sizes must be positive or -1 (all remaining devices)")
+        if self.data == -1 and self.fsdp == -1:
+            raise ValueError("only one of mesh.data and mesh.fsdp may be -1")
+        return self
+
+
+class DistributedConfig(Section):
+    coordinator: str = ""
+    num_processes: NonNeg = 0
+    process_id: int = Field(-1, ge=-1)
+    local_device_ids: list[NonNeg] = []
+    init_timeout_s: Pos = 300
+
+
+class PrecisionConfig(Section):
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+    output_dtype: DType = "float32"
+
+
+class CompileConfig(Section):
+    cache_dir: str = ""
+
+
+class CheckpointConfig(Section):
+    every: Pos = 1000
+    keep: Pos = 3
+
+
+class TrackingConfig(Section):
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "pdctl"
+    entity: str = ""
+
+
+class MeasureConfig(Section):
+    peak_tflops: NonNegF = 0.0
+
+
+class OptimConfig(Section):
+    lr: PosF = 1e-3
+    weight_decay: NonNegF = 0.0
+    b1: Frac = 0.9
+    b2: Frac = 0.999
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_frac: Frac = 0.0
+    final_lr_frac: Frac = 0.0
+    grad_clip: NonNegF = 0.0
+
+
+class PretrainConfig(Section):
+    steps: Pos = 1000
+    batch_size: Pos = 1024
+    log_every: Pos = 100
+    max_bad_steps: Pos = 10
+    grad_accum_steps: Pos = 1
+    remat: Literal["none", "dots_saveable", "full"] = "none"
+    optim: OptimConfig = OptimConfig()
+
+
+class SiteConfig(Section):
+    pattern: Annotated[str, Field(min_length=1)]
+    C: Pos
+
+
+class CiFnConfig(Section):
+    type: Literal["mlp", "vector_mlp", "shared_mlp"] = "mlp"
+    hidden: list[Pos] = [16]
+
+
+class DecompConfig(Section):
+    sites: list[SiteConfig] = []
+    delta_component: bool = True
+    sigmoid: Literal["leaky_hard", "hard"] = "leaky_hard"
+    sampling: Literal["continuous", "binomial"] = "continuous"
+    n_mask_samples: Pos = 1
+    ci_threshold: Frac = 0.1
+    ci_fn: CiFnConfig = CiFnConfig()
+
+
+class WarmupConfig(Section):
+    steps: NonNeg = 400
+    lr: PosF = 0.01
+    weight_decay: NonNegF = 0.1
+    log_every: Pos = 100
+    max_bad_steps: Pos = 10
+
+
+class LossConfig(Section):
+    faithfulness: NonNegF = 0.0
+    importance_minimality: NonNegF = 3e-3
+    p: PosF = 1.0
+    p_final: PosF | None = None
+    p_anneal_start: Frac = 0.0
+    p_anneal_end: Frac = 1.0
+    beta: NonNegF = 0.0
+    eps: NonNegF = 1e-12
+    stochastic_recon: NonNegF = 1.0
+    stochastic_recon_layerwise: NonNegF = 1.0
+    ppgd_recon: NonNegF = 0.0
+    ci_masked_recon: NonNegF = 0.0
+    unmasked_recon: NonNegF = 0.0
+    output: Literal["mse", "kl"] = "mse"
+
+    @model_validator(mode="after")
+    def _anneal_order(self) -> LossConfig:
+        if self.p_anneal_end < self.p_anneal_start:
+            raise ValueError("p_anneal_end must be >= p_anneal_start")
+        return self
+
+
+class PpgdConfig(Section):
+    scope: Literal["batch", "position"] = "batch"
+    optimizer: Literal["adam", "sign"] = "adam"
+    lr: PosF = 0.01
+    n_steps: Pos = 1
+    warmup_steps: NonNeg = 0
+
+
+class TrainConfig(Section):
+    steps: Pos = 10000
+    batch_size: Pos = 4096
+    log_every: Pos = 100
+    eval_every: Pos = 1000
+    eval_batch_size: Pos = 1024
+    max_bad_steps: Pos = 10
+    grad_accum_steps: Pos = 1
+    remat: Literal["none", "dots_saveable", "full"] = "none"
+    optim: OptimConfig = OptimConfig()
+    ci_optim: OptimConfig | None = None
+    loss: LossConfig = LossConfig()
+    ppgd: PpgdConfig = PpgdConfig()
+
+
+class Config(Section):
+    schema_: int = Field(SCHEMA_VERSION, alias="schema")
+    run: RunConfig = RunConfig()
+    target: Target = TmsTarget()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    compile: CompileConfig = CompileConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    measure: MeasureConfig = MeasureConfig()
+    pretrain: PretrainConfig = PretrainConfig()
+    decomp: DecompConfig = DecompConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    train: TrainConfig = TrainConfig()
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+
+# Which config tables each stage's result depends on (cumulative: a stage is stale when anything
+# upstream of it changed). Mesh, tracking, checkpoint cadence and compile cache do not change results.
+_STAGE_DEPS = {
+    "init_weights": ("run", "target", "data", "decomp", "precision"),
+    "pretrain": ("pretrain",),
+    "warmup": ("warmup",),
+    "train": ("train",),
+}
+
+
+def stage_dependencies(stage: str) -> tuple[str, ...]:
+    deps: list[str] = []
+    for s in STAGES:
+        deps.extend(_STAGE_DEPS[s])
+        if s == stage:
+            return tuple(deps)
+    raise KeyError(stage)
+
+
+def fingerprint(cfg: Config, stage: str) -> str:
+    """A stable hash of the config tables `stage` depends on (defaults included, key order free)."""
+    dumped = cfg.model_dump(mode="json", by_alias=True)
+    tables = {k: dumped[k] for k in stage_dependencies(stage)}
+    blob = json.dumps(tables, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _format_error(err: ValidationError) -> str:
+    errors = err.errors()
+    first = errors[0]
+    loc = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p))
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        msg = msg.replace("Input should be", "must be")
+    if first["type"] != "extra_forbidden" and "input" in first and not isinstance(
+        first["input"], dict
+    ):
+        msg += f", got {first['input']!r}"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc or '<top level>'}: {msg}{more}"
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic puts the discriminator value into the location ("target.tms.n_hidden").
+    return part in ("tms", "resid_mlp", "llama_mlp")
+
+
+def parse_config(raw: dict[str, Any]) -> Config:
+    """Validate the user's tables (everything but `state`) into a Config."""
+    raw = {k: v for k, v in raw.items() if k != "state"}
+    schema = raw.get("schema")
+    if schema is None:
+        raise PdctlError(f"schema: missing; add `schema = {SCHEMA_VERSION}` at the top of pdctl.toml")
+    if schema != SCHEMA_VERSION:
+        raise PdctlError(
+            f"schema: unsupported version {schema!r}; this pdctl reads schema {SCHEMA_VERSION}"
+        )
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        raise PdctlError(_format_error(e)) from None
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def _check_cross_fields(cfg: Config) -> None:
+    seen: set[str] = set()
+    for i, site in enumerate(cfg.decomp.sites):
+        if site.pattern in seen:
+            raise PdctlError(f"decomp.sites.{i}.pattern: {site.pattern!r} is listed twice")
+        seen.add(site.pattern)
+    if cfg.target.kind != "llama_mlp" and cfg.train.ppgd.scope == "position":
+        raise PdctlError("train.ppgd.scope: 'position' needs a sequence model (target.kind = llama_mlp)")
+    if cfg.target.kind != "llama_mlp" and cfg.train.loss.output == "kl":
+        raise PdctlError("train.loss.output: 'kl' needs logits (target.kind = llama_mlp); use 'mse'")
+
+
+def match_sites(cfg: Config, site_paths: list[str]) -> dict[str, int]:
+    """Resolve `decomp.sites` globs to {site path: C} in the target's order.
+
+    A pattern that matches nothing, or a path matched by two patterns, is a config error."""
+    owner: dict[str, int] = {}
+    for i, site in enumerate(cfg.decomp.sites):
+        hits = [p for p in site_paths if fnmatch.fnmatchcase(p, site.pattern)]
+        if not hits:
+            raise PdctlError(
+                f"decomp.sites.{i}.pattern: {site.pattern!r} matches no site of this "
+                f"{cfg.target.kind} target (sites: {', '.join(site_paths)})"
+            )
+        for p in hits:
+            if p in owner:
+                j = owner[p]
+                raise PdctlError(
+                    f"decomp.sites.{i}.pattern: {site.pattern!r} matches {p!r}, which "
+                    f"decomp.sites.{j}.pattern already matched"
+                )
+            owner[p] = i
+    return {p: cfg.decomp.sites[owner[p]].C for p in site_paths if p in owner}

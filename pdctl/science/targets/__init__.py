@@ -1,0 +1,22 @@
+"""Models to decompose: toy TMS, toy residual MLP, and a small Llama-style LM."""
+
+from typing import Any
+
+from pdctl.science.targets.base import Params, Target
+from pdctl.science.targets.llama_mlp import LlamaMLP
+from pdctl.science.targets.resid_mlp import ResidMLP
+from pdctl.science.targets.tms import TMS
+
+TARGETS: dict[str, type[Target]] = {"tms": TMS, "resid_mlp": ResidMLP, "llama_mlp": LlamaMLP}
+
+
+def build_target(kind: str, **kwargs: Any) -> Target:
+    """The target of `kind` with the given hyperparameters (unknown names raise TypeError)."""
+    try:
+        cls = TARGETS[kind]
+    except KeyError:
+        raise ValueError(f"unknown target kind {kind!r}; expected one of {sorted(TARGETS)}") from None
+    return cls(**kwargs)
+
+
+__all__ = ["TARGETS", "TMS", "LlamaMLP", "Params", "ResidMLP", "Target", "build_target"]

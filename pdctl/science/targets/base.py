@@ -1,0 +1,105 @@
+"""The `Target` interface: a model to decompose, as pure functions over a nested-dict pytree.
+
+Every target exposes its decomposable matrices ("sites") as `(d_in, d_out)` arrays with the
+convention `y = x @ W (+ b)`, and its forward pass accepts per-site overrides that replace the
+matmul `x_in @ W`. The decomposition code only ever talks to targets through this interface.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, Any]
+Override = Callable[[jax.Array], jax.Array]
+Overrides = Mapping[str, Override]
+
+
+class Target:
+    """Base class. Subclasses set `kind` / `output_kind` and implement the abstract methods.
+
+    Instances hold only static hyperparameters, so bound methods are safe to close over in
+    `jax.jit`; all arrays come in through arguments.
+    """
+
+    kind: str = ""
+    output_kind: str = ""  # "mse" for the toys, "logits" for the LM
+    param_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+
+    def init(self, key: jax.Array) -> Params:
+        raise NotImplementedError
+
+    def site_shapes(self) -> dict[str, tuple[int, int]]:
+        """path -> (d_in, d_out) of every decomposable matrix, in forward order."""
+        raise NotImplementedError
+
+    def site_paths(self) -> list[str]:
+        return list(self.site_shapes())
+
+    def site_weights(self, params: Params) -> dict[str, jax.Array]:
+        """path -> W (d_in, d_out), in forward order.
+
+        The order is the dict's insertion order; a dict returned through `jax.jit` comes back
+        with sorted keys, so callers that need forward order should use `site_paths()`.
+        """
+        raise NotImplementedError
+
+    def apply(self, params: Params, x: jax.Array, overrides: Overrides | None = None) -> jax.Array:
+        raise NotImplementedError
+
+    def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        raise TypeError(f"target {self.kind!r} has no on-device data generator")
+
+    def inputs(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+        return batch["x"]
+
+    def loss(
+        self, params: Params, batch: Mapping[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        raise NotImplementedError
+
+    def trainable_mask(self, params: Params) -> Any:
+        return jax.tree.map(lambda _: True, params)
+
+    def n_tokens_per_example(self) -> int:
+        return 1
+
+    def flops_per_example(self) -> float:
+        raise NotImplementedError
+
+    # Helpers shared by the concrete targets.
+
+    def _site(self, path: str, x_in: jax.Array, w: jax.Array, overrides: Overrides | None):
+        """`x_in @ w`, or the override for `path`; the result is cast back to the compute dtype
+        so that an override computing in float32 cannot silently promote a bf16 model."""
+        if overrides is not None and path in overrides:
+            return overrides[path](x_in).astype(x_in.dtype)
+        return x_in @ w
+
+
+def add_bias(h: jax.Array, b: jax.Array) -> jax.Array:
+    # Explicit reshape keeps the model valid under jax_numpy_rank_promotion="raise".
+    return h + b.reshape((1,) * (h.ndim - b.ndim) + b.shape)
+
+
+def uniform_fan_in(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the default init of a torch `nn.Linear` (weight and
+    bias), which the reference toy models use; keeping it keeps our toys' training comparable."""
+    bound = 1.0 / (fan_in**0.5)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def sparse_features(
+    key: jax.Array, batch_size: int, n_features: int, p: float, low: float, high: float
+) -> jax.Array:
+    """Each feature independently active with probability p, value U[low, high), else 0."""
+    k_on, k_val = jax.random.split(key)
+    on_BxF = jax.random.uniform(k_on, (batch_size, n_features)) < p
+    val_BxF = jax.random.uniform(k_val, (batch_size, n_features), minval=low, maxval=high)
+    return jnp.where(on_BxF, val_BxF, jnp.zeros_like(val_BxF))
+
+
+def mse(out: jax.Array, y: jax.Array) -> jax.Array:
+    diff = out.astype(jnp.float32) - y.astype(jnp.float32)
+    return jnp.mean(diff * diff)

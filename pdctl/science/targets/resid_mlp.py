@@ -1,0 +1,115 @@
+"""Residual MLP toy: features written into a residual stream by a fixed random embedding, MLP
+layers that must compute `relu(x_i)` for more features than they have neurons, read out by W_E.T.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pdctl.science.targets.base import (
+    Overrides,
+    Params,
+    Target,
+    add_bias,
+    mse,
+    sparse_features,
+    uniform_fan_in,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResidMLP(Target):
+    """Sites per layer: `layers.{i}.mlp_in` (d_embed, d_mlp), `layers.{i}.mlp_out` (d_mlp, d_embed).
+
+    Data follows the SPD paper's reference implementation (goodfire-ai/spd, resid_mlp): each
+    feature independently active with probability p with value U[-1, 1] (negative values make
+    the identity and the ReLU parts of the label distinguishable), label `x + relu(x)` (the
+    "act_plus_resid" label with unit coefficients), loss the MSE read off at the n_features
+    outputs. The reference's canonical 1-layer model has no MLP biases; `bias=False` gives that.
+    """
+
+    kind = "resid_mlp"
+    output_kind = "mse"
+
+    n_features: int = 100
+    d_embed: int = 1000
+    d_mlp: int = 50
+    n_layers: int = 1
+    feature_probability: float = 0.01
+    embed_seed: int = 0
+    bias: bool = True
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+
+    def embedding(self) -> jax.Array:
+        """W_E (n_features, d_embed), unit-norm rows, a function of `embed_seed` alone so every
+        run (whatever its init seed) decomposes a model over the same feature directions."""
+        w = jax.random.normal(jax.random.key(self.embed_seed), (self.n_features, self.d_embed))
+        w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+        return w.astype(self.param_dtype)
+
+    def init(self, key: jax.Array) -> Params:
+        D, M, dt = self.d_embed, self.d_mlp, self.param_dtype
+        layers: Params = {}
+        for i, k in enumerate(jax.random.split(key, self.n_layers)):
+            k_in, k_out = jax.random.split(k)
+            mlp_in: Params = {"W": uniform_fan_in(k_in, (D, M), D, dt)}
+            mlp_out: Params = {"W": uniform_fan_in(k_out, (M, D), M, dt)}
+            if self.bias:
+                mlp_in["b"] = jnp.zeros((M,), dt)
+                mlp_out["b"] = jnp.zeros((D,), dt)
+            layers[str(i)] = {"mlp_in": mlp_in, "mlp_out": mlp_out}
+        return {"W_E": self.embedding(), "layers": layers}
+
+    def site_shapes(self) -> dict[str, tuple[int, int]]:
+        shapes: dict[str, tuple[int, int]] = {}
+        for i in range(self.n_layers):
+            shapes[f"layers.{i}.mlp_in"] = (self.d_embed, self.d_mlp)
+            shapes[f"layers.{i}.mlp_out"] = (self.d_mlp, self.d_embed)
+        return shapes
+
+    def site_weights(self, params: Params) -> dict[str, jax.Array]:
+        weights: dict[str, jax.Array] = {}
+        for i in range(self.n_layers):
+            layer = params["layers"][str(i)]
+            weights[f"layers.{i}.mlp_in"] = layer["mlp_in"]["W"]
+            weights[f"layers.{i}.mlp_out"] = layer["mlp_out"]["W"]
+        return weights
+
+    def apply(self, params: Params, x: jax.Array, overrides: Overrides | None = None) -> jax.Array:
+        W_E = params["W_E"]
+        r = x.astype(self.param_dtype) @ W_E
+        for i in range(self.n_layers):
+            layer = params["layers"][str(i)]
+            h = self._site(f"layers.{i}.mlp_in", r, layer["mlp_in"]["W"], overrides)
+            if self.bias:
+                h = add_bias(h, layer["mlp_in"]["b"])
+            out = self._site(f"layers.{i}.mlp_out", jax.nn.relu(h), layer["mlp_out"]["W"], overrides)
+            if self.bias:
+                out = add_bias(out, layer["mlp_out"]["b"])
+            r = r + out
+        return r @ W_E.T
+
+    def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        x_BxF = sparse_features(key, batch_size, self.n_features, self.feature_probability, -1, 1)
+        return {"x": x_BxF, "y": x_BxF + jax.nn.relu(x_BxF)}
+
+    def loss(
+        self, params: Params, batch: Mapping[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        loss = mse(self.apply(params, batch["x"]), batch["y"])
+        return loss, {"mse": loss}
+
+    def trainable_mask(self, params: Params) -> Any:
+        mask = jax.tree.map(lambda _: True, params)
+        mask["W_E"] = False
+        return mask
+
+    def flops_per_example(self) -> float:
+        embed_unembed = 2 * 2 * self.n_features * self.d_embed
+        return float(embed_unembed + sum(2 * a * b for a, b in self.site_shapes().values()))

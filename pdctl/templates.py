@@ -1,0 +1,57 @@
+"""Run-directory templates: `templates/<name>/pdctl.toml` + `README.md`.
+
+They live at the repository root and ship inside the wheel as `pdctl/templates`.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from importlib import resources
+from pathlib import Path
+
+from pdctl.errors import PdctlError
+from pdctl.project import PROJECT_FILE, Project
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def templates_root() -> Path:
+    packaged = Path(str(resources.files("pdctl"))) / "templates"
+    if packaged.is_dir():
+        return packaged
+    # Source checkout / editable install: the repository's templates/ next to the package.
+    return Path(__file__).resolve().parent.parent / "templates"
+
+
+def available() -> dict[str, str]:
+    """{template name: one-line description} (the first comment line of its pdctl.toml)."""
+    out = {}
+    for d in sorted(templates_root().iterdir()):
+        f = d / PROJECT_FILE
+        if f.is_file():
+            first = f.read_text().splitlines()[0]
+            out[d.name] = first.lstrip("# ").strip()
+    return out
+
+
+def create_run(name: str, template: str, parent: Path) -> Path:
+    """Scaffold `parent/name/` from a template; refuses anything that could lose data."""
+    names = available()
+    if template not in names:
+        raise PdctlError(f"--template: unknown template {template!r} (choose from {', '.join(names)})")
+    if not _NAME.match(name) or name in (".", ".."):
+        raise PdctlError(
+            f"NAME: {name!r} is not a plain directory name (letters, digits, '.', '_', '-'; no '/')"
+        )
+    run = parent / name
+    if run.exists() and (not run.is_dir() or any(run.iterdir())):
+        raise PdctlError(f"NAME: {run} already exists and is not empty; pick another name")
+    src = templates_root() / template
+    toml_text = (src / PROJECT_FILE).read_text()
+    readme = string.Template((src / "README.md").read_text()).safe_substitute(name=name)
+    Project.from_text(run / PROJECT_FILE, toml_text)  # a template must always be valid
+    run.mkdir(parents=True, exist_ok=True)
+    (run / PROJECT_FILE).write_text(toml_text)
+    (run / "README.md").write_text(readme)
+    return run
