@@ -33,6 +33,7 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 class Globals:
     project: Path | None = None
+    dist = None
 
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,13 +67,26 @@ def _main(
             help="Run directory (or its pdctl.toml). Default: the current directory or a parent.",
         ),
     ] = None,
+    coordinator: Annotated[
+        str | None,
+        typer.Option("--coordinator", help="HOST:PORT of process 0 for a multi-process run."),
+    ] = None,
+    num_processes: Annotated[
+        int | None, typer.Option("--num-processes", help="Processes in a multi-process run.")
+    ] = None,
+    process_id: Annotated[
+        int | None, typer.Option("--process-id", help="This process's index (0-based).")
+    ] = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
     """pdctl: decompose a network's parameters with SPD. Start with `pdctl new NAME`."""
+    from pdctl.engine.runtime import DistributedFlags
+
     ctx.obj = Globals()
     ctx.obj.project = project
+    ctx.obj.dist = DistributedFlags(coordinator, num_processes, process_id)
 
 
 def _project(ctx: typer.Context):
@@ -160,6 +174,83 @@ def status(
             str(st.get("checkpoint", "")),
         )
     console.print(table)
+
+
+def _stage_project(ctx: typer.Context):
+    """Load the project and set up JAX for a stage (multi-host runtime, compile cache)."""
+    from pdctl.engine import runtime
+
+    proj = _project(ctx)
+    runtime.setup_logging()
+    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)
+    return proj
+
+
+def _parse_range(value: str | None, key: str) -> tuple[int, int] | None:
+    if not value:
+        return None
+    try:
+        a, b = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise PdctlError(f"{key}: expected A:B (two step numbers), got {value!r}") from None
+    if not 0 <= a < b:
+        raise PdctlError(f"{key}: need 0 <= A < B, got {value!r}")
+    return a, b
+
+
+def _done_line(stage: str, result) -> None:
+    m = result.metrics
+    loss = m.get("loss")
+    loss_txt = f", loss {loss:.5g}" if loss is not None else ""
+    console.print(f"{stage}: {result.status} at step {result.step}{loss_txt}")
+
+
+Steps = Annotated[int | None, typer.Option("--steps", help="Total steps (overrides the config).")]
+Until = Annotated[
+    int | None,
+    typer.Option("--until", help="Stop cleanly at this step of the schedule (status interrupted)."),
+]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")]
+Fresh = Annotated[
+    bool, typer.Option("--fresh", help="Start over, dropping this stage's checkpoints.")
+]
+Profile = Annotated[
+    str | None,
+    typer.Option("--profile-steps", help="Write a jax.profiler trace of steps A:B to profiles/."),
+]
+
+
+@app.command("init-weights")
+@_guard
+def init_weights(ctx: typer.Context) -> None:
+    """Seeded, sharded init of the target, the components (V/U), CI functions and sources."""
+    from pdctl.stages import init_weights as stage
+
+    out = stage.run(_stage_project(ctx))
+    total = sum(out["compile_s"].values())
+    console.print(
+        f"init_weights: done ({out['param_count']:,} target parameters, "
+        f"{len(out['sites'])} sites, {total:.2f} s compiling)"
+    )
+
+
+@app.command()
+@_guard
+def pretrain(
+    ctx: typer.Context,
+    steps: Steps = None,
+    until: Until = None,
+    resume: Resume = False,
+    fresh: Fresh = False,
+    profile_steps: Profile = None,
+) -> None:
+    """Train the target model (AdamW + schedule from [pretrain])."""
+    from pdctl.stages import pretrain as stage
+
+    profile = _parse_range(profile_steps, "--profile-steps")
+    result = stage.run(_stage_project(ctx), steps=steps, until=until, resume=resume,
+                       fresh=fresh, profile=profile)
+    _done_line("pretrain", result)
 
 
 def main() -> None:

@@ -69,7 +69,9 @@ class LlamaTarget(Section):
     @model_validator(mode="after")
     def _heads_divide(self) -> LlamaTarget:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("d_model / n_heads must be even for RoPE")
         return self
@@ -248,7 +250,8 @@ class Config(Section):
 
 
 # Which config tables each stage's result depends on (cumulative: a stage is stale when anything
-# upstream of it changed). Mesh, tracking, checkpoint cadence and compile cache do not change results.
+# upstream of it changed). Mesh, tracking, checkpoint cadence and compile cache do not change
+# results.
 _STAGE_DEPS = {
     "init_weights": ("run", "target", "data", "decomp", "precision"),
     "pretrain": ("pretrain",),
@@ -285,8 +288,20 @@ def _format_error(err: ValidationError) -> str:
         msg = "unknown key"
     elif first["type"] in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
         msg = msg.replace("Input should be", "must be")
-    if first["type"] != "extra_forbidden" and "input" in first and not isinstance(
-        first["input"], dict
+    elif first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        # A discriminated union ([target]): name the tag key, not just the table.
+        ctx = first.get("ctx", {})
+        tag = ctx.get("discriminator", "'kind'").strip("'")
+        loc = f"{loc}.{tag}"
+        tags = ", ".join(t.strip(" '") for t in ctx.get("expected_tags", "").split(","))
+        if first["type"] == "union_tag_not_found":
+            msg = f"missing; choose one of {tags or 'tms, resid_mlp, llama_mlp'}"
+        else:
+            msg = f"must be one of {tags}, got {first['input'].get(tag)!r}"
+    if (
+        first["type"] != "extra_forbidden"
+        and "input" in first
+        and not isinstance(first["input"], dict)
     ):
         msg += f", got {first['input']!r}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -303,7 +318,11 @@ def parse_config(raw: dict[str, Any]) -> Config:
     raw = {k: v for k, v in raw.items() if k != "state"}
     schema = raw.get("schema")
     if schema is None:
-        raise PdctlError(f"schema: missing; add `schema = {SCHEMA_VERSION}` at the top of pdctl.toml")
+        raise PdctlError(
+            f"schema: missing; add `schema = {SCHEMA_VERSION}` at the top of pdctl.toml"
+        )
+    if type(schema) is not int:
+        raise PdctlError(f"schema: must be an integer (schema = {SCHEMA_VERSION}), got {schema!r}")
     if schema != SCHEMA_VERSION:
         raise PdctlError(
             f"schema: unsupported version {schema!r}; this pdctl reads schema {SCHEMA_VERSION}"
@@ -323,9 +342,13 @@ def _check_cross_fields(cfg: Config) -> None:
             raise PdctlError(f"decomp.sites.{i}.pattern: {site.pattern!r} is listed twice")
         seen.add(site.pattern)
     if cfg.target.kind != "llama_mlp" and cfg.train.ppgd.scope == "position":
-        raise PdctlError("train.ppgd.scope: 'position' needs a sequence model (target.kind = llama_mlp)")
+        raise PdctlError(
+            "train.ppgd.scope: 'position' needs a sequence model (target.kind = llama_mlp)"
+        )
     if cfg.target.kind != "llama_mlp" and cfg.train.loss.output == "kl":
-        raise PdctlError("train.loss.output: 'kl' needs logits (target.kind = llama_mlp); use 'mse'")
+        raise PdctlError(
+            "train.loss.output: 'kl' needs logits (target.kind = llama_mlp); use 'mse'"
+        )
 
 
 def match_sites(cfg: Config, site_paths: list[str]) -> dict[str, int]:

@@ -92,7 +92,9 @@ def find_project_file(start: Path | None = None, explicit: Path | None = None) -
         if p.is_dir():
             p = p / PROJECT_FILE
         if not p.is_file():
-            raise PdctlError(f"--project: no {PROJECT_FILE} at {p}; create one with `pdctl new NAME`")
+            raise PdctlError(
+                f"--project: no {PROJECT_FILE} at {p}; create one with `pdctl new NAME`"
+            )
         return p.resolve()
     here = (start or Path.cwd()).resolve()
     for d in (here, *here.parents):
@@ -149,9 +151,14 @@ class Project:
                     "move your tables above them"
                 )
         state = raw.get("state", {})
+        if not isinstance(state, dict):
+            raise PdctlError(f"{path.name}: `state` must be [state.<stage>] tables")
         unknown = sorted(set(state) - set(STAGES))
         if unknown:
             raise PdctlError(f"state.{unknown[0]}: unknown stage (stages: {', '.join(STAGES)})")
+        for name, st in state.items():
+            if not isinstance(st, dict):
+                raise PdctlError(f"state.{name}: must be a table ([state.{name}])")
         config = parse_config(user_raw)
         return cls(path, text, config, {k: dict(v) for k, v in state.items()})
 

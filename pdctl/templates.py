@@ -30,7 +30,7 @@ def available() -> dict[str, str]:
     for d in sorted(templates_root().iterdir()):
         f = d / PROJECT_FILE
         if f.is_file():
-            first = f.read_text().splitlines()[0]
+            first = f.read_text(encoding="utf-8").splitlines()[0]
             out[d.name] = first.lstrip("# ").strip()
     return out
 
@@ -39,7 +39,9 @@ def create_run(name: str, template: str, parent: Path) -> Path:
     """Scaffold `parent/name/` from a template; refuses anything that could lose data."""
     names = available()
     if template not in names:
-        raise PdctlError(f"--template: unknown template {template!r} (choose from {', '.join(names)})")
+        raise PdctlError(
+            f"--template: unknown template {template!r} (choose from {', '.join(names)})"
+        )
     if not _NAME.match(name) or name in (".", ".."):
         raise PdctlError(
             f"NAME: {name!r} is not a plain directory name (letters, digits, '.', '_', '-'; no '/')"
@@ -48,10 +50,13 @@ def create_run(name: str, template: str, parent: Path) -> Path:
     if run.exists() and (not run.is_dir() or any(run.iterdir())):
         raise PdctlError(f"NAME: {run} already exists and is not empty; pick another name")
     src = templates_root() / template
-    toml_text = (src / PROJECT_FILE).read_text()
-    readme = string.Template((src / "README.md").read_text()).safe_substitute(name=name)
-    Project.from_text(run / PROJECT_FILE, toml_text)  # a template must always be valid
+    # Bytes, not text: the run's pdctl.toml is the template byte for byte (no locale, no newline
+    # translation).
+    toml_bytes = (src / PROJECT_FILE).read_bytes()
+    readme = string.Template((src / "README.md").read_text(encoding="utf-8"))
+    readme = readme.safe_substitute(name=name)
+    Project.from_text(run / PROJECT_FILE, toml_bytes.decode("utf-8"))  # a template must be valid
     run.mkdir(parents=True, exist_ok=True)
-    (run / PROJECT_FILE).write_text(toml_text)
-    (run / "README.md").write_text(readme)
+    (run / PROJECT_FILE).write_bytes(toml_bytes)
+    (run / "README.md").write_text(readme, encoding="utf-8")
     return run

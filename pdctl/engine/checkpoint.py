@@ -1,0 +1,68 @@
+"""Checkpoints: one orbax CheckpointManager per stage, async saves, sharded restore.
+
+A checkpoint holds the state pytree (`StandardSave`) and a small JSON record (`meta`: data
+iterator state, wandb id, ...). Restores go straight into abstract arrays that carry the target
+shardings (never a concrete host copy first), so a checkpoint written on one mesh restores onto
+another; `rematerialize` then makes the restored tree donatable (jax issue 18617).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, keep: int, *, async_save: bool = True):
+        self.directory = Path(directory).resolve()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            create=True,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )
+        self._mgr = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
+        """Each top-level key of `state` is its own item, so a later stage can restore just one
+        (warmup reads pretrain's `params` without its optimizer state)."""
+        items = {k: ocp.args.StandardSave(v) for k, v in state.items()}
+        args = ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta or {}))
+        self._mgr.save(step, args=args, force=True)
+
+    def wait(self) -> None:
+        self._mgr.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        """The newest *complete* checkpoint (orbax ignores unfinished ones)."""
+        self._mgr.reload()
+        return self._mgr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self._mgr.reload()
+        return list(self._mgr.all_steps())
+
+    def restore(
+        self, step: int, abstract: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore the items named in `abstract` (ShapeDtypeStructs with shardings)."""
+        items = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
+        out = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
+        return {k: out[k] for k in abstract}, dict(out["meta"] or {})
+
+    def close(self) -> None:
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+
+def rematerialize(tree: Any, shardings: Any) -> Any:
+    """Re-create `tree` as outputs of an identity jit pinned to `shardings`.
+
+    Arrays restored by orbax are not reliably donatable; fresh jit outputs are."""
+    return jax.jit(lambda t: t, out_shardings=shardings)(tree)

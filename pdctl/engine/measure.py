@@ -1,0 +1,42 @@
+"""Throughput and MFU: peak FLOP/s by device kind (dense bf16, per chip), overridable in
+`[measure] peak_tflops`. FLOPs per step come from XLA's `compiled.cost_analysis()` of the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Vendor datasheet dense (no sparsity) bf16 peak, TFLOP/s per device.
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L4": 121.0,
+    "A10G": 125.0,
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v6 lite": 918.0,
+}
+
+
+def peak_flops_per_device(device: Any, override_tflops: float = 0.0) -> float | None:
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    kind = getattr(device, "device_kind", "")
+    for name, tflops in PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tflops * 1e12
+    return None
+
+
+def memory_stats() -> dict[str, int]:
+    """Per-device bytes in use / peak where the backend reports them (GPU/TPU; not CPU)."""
+    import jax
+
+    out = {}
+    for d in jax.local_devices():
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if stats:
+            out[f"{d.id}"] = int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+    return out

@@ -1,0 +1,145 @@
+"""The device mesh and every PartitionSpec rule, in one place.
+
+Mesh axes are ('data', 'fsdp'). Specs are derived once from abstract shapes (`jax.eval_shape`):
+- decomposition factors shard over their component axis: `...V` (d_in, C) as P(None, 'fsdp'),
+  `...U` (C, d_out) as P('fsdp', None) (when C divides);
+- any other array with at least `fsdp_min_param_size` elements shards its largest dimension that
+  the fsdp axis divides; smaller arrays stay replicated.
+The rule depends only on a leaf's path suffix and shape, so optimizer state (whose Adam moments
+mirror the parameter tree) inherits the parameter specs when the rule is applied to `tx.init`'s
+abstract output. Batches shard their leading axis over ('data', 'fsdp').
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdctl.errors import PdctlError
+
+AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp")
+
+
+def resolve_mesh_shape(data: int, fsdp: int, n_devices: int) -> tuple[int, int]:
+    """Fill in the -1 axis; a mesh that does not fit the devices is a config error."""
+    if data == -1:
+        if n_devices % fsdp:
+            raise PdctlError(
+                f"mesh.fsdp: {fsdp} does not divide the {n_devices} available devices"
+            )
+        data = n_devices // fsdp
+    elif fsdp == -1:
+        if n_devices % data:
+            raise PdctlError(
+                f"mesh.data: {data} does not divide the {n_devices} available devices"
+            )
+        fsdp = n_devices // data
+    if data * fsdp != n_devices:
+        raise PdctlError(
+            f"mesh: data={data} x fsdp={fsdp} = {data * fsdp} devices, but {n_devices} are "
+            f"available; set mesh.data = -1 to use them all"
+        )
+    return data, fsdp
+
+
+def make_mesh(data: int, fsdp: int, devices: list[Any] | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    data, fsdp = resolve_mesh_shape(data, fsdp, len(devices))
+    if devices == list(jax.devices()) and jax.process_count() > 1:
+        # Multi-host: let JAX order devices so that collectives stay within hosts where possible.
+        from jax.experimental import mesh_utils
+
+        arr = mesh_utils.create_device_mesh((data, fsdp), devices=devices)
+    else:
+        arr = np.array(devices).reshape(data, fsdp)
+    return Mesh(arr, AXES)
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """A pytree key path as a dotted string: ('layers', '0', 'mlp', 'up') -> 'layers.0.mlp.up'."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def spec_for(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> P:
+    """The PartitionSpec of one array, from its path and shape."""
+    if fsdp == 1 or len(shape) == 0:
+        return P()
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf == "V" and len(shape) == 2:
+        return P(None, "fsdp") if shape[1] % fsdp == 0 else P()
+    if leaf == "U" and len(shape) == 2:
+        return P("fsdp", None) if shape[0] % fsdp == 0 else P()
+    if int(np.prod(shape)) < min_size:
+        return P()
+    # Largest dimension the axis divides; ties go to the leading one.
+    order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+    for i in order:
+        if shape[i] % fsdp == 0:
+            spec = [None] * len(shape)
+            spec[i] = "fsdp"
+            return P(*spec)
+    return P()
+
+
+def tree_specs(abstract: Any, mesh: Mesh, min_size: int) -> Any:
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: spec_for(path_str(p), tuple(x.shape), fsdp, min_size), abstract
+    )
+
+
+def tree_shardings(abstract: Any, mesh: Mesh, min_size: int) -> Any:
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        tree_specs(abstract, mesh, min_size),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def batch_shards(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch_divides(batch_size: int, mesh: Mesh, key: str) -> None:
+    n = batch_shards(mesh)
+    if batch_size % n:
+        raise PdctlError(
+            f"{key}: {batch_size} is not divisible by the {n} devices of the mesh "
+            f"(data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']})"
+        )
+
+
+def abstract_with_shardings(abstract: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs carrying their target sharding (what orbax restores into)."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
+
+
+def describe_mesh(mesh: Mesh) -> dict[str, int]:
+    return {"data": int(mesh.shape["data"]), "fsdp": int(mesh.shape["fsdp"])}

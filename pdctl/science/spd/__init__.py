@@ -1,0 +1,1 @@
+"""Stochastic Parameter Decomposition: components, CI functions, masks, losses, evaluation."""

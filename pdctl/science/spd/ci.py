@@ -1,0 +1,124 @@
+"""Causal importance: the CI functions and the two squashings of their logits.
+
+`ci_lower` (lower-leaky) feeds every mask; `ci_upper` (upper-leaky) feeds importance
+minimality only. Both are squashings of the same logits `z`.
+"""
+
+from collections.abc import Mapping
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from pdctl.science.spd.components import expand_left
+
+Array = jax.Array
+ALPHA = 0.01
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _lower_leaky(z: Array, alpha: float) -> Array:
+    return jnp.clip(z, 0.0, 1.0)
+
+
+def _lower_leaky_fwd(z: Array, alpha: float) -> tuple[Array, Array]:
+    return jnp.clip(z, 0.0, 1.0), z
+
+
+def _lower_leaky_bwd(alpha: float, z: Array, g: Array) -> tuple[Array]:
+    # Nested `where` with `<=` boundaries, so z == 0 takes the leaky branch (as the references
+    # do). Below 0 only a negative cotangent leaks: gradient descent then raises z, which lets a
+    # dead component come back; a positive one would only push z further down.
+    zero = jnp.zeros_like(g)
+    leak = jnp.where(g < 0, alpha * g, zero)
+    return (jnp.where(z <= 0, leak, jnp.where(z <= 1, g, zero)),)
+
+
+_lower_leaky.defvjp(_lower_leaky_fwd, _lower_leaky_bwd)
+
+
+def lower_leaky(z: Array, alpha: float = ALPHA) -> Array:
+    """Forward `clip(z, 0, 1)`; backward passes g on 0 < z <= 1, alpha*g on z <= 0 only where
+    g < 0, and 0 on z > 1."""
+    return _lower_leaky(z, alpha)
+
+
+def upper_leaky(z: Array, alpha: float = ALPHA) -> Array:
+    """`z > 1 ? 1 + alpha * (z - 1) : clip(z, 0, 1)`, ordinary autodiff."""
+    return jnp.where(z > 1, 1 + alpha * (z - 1), jnp.clip(z, 0.0, 1.0))
+
+
+def hard(z: Array) -> Array:
+    """Plain `clip(z, 0, 1)` (both squashings when `decomp.sigmoid = "hard"`)."""
+    return jnp.clip(z, 0.0, 1.0)
+
+
+def squash(z: Array, sigmoid: str) -> tuple[Array, Array]:
+    """(ci_lower, ci_upper) from logits."""
+    if sigmoid == "leaky_hard":
+        return lower_leaky(z), upper_leaky(z)
+    if sigmoid == "hard":
+        return hard(z), hard(z)
+    raise ValueError(f"unknown sigmoid {sigmoid!r}")
+
+
+def _gelu(a: Array) -> Array:
+    # Exact (erf) GELU, as torch's nn.GELU() in the reference CI functions.
+    return jax.nn.gelu(a, approximate=False)
+
+
+def ci_fn_apply(
+    kind: str, params: Mapping[str, Mapping[str, Array]], x_in: Array, h: Array
+) -> Array:
+    """CI logits z (..., C) for one site.
+
+    `x_in` (..., d_in) is the site input, `h` (..., C) = x_in @ V the component activations
+    (only `mlp` uses h, the others only x_in)."""
+    n_layers = len(params)
+    if kind == "shared_mlp":
+        a = x_in.astype(jnp.float32)
+        for i in range(n_layers):
+            layer = params[str(i)]
+            a = a @ layer["W"] + expand_left(layer["b"], a.ndim)
+            if i < n_layers - 1:
+                a = _gelu(a)
+        return a
+    if kind == "mlp":
+        a = h.astype(jnp.float32)[..., None]  # (..., C, 1)
+        first = 0
+    elif kind == "vector_mlp":
+        layer = params["0"]
+        a = jnp.einsum("...i,cio->...co", x_in.astype(jnp.float32), layer["W"])
+        a = a + expand_left(layer["b"], a.ndim)
+        if n_layers > 1:
+            a = _gelu(a)
+        first = 1
+    else:
+        raise ValueError(f"unknown CI function type {kind!r}")
+    for i in range(first, n_layers):
+        layer = params[str(i)]
+        a = jnp.einsum("...ci,cio->...co", a, layer["W"]) + expand_left(layer["b"], a.ndim)
+        if i < n_layers - 1:
+            a = _gelu(a)
+    return a[..., 0]
+
+
+def compute_ci(
+    components: Mapping[str, Mapping[str, Array]],
+    ci_fns: Mapping[str, Mapping[str, Mapping[str, Array]]],
+    site_inputs: Mapping[str, Array],
+    kind: str,
+    sigmoid: str,
+) -> tuple[dict[str, Array], dict[str, Array]]:
+    """(ci_lower, ci_upper) per site in `site_inputs`, each (..., C) float32.
+
+    For `mlp` the CI input h = x @ V is not detached from V (as in goodfire-ai/spd, whose
+    `calc_causal_importances` defaults to `detach_inputs=False`)."""
+    ci_lower: dict[str, Array] = {}
+    ci_upper: dict[str, Array] = {}
+    for path, x_in in site_inputs.items():
+        V = components[path]["V"]
+        h = x_in.astype(V.dtype) @ V
+        z = ci_fn_apply(kind, ci_fns[path], x_in, h)
+        ci_lower[path], ci_upper[path] = squash(z, sigmoid)
+    return ci_lower, ci_upper

@@ -1,0 +1,163 @@
+"""Decomposition parameters: per-site components, CI-function weights, PPGD sources.
+
+Layout (plain nested dicts keyed by the target's dotted site path):
+  components = {path: {"V": (d_in, C), "U": (C, d_out)}}
+  ci_fns     = {path: {"0": {"W": ..., "b": ...}, "1": {...}, ...}}   (layers in order)
+  sources    = {path: (C + 1,) or (seq_len, C + 1)}                   (last entry: delta)
+
+Every per-site init function is a pure function of one raw uint32 key with no Python branching
+on key values, so the engine can `vmap` it over a stack of same-shaped sites and get the same
+bits as `init_decomposition_reference`, the per-site loop below.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Components = dict[str, dict[str, Array]]
+CiParams = dict[str, dict[str, Array]]
+CI_KINDS = ("mlp", "vector_mlp", "shared_mlp")
+
+
+def init_site_components(
+    key: Array, d_in: int, d_out: int, C: int, dtype: jnp.dtype = jnp.float32
+) -> dict[str, Array]:
+    """V ~ N(0, 1/d_in), U ~ N(0, 1/C) (variances), drawn in float32 then cast."""
+    k_v, k_u = jax.random.split(key)
+    V = jax.random.normal(k_v, (d_in, C), jnp.float32) * (1.0 / d_in**0.5)
+    U = jax.random.normal(k_u, (C, d_out), jnp.float32) * (1.0 / C**0.5)
+    return {"V": V.astype(dtype), "U": U.astype(dtype)}
+
+
+def ci_layer_dims(kind: str, d_in: int, C: int, hidden: Sequence[int]) -> list[int]:
+    """Widths from input to output of one CI MLP (per component for mlp / vector_mlp)."""
+    if kind == "mlp":
+        return [1, *hidden, 1]
+    if kind == "vector_mlp":
+        return [d_in, *hidden, 1]
+    if kind == "shared_mlp":
+        return [d_in, *hidden, C]
+    raise ValueError(f"unknown CI function type {kind!r}; expected one of {CI_KINDS}")
+
+
+def init_ci_fn(key: Array, kind: str, d_in: int, C: int, hidden: Sequence[int]) -> CiParams:
+    """Weights of one site's CI function, float32.
+
+    Hidden layers: N(0, 2/fan_in) (Kaiming, ReLU gain, as the references do even though the
+    nonlinearity is GELU); the output layer: N(0, 1/fan_in); biases zero. `mlp` and
+    `vector_mlp` stack C independent MLPs along a leading axis: W (C, fan_in, fan_out),
+    b (C, fan_out). `shared_mlp` is one MLP: W (fan_in, fan_out), b (fan_out,).
+    """
+    dims = ci_layer_dims(kind, d_in, C, hidden)
+    n_layers = len(dims) - 1
+    stacked = (C,) if kind in ("mlp", "vector_mlp") else ()
+    keys = jax.random.split(key, n_layers)
+    params: CiParams = {}
+    for i in range(n_layers):
+        fan_in, fan_out = dims[i], dims[i + 1]
+        gain = 2.0 if i < n_layers - 1 else 1.0
+        std = (gain / fan_in) ** 0.5
+        W = jax.random.normal(keys[i], (*stacked, fan_in, fan_out), jnp.float32) * std
+        params[str(i)] = {"W": W, "b": jnp.zeros((*stacked, fan_out), jnp.float32)}
+    return params
+
+
+def init_source(key: Array, shape: tuple[int, ...]) -> Array:
+    """PPGD source, U[0, 1) per entry, float32."""
+    return jax.random.uniform(key, shape, jnp.float32)
+
+
+def _raw_key(key: Array) -> Array:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
+def site_keys(key: Array, n_sites: int) -> tuple[Array, Array, Array]:
+    """THE key-derivation rule for decomposition init.
+
+    `key` is split into three streams (components, CI functions, sources); site i (its index
+    in the target's forward order, restricted to decomposed sites) gets `fold_in(stream, i)`.
+    Returns three raw uint32 key stacks of shape (n_sites, 2) (for the default threefry impl).
+    Adding a site at the end therefore leaves the other sites' values unchanged.
+    """
+    streams = jax.random.split(_raw_key(key), 3)
+    idx = jnp.arange(n_sites, dtype=jnp.uint32)
+
+    def derive(stream: Array) -> Array:
+        if n_sites == 0:
+            return jnp.zeros((0, *stream.shape), stream.dtype)
+        return jax.vmap(lambda i: jax.random.fold_in(stream, i))(idx)
+
+    return derive(streams[0]), derive(streams[1]), derive(streams[2])
+
+
+def init_decomposition_reference(
+    key: Array,
+    sites: Mapping[str, tuple[int, int, int]],
+    ci_kind: str,
+    hidden: Sequence[int],
+    source_shape: Callable[[int], tuple[int, ...]],
+    dtype: jnp.dtype = jnp.float32,
+) -> tuple[Components, dict[str, CiParams], dict[str, Array]]:
+    """The straightforward per-site init: `sites` is {path: (d_in, d_out, C)} in forward order,
+    `source_shape(C)` the shape of that site's source (e.g. `lambda C: (C + 1,)`).
+
+    The engine's grouped/vmapped init must reproduce these values bit for bit."""
+    comp_keys, ci_keys, src_keys = site_keys(key, len(sites))
+    components: Components = {}
+    ci_fns: dict[str, CiParams] = {}
+    sources: dict[str, Array] = {}
+    for i, (path, (d_in, d_out, C)) in enumerate(sites.items()):
+        components[path] = init_site_components(comp_keys[i], d_in, d_out, C, dtype)
+        ci_fns[path] = init_ci_fn(ci_keys[i], ci_kind, d_in, C, hidden)
+        sources[path] = init_source(src_keys[i], source_shape(C))
+    return components, ci_fns, sources
+
+
+def expand_left(a: Array, ndim: int) -> Array:
+    """Prepend singleton axes so `a` has rank `ndim` (explicit, so code stays valid under
+    `jax_numpy_rank_promotion="raise"`)."""
+    a = jnp.asarray(a)
+    return a.reshape((1,) * (ndim - a.ndim) + a.shape)
+
+
+def masked_site_fn(
+    W: Array, V: Array, U: Array, mask_C: Array, delta_mask: Array | None
+) -> Callable[[Array], Array]:
+    """The override for one site: `x -> ((x @ V) * m) @ U [+ m_delta * (x @ (W - V @ U))]`.
+
+    Computed in the components' dtype; the target casts the result back to its own."""
+
+    def fn(x_in: Array) -> Array:
+        x = x_in.astype(V.dtype)
+        inner = x @ V
+        out = (inner * expand_left(mask_C, inner.ndim).astype(V.dtype)) @ U
+        if delta_mask is not None:
+            delta_W = W.astype(V.dtype) - V @ U
+            dm = expand_left(jnp.asarray(delta_mask)[..., None], out.ndim).astype(V.dtype)
+            out = out + dm * (x @ delta_W)
+        return out
+
+    return fn
+
+
+def masked_overrides(
+    weights: Mapping[str, Array],
+    components: Mapping[str, Mapping[str, Array]],
+    masks: Mapping[str, Array],
+    delta_masks: Mapping[str, Array] | None,
+) -> dict[str, Callable[[Array], Array]]:
+    """Overrides for the sites in `masks` (other sites keep the target's own `x @ W`)."""
+    return {
+        path: masked_site_fn(
+            weights[path],
+            components[path]["V"],
+            components[path]["U"],
+            mask,
+            None if delta_masks is None else delta_masks[path],
+        )
+        for path, mask in masks.items()
+    }

@@ -1,0 +1,241 @@
+"""Evaluation of a decomposition: CI error against the toy ground truth, MMCS / ML2R, L0 and
+alive counts, and the LM's CE / KL under different masks.
+
+CI and masked forwards run under `jax.jit`; matching and reductions to Python floats happen on
+the host (numpy / scipy).
+"""
+
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from scipy.optimize import linear_sum_assignment
+
+from pdctl.config import Config
+from pdctl.science.spd.ci import compute_ci
+from pdctl.science.spd.losses import (
+    clean_forward,
+    kl_distance,
+    masked_forward,
+    stochastic_masks,
+)
+
+Array = jax.Array
+TOY_INPUT_MAGNITUDE = 0.75
+
+
+def _paths(target: Any, components: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(p for p in target.site_paths() if p in components)
+
+
+@lru_cache(maxsize=32)
+def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str):
+    def run(target_params, components, ci_fns, x):
+        _, site_inputs = clean_forward(target, target_params, x, paths)
+        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid)
+
+    return jax.jit(run)
+
+
+def compute_ci_jit(
+    target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, x: Array
+) -> tuple[dict[str, Array], dict[str, Array]]:
+    """(ci_lower, ci_upper) for the sites in `components`, under a cached jit."""
+    fn = _ci_fn(target, _paths(target, components), cfg.decomp.ci_fn.type, cfg.decomp.sigmoid)
+    return fn(target_params, components, ci_fns, x)
+
+
+def toy_ci_matrices(
+    target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config
+) -> dict[str, np.ndarray]:
+    """{site: (n_features, C)}: lower-leaky CI of each one-hot input of magnitude 0.75
+    (goodfire-ai/spd's `get_single_feature_causal_importances`)."""
+    n = target.n_features
+    x = TOY_INPUT_MAGNITUDE * jnp.eye(n, dtype=jnp.float32)
+    ci_lower, _ = compute_ci_jit(target, target_params, components, ci_fns, cfg, x)
+    return {p: np.asarray(v) for p, v in ci_lower.items()}
+
+
+def toy_ci_matrix(
+    target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, site: str
+) -> np.ndarray:
+    """(n_features, C) CI matrix of one site (see `toy_ci_matrices`)."""
+    return toy_ci_matrices(target, target_params, {site: components[site]}, ci_fns, cfg)[site]
+
+
+def ci_errors(ci_matrix: np.ndarray, tol: float = 0.1) -> int:
+    """CI errors against the identity pattern (one component per feature, up to permutation).
+
+    Features (rows) are matched to components (columns) by the Hungarian assignment maximising
+    the matched CI; errors = unmatched entries > tol plus matched entries < 1 - tol
+    (goodfire-ai/spd's `IdentityCIPattern.distance_from`). That reference assigns only the first
+    min(n, C) rows; with n <= C (every toy config) the two agree."""
+    ci = np.asarray(ci_matrix, dtype=np.float64)
+    rows, cols = linear_sum_assignment(-ci)
+    matched = np.zeros(ci.shape, dtype=bool)
+    matched[rows, cols] = True
+    off = int(np.sum(ci[~matched] > tol))
+    on = int(np.sum(ci[matched] < 1 - tol))
+    return off + on
+
+
+def dense_ci_errors(ci_matrix: np.ndarray, k: int, tol: float = 0.1) -> int:
+    """CI errors against a dense block of k always-co-firing components (ResidMLP `mlp_out`):
+    columns sorted by total CI; each of the first k lacking an entry >= 1 - tol counts 1, every
+    entry > tol in the other columns counts 1 (goodfire-ai/spd's `DenseCIPattern`, min_entries=1).
+    """
+    ci = np.asarray(ci_matrix, dtype=np.float64)
+    order = np.argsort(-ci.sum(axis=0), kind="stable")
+    ci = ci[:, order]
+    missing = np.maximum(1 - (ci[:, :k] >= 1 - tol).sum(axis=0), 0).sum()
+    extra = (ci[:, k:] > tol).sum()
+    return int(missing + extra)
+
+
+def mmcs_and_ml2r(
+    W: Array | np.ndarray, V: Array | np.ndarray, U: Array | np.ndarray, per: str = "in"
+) -> tuple[float, float]:
+    """Mean-max cosine similarity and mean L2 ratio between the target and rank-one components.
+
+    per="in": for each row i of W (an input dimension; for TMS `linear1` a feature), compare
+    W[i, :] with every component's row V[i, c] * U[c, :]; take the best cosine (signed), and
+    the norm ratio ||V[i, c*] U[c*, :]|| / ||W[i, :]|| of that best component; average over i.
+    per="out" does the same for the columns of W (for TMS `linear2`, W = W1.T, a feature is a
+    column). This is goodfire-ai/spd's `TMSAnalyzer.compute_cosine_similarities` (per feature).
+    """
+    W, V, U = (np.asarray(a, dtype=np.float64) for a in (W, V, U))
+    if per == "out":
+        W, V, U = W.T, U.T, V.T
+    elif per != "in":
+        raise ValueError(f"per must be 'in' or 'out', got {per!r}")
+    eps = 1e-12
+    comp_CxIxO = V.T[:, :, None] * U[:, None, :]
+    comp_norm = np.linalg.norm(comp_CxIxO, axis=-1)
+    w_norm = np.linalg.norm(W, axis=-1)
+    cos_CxI = np.einsum("cio,io->ci", comp_CxIxO, W) / ((comp_norm + eps) * (w_norm + eps))
+    best_I = np.argmax(cos_CxI, axis=0)
+    idx = np.arange(W.shape[0])
+    mmcs = float(np.mean(cos_CxI[best_I, idx]))
+    ml2r = float(np.mean(comp_norm[best_I, idx] / (w_norm + eps)))
+    return mmcs, ml2r
+
+
+def l0(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
+    """Per site: mean over examples/positions of the number of components with ci > threshold."""
+    return {
+        p: jnp.mean(jnp.sum((ci > threshold).astype(jnp.float32), axis=-1))
+        for p, ci in ci_lower.items()
+    }
+
+
+def alive(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
+    """Per site: (C,) bool, the component's ci exceeds threshold on at least one example or
+    position of the batch."""
+    return {
+        p: jnp.any(ci > threshold, axis=tuple(range(ci.ndim - 1))) for p, ci in ci_lower.items()
+    }
+
+
+def ci_stats(
+    target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, x: Array
+) -> dict[str, float]:
+    """`l0/<site>` and `alive/<site>` (number of alive components) on one eval batch."""
+    ci_lower, _ = compute_ci_jit(target, target_params, components, ci_fns, cfg, x)
+    thr = cfg.decomp.ci_threshold
+    out: dict[str, float] = {}
+    for p, v in l0(ci_lower, thr).items():
+        out[f"l0/{p}"] = float(v)
+    for p, v in alive(ci_lower, thr).items():
+        out[f"alive/{p}"] = float(np.sum(np.asarray(v)))
+    return out
+
+
+def toy_eval(
+    target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, tol: float = 0.1
+) -> dict[str, float]:
+    """`ci_error/<site>` and `ci_error/total` against the ground-truth CI pattern: identity for
+    every site, except ResidMLP `mlp_out` sites, whose expected pattern is a dense block of d_mlp
+    co-firing components. For TMS also `mmcs/<site>` and `ml2r/<site>`, per feature: rows of
+    `linear1`, columns of `linear2` (hidden layers: per row)."""
+    mats = toy_ci_matrices(target, target_params, components, ci_fns, cfg)
+    weights = target.site_weights(target_params)
+    out: dict[str, float] = {}
+    total = 0
+    for p, m in mats.items():
+        if target.kind == "resid_mlp" and p.endswith("mlp_out"):
+            errors = dense_ci_errors(m, target.d_mlp, tol)
+        else:
+            errors = ci_errors(m, tol)
+        out[f"ci_error/{p}"] = float(errors)
+        total += errors
+        if target.kind == "tms":
+            per = "out" if p == "linear2" else "in"
+            mmcs, ml2r = mmcs_and_ml2r(weights[p], components[p]["V"], components[p]["U"], per)
+            out[f"mmcs/{p}"], out[f"ml2r/{p}"] = mmcs, ml2r
+    out["ci_error/total"] = float(total)
+    return out
+
+
+@lru_cache(maxsize=8)
+def _lm_eval_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sampling: str):
+    def ce(logits: Array, labels: Array) -> Array:
+        return jnp.mean(
+            optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+        )
+
+    def run(target_params, components, ci_fns, x, labels, key):
+        weights = target.site_weights(target_params)
+        clean, site_inputs = clean_forward(target, target_params, x, paths)
+        ci_lower, _ = compute_ci(components, ci_fns, site_inputs, kind, sigmoid)
+        stoch, _ = stochastic_masks(key, ci_lower, sampling, delta=False)
+        mask_sets = {
+            "ci_masked": ci_lower,
+            "stoch_masked": stoch,
+            "unmasked": {p: jnp.ones_like(c) for p, c in ci_lower.items()},
+            "zero_masked": {p: jnp.zeros_like(c) for p, c in ci_lower.items()},
+        }
+        out = {"ce/target": ce(clean, labels)}
+        for name, masks in mask_sets.items():
+            logits = masked_forward(target, target_params, weights, components, x, masks, None)
+            out[f"ce/{name}"] = ce(logits, labels)
+            out[f"kl/{name}"] = kl_distance(logits, clean)
+        return out
+
+    return jax.jit(run)
+
+
+def lm_eval(
+    target: Any,
+    target_params: Any,
+    components: Any,
+    ci_fns: Any,
+    cfg: Config,
+    batch: Mapping[str, Array],
+    key: Array,
+) -> dict[str, float]:
+    """CE (vs the next tokens) and KL (vs the target) of the CI-masked, stochastic-masked,
+    unmasked and zero-masked models on one token batch, without the delta component (as
+    goodfire-ai/spd's `CEandKLLosses`). Also `ce_difference/<kind>` = ce - ce/target and
+    `ce_unrecovered/<kind>` = (ce - ce/target) / (ce/zero_masked - ce/target)."""
+    x = target.inputs(batch)
+    labels = batch["tokens"][:, 1:]
+    fn = _lm_eval_fn(
+        target,
+        _paths(target, components),
+        cfg.decomp.ci_fn.type,
+        cfg.decomp.sigmoid,
+        cfg.decomp.sampling,
+    )
+    raw = {k: float(v) for k, v in fn(target_params, components, ci_fns, x, labels, key).items()}
+    out = dict(raw)
+    ce_t, ce_zero = raw["ce/target"], raw["ce/zero_masked"]
+    for name in ("ci_masked", "stoch_masked", "unmasked"):
+        diff = raw[f"ce/{name}"] - ce_t
+        out[f"ce_difference/{name}"] = diff
+        denom = ce_zero - ce_t
+        out[f"ce_unrecovered/{name}"] = diff / denom if denom != 0 else float("nan")
+    return out

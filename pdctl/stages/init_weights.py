@@ -1,0 +1,112 @@
+"""`pdctl init-weights`: seeded, sharded init of the target and the decomposition.
+
+The target is born sharded (`jit(init, out_shardings=...)`). V/U, the CI functions and the PPGD
+sources are initialised with few outputs under jit (`engine.init.grouped_init`), bit-identical
+to the per-site reference init. Everything is saved as the `init_weights` checkpoint (step 0).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+
+from pdctl.config import Config, match_sites
+from pdctl.engine import sharding
+from pdctl.engine.init import grouped_init
+from pdctl.project import Project
+from pdctl.science.spd import components as comps
+from pdctl.science.targets import Target
+from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, StageEnv, stream_key
+
+
+def source_shape(cfg: Config, C: int) -> tuple[int, ...]:
+    n = C + 1 if cfg.decomp.delta_component else C
+    return (cfg.data.seq_len, n) if cfg.train.ppgd.scope == "position" else (n,)
+
+
+def decomposed_sites(cfg: Config, target: Target) -> dict[str, tuple[int, int, int]]:
+    """{path: (d_in, d_out, C)} of the configured sites, in the target's forward order."""
+    shapes = target.site_shapes()
+    return {p: (*shapes[p], C) for p, C in match_sites(cfg, target.site_paths()).items()}
+
+
+def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str, Any], dict]:
+    """{"components", "ci_fns", "sources"} and the compile seconds of each init jit."""
+    sites = decomposed_sites(cfg, target)
+    names = list(sites)
+    comp_keys, ci_keys, src_keys = comps.site_keys(key, len(names))
+    fsdp = mesh.shape["fsdp"]
+    spec_fn = partial(sharding.spec_for, fsdp=fsdp, min_size=cfg.mesh.fsdp_min_param_size)
+    dtype = jax.numpy.dtype(cfg.precision.param_dtype)
+    hidden = tuple(cfg.decomp.ci_fn.hidden)
+    kind = cfg.decomp.ci_fn.type
+    out, compile_s = {}, {}
+    out["components"], t = grouped_init(
+        partial(_components, dtype=dtype), names, [sites[n] for n in names], comp_keys, mesh,
+        spec_fn,
+    )
+    compile_s.update({f"components_{k}": v for k, v in t.items()})
+    out["ci_fns"], t = grouped_init(
+        comps.init_ci_fn, names, [(kind, sites[n][0], sites[n][2], hidden) for n in names],
+        ci_keys, mesh, spec_fn,
+    )
+    compile_s.update({f"ci_fns_{k}": v for k, v in t.items()})
+    out["sources"], t = grouped_init(
+        comps.init_source, names, [(source_shape(cfg, sites[n][2]),) for n in names], src_keys,
+        mesh, spec_fn,
+    )
+    compile_s.update({f"sources_{k}": v for k, v in t.items()})
+    return out, compile_s
+
+
+def _components(key, d_in, d_out, C, *, dtype):
+    return comps.init_site_components(key, d_in, d_out, C, dtype)
+
+
+def _nbytes(tree: Any) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def run(project: Project) -> dict[str, Any]:
+    env = StageEnv.open(project, "init_weights")
+    cfg = env.cfg
+    # Validate the decomposition config before anything is written.
+    sites = decomposed_sites(cfg, env.target)
+    env.begin(fresh=True, seed=cfg.run.seed)
+    t_start = time.perf_counter()
+    key = stream_key(cfg, STREAM_TARGET)
+    abstract = jax.eval_shape(env.target.init, key)
+    t0 = time.perf_counter()
+    init_c = jax.jit(env.target.init, out_shardings=env.shardings(abstract)).lower(key).compile()
+    compile_s = {"target": time.perf_counter() - t0}
+    items: dict[str, Any] = {"target": init_c(key)}
+    if sites:
+        decomp, t = init_decomposition(cfg, env.target, env.mesh, stream_key(cfg, STREAM_DECOMP))
+        compile_s.update(t)
+        items.update(decomp)
+    ckpt = env.checkpointer()
+    ckpt.save(0, items, {"step": 0})
+    ckpt.wait()
+    ckpt.close()
+    shapes = {
+        k: {sharding.path_str(p): list(x.shape)
+            for p, x in jax.tree_util.tree_leaves_with_path(v)}
+        for k, v in items.items()
+    }
+    fields = {
+        "status": "done",
+        "step": 0,
+        "checkpoint": 0,
+        "sites": {p: int(s[2]) for p, s in sites.items()},
+        "shapes": shapes,
+        "bytes": {k: _nbytes(v) for k, v in items.items()},
+        "compile_s": {k: round(v, 4) for k, v in compile_s.items()},
+        "wall_s": round(time.perf_counter() - t_start, 3),
+    }
+    env.on_state(**fields)
+    return {"items": items, **fields, "param_count": int(
+        sum(np.prod(x.shape) for x in jax.tree.leaves(items["target"])))}

@@ -1,0 +1,126 @@
+"""`pdctl pretrain`: train the target model. The step donates the whole state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from pdctl.engine import sharding
+from pdctl.engine.loop import Loop, LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.optim import adamw, schedule
+from pdctl.project import Project
+from pdctl.stages.common import (
+    STREAM_PRETRAIN,
+    STREAM_TARGET,
+    StageEnv,
+    peak_flops,
+    resume_point,
+    stream_key,
+    text_batches,
+)
+
+
+def make_step(target, tx, batch_size: int, batch_sharding):
+    """The pure pretrain step: (state, batch) -> (state, metrics)."""
+
+    def step(state: dict[str, Any], batch: Any):
+        loop = state["loop"]
+        if batch is None:  # toy data: a pure function of the step, generated on device
+            key = jax.random.fold_in(loop["rng"], loop["step"])
+            batch = jax.lax.with_sharding_constraint(
+                target.make_batch(key, batch_size), batch_sharding
+            )
+        (loss, aux), grads = jax.value_and_grad(target.loss, has_aux=True)(
+            state["params"], batch
+        )
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads)}
+        new = {"params": params, "opt_state": opt_state}
+        return guard_update(state, new, all_finite(loss, grads), metrics)
+
+    return step
+
+
+def build(env: StageEnv, total: int):
+    """(tx, abstract state, state shardings, make_state) of the pretrain stage."""
+    cfg, target = env.cfg, env.target
+    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+    tx = adamw(cfg.pretrain.optim, total, trainable=target.trainable_mask(abstract_params))
+    rng = stream_key(cfg, STREAM_PRETRAIN)
+
+    def make_state(params):
+        return {"params": params, "opt_state": tx.init(params), "loop": loop_counters(rng)}
+
+    abstract = jax.eval_shape(make_state, abstract_params)
+    return tx, abstract, env.shardings(abstract), make_state, abstract_params
+
+
+def run(project: Project, *, steps: int | None = None, until: int | None = None,
+        resume: bool = False, fresh: bool = False,
+        profile: tuple[int, int] | None = None) -> LoopResult:
+    env = StageEnv.open(project, "pretrain", requires=("init_weights",))
+    cfg, target = env.cfg, env.target
+    pc = cfg.pretrain
+    total = steps or pc.steps
+    sharding.check_batch_divides(pc.batch_size, env.mesh, "pretrain.batch_size")
+    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
+    tx, abstract, state_sh, make_state, abstract_params = build(env, total)
+    is_text = target.output_kind == "logits"
+    batch_sh = sharding.batch_sharding(env.mesh, 2 if is_text else 2)
+
+    if ckpt_step is None:
+        env.begin(fresh=True, steps=total)
+        items, _ = env.restore_items("init_weights", {"target": abstract_params})
+        state = jax.jit(make_state, out_shardings=state_sh)(items["target"])
+        start, data_state = 0, None
+    else:
+        env.begin(fresh=False, steps=total)
+        state, meta = env.restore_state(ckpt_step, abstract, state_sh)
+        start, data_state = int(meta["step"]), meta.get("data")
+
+    batches = None
+    if is_text:
+        batches = text_batches(env, pc.batch_size, seed=cfg.run.seed, state=data_state,
+                               sharding=batch_sh)
+    step_fn = jax.jit(
+        make_step(target, tx, pc.batch_size, batch_sh),
+        in_shardings=(state_sh, batch_sh if is_text else None),
+        out_shardings=(state_sh, None),
+        donate_argnums=(0,),
+    )
+    lr = schedule(pc.optim, total)
+    env_jsonl = env.jsonl()
+    env_jsonl.truncate_after(start)
+    tracker = env.tracker()
+    try:
+        result = Loop(
+            stage="pretrain",
+            step_fn=step_fn,
+            state=state,
+            total_steps=total,
+            start_step=start,
+            until=until,
+            checkpointer=env.checkpointer(),
+            on_state=env.on_state,
+            jsonl=env_jsonl,
+            tracker=tracker,
+            log_every=pc.log_every,
+            checkpoint_every=cfg.checkpoint.every,
+            batches=batches,
+            batches_state=batches.state if batches is not None else None,
+            max_bad_steps=pc.max_bad_steps,
+            examples_per_step=pc.batch_size,
+            tokens_per_step=pc.batch_size * target.n_tokens_per_example() if is_text else 0,
+            lr_fn=lambda s: {"lr": float(lr(s))},
+            peak_flops=peak_flops(cfg),
+            profile=profile,
+            profile_dir=project.profiles_dir / "pretrain",
+        ).run()
+    finally:
+        tracker.finish()
+        if batches is not None:
+            batches.close()
+    return result

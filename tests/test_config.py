@@ -1,0 +1,231 @@
+"""The schema in pdctl/config.py, the templates and pdctl.toml.example stay in step."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from pdctl.config import (
+    STAGES,
+    CiFnConfig,
+    Config,
+    LlamaTarget,
+    LossConfig,
+    OptimConfig,
+    PpgdConfig,
+    ResidMlpTarget,
+    SiteConfig,
+    TmsTarget,
+    fingerprint,
+    match_sites,
+    parse_config,
+)
+from pdctl.errors import PdctlError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "pdctl.toml.example"
+TEMPLATES = {"tms": "tms", "resid-mlp": "resid_mlp", "llama-mlp": "llama_mlp"}
+_HEADER = re.compile(r"^#?\s*\[([A-Za-z0-9_.]+)\]\s*(#.*)?$")
+
+
+def _load(path: Path) -> dict:
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_templates_parse(template: str) -> None:
+    cfg = parse_config(_load(ROOT / "templates" / template / "pdctl.toml"))
+    assert cfg.target.kind == TEMPLATES[template]
+    assert cfg.decomp.sites, "a template must name the sites it decomposes"
+
+
+def test_example_parses_and_shows_the_defaults() -> None:
+    cfg = parse_config(_load(EXAMPLE))
+    got = cfg.model_dump()
+    want = Config().model_dump()
+    # sites default to [] but the example must show the array-of-inline-tables form.
+    assert [s.model_dump() for s in cfg.decomp.sites] == [
+        {"pattern": "linear1", "C": 20},
+        {"pattern": "linear2", "C": 20},
+    ]
+    got["decomp"].pop("sites")
+    want["decomp"].pop("sites")
+    assert got == want
+
+
+def _sections(text: str) -> dict[str, str]:
+    """{table name: its text}, commented-out headers (`# [train.ci_optim]`) included."""
+    out: dict[str, list[str]] = {"": []}
+    current = ""
+    for line in text.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            current = m.group(1)
+            out.setdefault(current, [])
+        else:
+            out[current].append(line)
+    return {k: "\n".join(v) for k, v in out.items()}
+
+
+def _models(annotation: typing.Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def _schema_keys(
+    model: type[BaseModel], section: str, seen: set[type[BaseModel]]
+) -> list[tuple[str, str]]:
+    """(section, key) for every field reachable from `model`; nested models are sub-tables,
+    except list items (decomp.sites), whose keys live in inline tables of the parent section."""
+    seen.add(model)
+    keys: list[tuple[str, str]] = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        subs = _models(field.annotation)
+        if subs and typing.get_origin(field.annotation) is not list:
+            sub_section = f"{section}.{key}" if section else key
+            for sub in subs:
+                keys += _schema_keys(sub, sub_section, seen)
+        else:
+            keys.append((section, key))
+            for sub in subs:
+                keys += _schema_keys(sub, section, seen)
+    return keys
+
+
+def test_example_documents_every_schema_key() -> None:
+    sections = _sections(EXAMPLE.read_text(encoding="utf-8"))
+    seen: set[type[BaseModel]] = set()
+    keys = _schema_keys(Config, "", seen)
+    # The walk must reach every model, or the check below proves little.
+    for model in (TmsTarget, ResidMlpTarget, LlamaTarget, OptimConfig, LossConfig, PpgdConfig):
+        assert model in seen
+    assert {CiFnConfig, SiteConfig} <= seen
+    assert ("train.ci_optim", "lr") in keys and ("target", "d_model") in keys
+    assert ("decomp", "C") in keys and ("", "schema") in keys
+    missing = []
+    for section, key in keys:
+        body = sections.get(section)
+        pat = re.compile(rf"(^\s*(#\s*)?|[{{,]\s*){re.escape(key)}\s*=", re.MULTILINE)
+        if body is None or not pat.search(body):
+            missing.append(f"{section or '<top>'}.{key}")
+    assert not missing, f"pdctl.toml.example does not document: {missing}"
+
+
+def _commented_block(text: str, start: str) -> str:
+    """The `# key = value` lines that follow the line `start`, uncommented."""
+    lines = text.splitlines()
+    i = lines.index(start) + 1
+    body = []
+    while i < len(lines) and lines[i].startswith("#"):
+        if re.match(r"^# \w+ = ", lines[i]):
+            body.append(lines[i][2:])
+        elif body:
+            break
+        i += 1
+    return "\n".join(body)
+
+
+@pytest.mark.parametrize("model", [ResidMlpTarget, LlamaTarget])
+def test_example_other_target_kinds_show_their_defaults(model: type[BaseModel]) -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    kind = model.model_fields["kind"].default
+    [start] = [ln for ln in text.splitlines() if ln.startswith(f'# kind = "{kind}"')]
+    block = tomllib.loads(f'kind = "{kind}"\n' + _commented_block(text, start))
+    assert set(block) == set(model.model_fields)
+    assert model.model_validate(block) == model()
+
+
+def test_example_ci_optim_block_shows_optim_defaults() -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    block = tomllib.loads(_commented_block(text, "# [train.ci_optim]"))
+    assert set(block) == set(OptimConfig.model_fields)
+    assert OptimConfig.model_validate(block) == OptimConfig()
+    # Uncommented, it is a valid config in which ci_optim is set.
+    raw = _load(EXAMPLE)
+    raw["train"]["ci_optim"] = block
+    assert parse_config(raw).train.ci_optim == OptimConfig()
+    assert parse_config(_load(EXAMPLE)).train.ci_optim is None
+
+
+def _reversed(value: typing.Any) -> typing.Any:
+    if isinstance(value, dict):
+        return {k: _reversed(value[k]) for k in reversed(list(value))}
+    return value
+
+
+def test_fingerprint_ignores_key_order_and_explicit_defaults() -> None:
+    a = """schema = 1
+[run]
+seed = 3
+description = "x"
+[pretrain]
+steps = 5
+batch_size = 7
+[pretrain.optim]
+lr = 0.1
+schedule = "linear"
+[decomp]
+sites = [{ pattern = "linear1", C = 4 }]
+sigmoid = "hard"
+"""
+    b = """schema = 1
+[decomp]
+sigmoid = "hard"
+sites = [{ C = 4, pattern = "linear1" }]
+delta_component = true
+[pretrain.optim]
+schedule = "linear"
+lr = 0.1
+[pretrain]
+batch_size = 7
+steps = 5
+[run]
+description = "x"
+seed = 3
+"""
+    ca, cb = parse_config(tomllib.loads(a)), parse_config(tomllib.loads(b))
+    cr = parse_config(_reversed(tomllib.loads(a)))
+    for stage in STAGES:
+        assert fingerprint(ca, stage) == fingerprint(cb, stage) == fingerprint(cr, stage)
+    # ... and it does see values: pretrain.steps changes pretrain onwards, not init_weights.
+    cc = parse_config(tomllib.loads(a.replace("steps = 5", "steps = 6")))
+    assert fingerprint(cc, "init_weights") == fingerprint(ca, "init_weights")
+    for stage in ("pretrain", "warmup", "train"):
+        assert fingerprint(cc, stage) != fingerprint(ca, stage)
+
+
+def _sites_cfg(*sites: tuple[str, int]) -> Config:
+    return parse_config(
+        {"schema": 1, "decomp": {"sites": [{"pattern": p, "C": c} for p, c in sites]}}
+    )
+
+
+PATHS = ["layers.0.mlp_in", "layers.0.mlp_out", "layers.1.mlp_in", "layers.1.mlp_out"]
+
+
+def test_match_sites_resolves_globs_in_target_order() -> None:
+    cfg = _sites_cfg(("layers.1.mlp_out", 4), ("layers.*.mlp_in", 3))
+    got = match_sites(cfg, PATHS)
+    assert got == {"layers.0.mlp_in": 3, "layers.1.mlp_in": 3, "layers.1.mlp_out": 4}
+    assert list(got) == ["layers.0.mlp_in", "layers.1.mlp_in", "layers.1.mlp_out"]
+
+
+def test_match_sites_pattern_matching_nothing_is_an_error() -> None:
+    cfg = _sites_cfg(("layers.*.mlp_in", 3), ("layers.*.attn", 2))
+    with pytest.raises(PdctlError, match=r"^decomp\.sites\.1\.pattern: 'layers\.\*\.attn' matches no"):
+        match_sites(cfg, PATHS)
+
+
+def test_match_sites_site_matched_twice_is_an_error() -> None:
+    cfg = _sites_cfg(("layers.*", 3), ("layers.0.mlp_in", 2))
+    with pytest.raises(PdctlError, match=r"^decomp\.sites\.1\.pattern: .*'layers\.0\.mlp_in'.*"):
+        match_sites(cfg, PATHS)
+    with pytest.raises(PdctlError, match="already matched"):
+        match_sites(cfg, PATHS)

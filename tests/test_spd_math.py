@@ -1,0 +1,698 @@
+"""SPD math: squashings, init, masks, every loss term against NumPy, the jitted train loss."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from scipy.special import erf
+
+from pdctl.config import parse_config
+from pdctl.science.spd import ci as ci_mod
+from pdctl.science.spd import components as comp_mod
+from pdctl.science.spd import losses as L
+
+try:
+    from pdctl.science.targets import TMS
+except ImportError:  # pragma: no cover - the targets package is written concurrently
+    TMS = None
+
+
+# ---------------------------------------------------------------------------------------------
+# fakes and helpers
+
+
+class FakeTarget:
+    """Two linear sites with a ReLU between: y = relu(x @ A + b) @ B. Inputs (..., 4)."""
+
+    kind = "fake"
+    output_kind = "mse"
+    n_features = 4
+
+    def site_shapes(self) -> dict[str, tuple[int, int]]:
+        return {"a": (4, 6), "b": (6, 3)}
+
+    def site_paths(self) -> list[str]:
+        return list(self.site_shapes())
+
+    def init(self, key: jax.Array) -> dict[str, Any]:
+        k1, k2, k3 = jax.random.split(key, 3)
+        return {
+            "a": {"W": jax.random.normal(k1, (4, 6)) / 2, "b": jax.random.normal(k3, (6,)) / 4},
+            "b": {"W": jax.random.normal(k2, (6, 3)) / 2},
+        }
+
+    def site_weights(self, params: Mapping[str, Any]) -> dict[str, jax.Array]:
+        return {"a": params["a"]["W"], "b": params["b"]["W"]}
+
+    def _site(self, path, x, w, overrides):
+        if overrides is not None and path in overrides:
+            return overrides[path](x).astype(x.dtype)
+        return x @ w
+
+    def apply(self, params, x, overrides=None):
+        h = self._site("a", x, params["a"]["W"], overrides)
+        h = jax.nn.relu(h + params["a"]["b"].reshape((1,) * (h.ndim - 1) + (-1,)))
+        return self._site("b", h, params["b"]["W"], overrides)
+
+    def inputs(self, batch):
+        return batch["x"]
+
+    def make_batch(self, key, batch_size):
+        return {"x": jax.random.uniform(key, (batch_size, 4))}
+
+
+class FakeSeqTarget(FakeTarget):
+    """Same two sites on (B, T, 4) inputs, output read as (B, T, 3) logits."""
+
+    kind = "fake_seq"
+    output_kind = "logits"
+
+
+def np_relu(a):
+    return np.maximum(a, 0)
+
+
+def np_forward(params, x, site_fns):
+    """The FakeTarget forward in NumPy with per-site matmul replacements."""
+    W_a, b_a, W_b = (
+        np.asarray(params["a"]["W"]),
+        np.asarray(params["a"]["b"]),
+        np.asarray(params["b"]["W"]),
+    )
+    h = site_fns.get("a", lambda v: v @ W_a)(x)
+    h = np_relu(h + b_a)
+    return site_fns.get("b", lambda v: v @ W_b)(h)
+
+
+def np_site(W, V, U, m, d):
+    W, V, U = np.asarray(W), np.asarray(V), np.asarray(U)
+
+    def fn(x):
+        out = ((x @ V) * m) @ U
+        if d is not None:
+            out = out + np.asarray(d)[..., None] * (x @ (W - V @ U))
+        return out
+
+    return fn
+
+
+def make_cfg(target: str = "tms", sites=None, loss=None, ppgd=None, decomp=None):
+    raw: dict[str, Any] = {"schema": 1, "target": {"kind": target}}
+    raw["decomp"] = {"sites": sites or [{"pattern": "linear*", "C": 20}], **(decomp or {})}
+    raw["train"] = {"loss": loss or {}, "ppgd": ppgd or {}}
+    return parse_config(raw)
+
+
+def small_decomp(key, target, C=5, kind="mlp", hidden=(3,)):
+    sites = {p: (*s, C) for p, s in target.site_shapes().items()}
+    return comp_mod.init_decomposition_reference(key, sites, kind, list(hidden), lambda c: (c + 1,))
+
+
+# ---------------------------------------------------------------------------------------------
+# squashings
+
+Z_REGIONS = np.array([-2.0, -0.5, 0.0, 0.25, 1.0, 1.5], np.float32)
+
+
+def test_lower_leaky_forward_and_vjp_follow_the_sign_gated_rule():
+    alpha = 0.01
+    z = np.repeat(Z_REGIONS, 2)
+    g = np.tile(np.array([1.5, -2.0], np.float32), len(Z_REGIONS))
+    out, vjp = jax.vjp(ci_mod.lower_leaky, jnp.asarray(z))
+    (grad,) = vjp(jnp.asarray(g))
+    np.testing.assert_array_equal(np.asarray(out), np.clip(z, 0, 1))
+    expected = np.where(z <= 0, np.where(g < 0, alpha * g, 0.0), np.where(z <= 1, g, 0.0))
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6)
+    # the boundary z == 0 takes the leaky branch: only the negative cotangent leaks
+    at0 = z == 0
+    np.testing.assert_allclose(np.asarray(grad)[at0], [0.0, -0.02], rtol=1e-6)
+
+
+def test_lower_leaky_custom_alpha_and_jit():
+    z = jnp.array([-1.0, -1.0])
+    g = jnp.array([-1.0, 1.0])
+    _, vjp = jax.vjp(jax.jit(lambda v: ci_mod.lower_leaky(v, 0.1)), z)
+    np.testing.assert_allclose(np.asarray(vjp(g)[0]), [-0.1, 0.0], rtol=1e-6)
+
+
+def test_upper_leaky_values_and_grads():
+    z = jnp.asarray(Z_REGIONS)
+    vals = np.asarray(ci_mod.upper_leaky(z))
+    zn = Z_REGIONS
+    np.testing.assert_allclose(vals, np.where(zn > 1, 1 + 0.01 * (zn - 1), np.clip(zn, 0, 1)))
+    grads = np.asarray(jax.grad(lambda v: jnp.sum(ci_mod.upper_leaky(v)))(z))
+    # d/dz: 0 below 0, 1 on (0, 1), alpha above 1 (clip's subgradient at the kinks is jax's)
+    for zi, gi in zip(zn, grads, strict=True):
+        if zi < 0:
+            assert gi == 0
+        elif 0 < zi < 1:
+            assert gi == pytest.approx(1.0)
+        elif zi > 1:
+            assert gi == pytest.approx(0.01)
+
+
+def test_hard_and_squash():
+    z = jnp.asarray(Z_REGIONS)
+    np.testing.assert_array_equal(np.asarray(ci_mod.hard(z)), np.clip(Z_REGIONS, 0, 1))
+    lo, up = ci_mod.squash(z, "hard")
+    np.testing.assert_array_equal(np.asarray(lo), np.asarray(up))
+    with pytest.raises(ValueError):
+        ci_mod.squash(z, "sigmoid")
+
+
+# ---------------------------------------------------------------------------------------------
+# CI functions
+
+
+def np_gelu(a):
+    return 0.5 * a * (1 + erf(a / np.sqrt(2)))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "vector_mlp", "shared_mlp"])
+def test_ci_fn_apply_matches_numpy(kind):
+    d_in, C, hidden = 4, 3, [5, 2]
+    params = comp_mod.init_ci_fn(jax.random.PRNGKey(1), kind, d_in, C, hidden)
+    # non-zero biases so that they are exercised
+    params = jax.tree.map(lambda a: a + 0.1, params)
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (2, 7, d_in)))
+    V = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (d_in, C)))
+    h = x @ V
+    z = np.asarray(ci_mod.ci_fn_apply(kind, params, jnp.asarray(x), jnp.asarray(h)))
+    assert z.shape == (2, 7, C)
+    layers = [jax.tree.map(np.asarray, params[str(i)]) for i in range(len(params))]
+    if kind == "shared_mlp":
+        a = x
+        for i, lay in enumerate(layers):
+            a = a @ lay["W"] + lay["b"]
+            a = np_gelu(a) if i < len(layers) - 1 else a
+        ref = a
+    else:
+        ref = np.zeros((2, 7, C))
+        for c in range(C):
+            a = h[..., c : c + 1] if kind == "mlp" else x
+            for i, lay in enumerate(layers):
+                a = a @ lay["W"][c] + lay["b"][c]
+                a = np_gelu(a) if i < len(layers) - 1 else a
+            ref[..., c] = a[..., 0]
+    np.testing.assert_allclose(z, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_compute_ci_shapes_and_range():
+    target = FakeTarget()
+    comps, ci_fns, _ = small_decomp(jax.random.PRNGKey(0), target)
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 4))
+    inputs = {"a": x, "b": jax.random.normal(jax.random.PRNGKey(2), (8, 6))}
+    lo, up = ci_mod.compute_ci(comps, ci_fns, inputs, "mlp", "leaky_hard")
+    for p in ("a", "b"):
+        assert lo[p].shape == up[p].shape == (8, 5)
+        assert float(lo[p].min()) >= 0 and float(lo[p].max()) <= 1
+        assert float(up[p].min()) >= 0
+
+
+# ---------------------------------------------------------------------------------------------
+# init
+
+
+def test_init_site_components_shapes_and_statistics():
+    d_in, d_out, C = 64, 48, 256
+    comp = comp_mod.init_site_components(jax.random.PRNGKey(0), d_in, d_out, C)
+    V, U = np.asarray(comp["V"]), np.asarray(comp["U"])
+    assert V.shape == (d_in, C) and U.shape == (C, d_out)
+    assert V.dtype == np.float32
+    assert V.std() == pytest.approx(1 / np.sqrt(d_in), rel=0.05)
+    assert U.std() == pytest.approx(1 / np.sqrt(C), rel=0.05)
+    assert abs(V.mean()) < 0.01 and abs(U.mean()) < 0.01
+    bf16 = comp_mod.init_site_components(jax.random.PRNGKey(0), 4, 4, 2, jnp.bfloat16)
+    assert bf16["V"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["mlp", "vector_mlp", "shared_mlp"])
+def test_init_ci_fn_shapes_and_statistics(kind):
+    d_in, C, hidden = 64, 32, [128]
+    params = comp_mod.init_ci_fn(jax.random.PRNGKey(0), kind, d_in, C, hidden)
+    assert set(params) == {"0", "1"}
+    W0, W1 = np.asarray(params["0"]["W"]), np.asarray(params["1"]["W"])
+    fan0 = 1 if kind == "mlp" else d_in
+    out = C if kind == "shared_mlp" else 1
+    lead = () if kind == "shared_mlp" else (C,)
+    assert W0.shape == (*lead, fan0, 128) and W1.shape == (*lead, 128, out)
+    assert params["0"]["b"].shape == (*lead, 128) and params["1"]["b"].shape == (*lead, out)
+    assert not np.any(np.asarray(params["0"]["b"])) and not np.any(np.asarray(params["1"]["b"]))
+    assert W0.std() == pytest.approx(np.sqrt(2 / fan0), rel=0.1)
+    assert W1.std() == pytest.approx(np.sqrt(1 / 128), rel=0.1)
+
+
+def test_init_ci_fn_without_hidden_layers_and_unknown_kind():
+    params = comp_mod.init_ci_fn(jax.random.PRNGKey(0), "vector_mlp", 4, 3, [])
+    assert params["0"]["W"].shape == (3, 4, 1)
+    with pytest.raises(ValueError):
+        comp_mod.init_ci_fn(jax.random.PRNGKey(0), "transformer", 4, 3, [2])
+
+
+def test_site_keys_rule():
+    key = jax.random.PRNGKey(7)
+    ck, ik, sk = comp_mod.site_keys(key, 3)
+    for k in (ck, ik, sk):
+        assert k.shape == (3, 2) and k.dtype == jnp.uint32
+    streams = jax.random.split(key, 3)
+    np.testing.assert_array_equal(np.asarray(ik[2]), np.asarray(jax.random.fold_in(streams[1], 2)))
+    # typed keys derive the same raw keys
+    typed = comp_mod.site_keys(jax.random.wrap_key_data(key), 3)
+    np.testing.assert_array_equal(np.asarray(typed[0]), np.asarray(ck))
+    assert comp_mod.site_keys(key, 0)[0].shape == (0, 2)
+    # a site's keys do not depend on how many sites follow it
+    np.testing.assert_array_equal(np.asarray(comp_mod.site_keys(key, 5)[0][:3]), np.asarray(ck))
+
+
+def test_reference_init_deterministic_distinct_and_vmappable():
+    sites = {"x.0": (6, 5, 4), "x.1": (6, 5, 4), "y": (5, 3, 2)}
+    key = jax.random.PRNGKey(3)
+    a = comp_mod.init_decomposition_reference(key, sites, "mlp", [3], lambda c: (7, c + 1))
+    b = comp_mod.init_decomposition_reference(key, sites, "mlp", [3], lambda c: (7, c + 1))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    comps, ci_fns, sources = a
+    assert comps["y"]["V"].shape == (5, 2) and comps["y"]["U"].shape == (2, 3)
+    assert sources["x.0"].shape == (7, 5)
+    assert float(sources["y"].min()) >= 0 and float(sources["y"].max()) < 1
+    assert not np.array_equal(np.asarray(comps["x.0"]["V"]), np.asarray(comps["x.1"]["V"]))
+    assert not np.array_equal(
+        np.asarray(ci_fns["x.0"]["0"]["W"]), np.asarray(ci_fns["x.1"]["0"]["W"])
+    )
+    assert not np.array_equal(np.asarray(sources["x.0"]), np.asarray(sources["x.1"]))
+    # the per-site functions vmap over key stacks to the same bits (the engine's grouped init)
+    ck, ik, sk = comp_mod.site_keys(key, 3)
+    stacked = jax.jit(jax.vmap(lambda k: comp_mod.init_site_components(k, 6, 5, 4)))(ck[:2])
+    stacked_ci = jax.vmap(lambda k: comp_mod.init_ci_fn(k, "mlp", 6, 4, [3]))(ik[:2])
+    stacked_src = jax.vmap(lambda k: comp_mod.init_source(k, (7, 5)))(sk[:2])
+    for i, p in enumerate(("x.0", "x.1")):
+        np.testing.assert_array_equal(np.asarray(stacked["V"][i]), np.asarray(comps[p]["V"]))
+        np.testing.assert_array_equal(np.asarray(stacked["U"][i]), np.asarray(comps[p]["U"]))
+        np.testing.assert_array_equal(
+            np.asarray(stacked_ci["1"]["W"][i]), np.asarray(ci_fns[p]["1"]["W"])
+        )
+        np.testing.assert_array_equal(np.asarray(stacked_src[i]), np.asarray(sources[p]))
+
+
+# ---------------------------------------------------------------------------------------------
+# masked forwards
+
+
+def test_masked_forward_with_unit_masks_and_delta_reproduces_target():
+    # ((x V) * 1) U + 1 * x (W - V U) = x W up to rounding: x V U and x (W - V U) are rounded
+    # separately, so the sum differs from x W by a few ulps of |x V U|, not exactly.
+    target = FakeTarget()
+    params = target.init(jax.random.PRNGKey(0))
+    comps, _, _ = small_decomp(jax.random.PRNGKey(1), target, C=7)
+    x = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    weights = target.site_weights(params)
+    ones = {p: jnp.ones((16, 7)) for p in weights}
+    d_ones = {p: jnp.ones((16,)) for p in weights}
+    out = L.masked_forward(target, params, weights, comps, x, ones, d_ones)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-5)
+    # scalar masks broadcast too
+    fn = comp_mod.masked_site_fn(weights["a"], comps["a"]["V"], comps["a"]["U"], 1.0, 1.0)
+    np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x @ weights["a"]), atol=1e-5)
+
+
+def test_masked_forward_with_exact_components_and_no_delta_reproduces_target():
+    # V = I (C = d_in), U = W: V @ U == W exactly, so masks of 1 without delta give x @ W.
+    target = FakeTarget()
+    params = target.init(jax.random.PRNGKey(0))
+    weights = target.site_weights(params)
+    comps = {p: {"V": jnp.eye(W.shape[0]), "U": W} for p, W in weights.items()}
+    x = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    masks = {p: jnp.ones((16, W.shape[0])) for p, W in weights.items()}
+    out = L.masked_forward(target, params, weights, comps, x, masks, None)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-6)
+
+
+def test_clean_forward_captures_site_inputs():
+    target = FakeTarget()
+    params = target.init(jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(2), (5, 4))
+    out, inputs = jax.jit(lambda p, v: L.clean_forward(target, p, v, ("a", "b")))(params, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(inputs["a"]), np.asarray(x))
+    h = np_relu(np.asarray(x) @ np.asarray(params["a"]["W"]) + np.asarray(params["a"]["b"]))
+    np.testing.assert_allclose(np.asarray(inputs["b"]), h, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# masks
+
+
+def test_stochastic_masks_continuous_and_binomial():
+    ci = {"a": jax.random.uniform(jax.random.PRNGKey(0), (64, 3, 5)), "b": jnp.zeros((64, 3, 2))}
+    key = jax.random.PRNGKey(1)
+    masks, dm = L.stochastic_masks(key, ci, "continuous", delta=True)
+    for p in ci:
+        m, c = np.asarray(masks[p]), np.asarray(ci[p])
+        assert m.shape == c.shape
+        assert np.all(m >= c - 1e-7) and np.all(m <= 1)
+        assert dm[p].shape == c.shape[:-1]
+        assert np.all(np.asarray(dm[p]) >= 0) and np.all(np.asarray(dm[p]) < 1)
+    # with ci = 0 the mask is the raw uniform draw
+    assert 0.4 < float(masks["b"].mean()) < 0.6
+    bmasks, bdm = L.stochastic_masks(key, ci, "binomial", delta=False)
+    assert bdm is None
+    for p in ci:
+        m, c = np.asarray(bmasks[p]), np.asarray(ci[p])
+        assert np.all(np.isclose(m, c) | np.isclose(m, 1.0))
+    r = np.asarray(bmasks["b"])
+    assert set(np.unique(r)) <= {0.0, 1.0} and 0.3 < r.mean() < 0.7
+    with pytest.raises(ValueError):
+        L.stochastic_masks(key, ci, "gaussian", delta=False)
+
+
+def test_source_masks_batch_and_position_scope():
+    ci = {"a": jax.random.uniform(jax.random.PRNGKey(0), (2, 3, 4))}
+    s_batch = {"a": jnp.array([0.0, 0.5, 1.0, 0.25, 0.75])}
+    m, d = L.source_masks(ci, s_batch, delta=True)
+    c = np.asarray(ci["a"])
+    np.testing.assert_allclose(np.asarray(m["a"]), c + (1 - c) * np.array([0, 0.5, 1, 0.25]))
+    np.testing.assert_array_equal(np.asarray(d["a"]), np.full((2, 3), 0.75, np.float32))
+    s_pos = {"a": jax.random.uniform(jax.random.PRNGKey(1), (3, 5))}
+    m, d = L.source_masks(ci, s_pos, delta=True)
+    s = np.asarray(s_pos["a"])
+    np.testing.assert_allclose(np.asarray(m["a"]), c + (1 - c) * s[None, :, :4], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(d["a"]), np.broadcast_to(s[:, 4], (2, 3)))
+    m, d = L.source_masks(ci, {"a": s_batch["a"][:4]}, delta=False)
+    assert d is None and m["a"].shape == (2, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# loss terms against NumPy
+
+
+def test_faithfulness_loss_matches_numpy():
+    rng = np.random.default_rng(0)
+    weights = {"a": rng.normal(size=(4, 6)), "b": rng.normal(size=(6, 3))}
+    comps = {
+        "a": {"V": rng.normal(size=(4, 2)), "U": rng.normal(size=(2, 6))},
+        "b": {"V": rng.normal(size=(6, 5)), "U": rng.normal(size=(5, 3))},
+    }
+    ref = sum(np.sum((weights[p] - comps[p]["V"] @ comps[p]["U"]) ** 2) for p in weights) / (
+        24 + 18
+    )
+    j = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (weights, comps))
+    assert float(L.faithfulness_loss(*j)) == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("p,beta", [(1.0, 0.0), (0.7, 0.5), (2.0, 1.3)])
+def test_importance_minimality_matches_numpy(p, beta):
+    rng = np.random.default_rng(1)
+    eps = 1e-3
+    ci = {
+        "a": rng.uniform(0, 1.2, size=(4, 3, 5)).astype(np.float32),
+        "b": rng.uniform(0, 1, size=(4, 3, 2)).astype(np.float32),
+    }
+    ref = 0.0
+    for v in ci.values():
+        S = ((v.astype(np.float64) + eps) ** p).sum(axis=(0, 1))
+        m = S / 12  # n_examples = batch x positions
+        ref += np.sum(m + beta * m * np.log2(1 + S))
+    got = L.importance_minimality_loss({k: jnp.asarray(v) for k, v in ci.items()}, p, eps, beta)
+    assert float(got) == pytest.approx(ref, rel=1e-5)
+
+
+def test_p_anneal():
+    cfg = make_cfg(loss={"p": 2.0, "p_final": 0.5, "p_anneal_start": 0.2, "p_anneal_end": 0.6})
+    lc = cfg.train.loss
+    for frac, want in [(0.0, 2.0), (0.2, 2.0), (0.4, 1.25), (0.6, 0.5), (1.0, 0.5)]:
+        assert float(L.p_at(lc, frac)) == pytest.approx(want, rel=1e-6)
+    assert float(jax.jit(lambda f: L.p_at(lc, f))(0.4)) == pytest.approx(1.25, rel=1e-6)
+    assert L.p_at(make_cfg(loss={"p": 0.9}).train.loss, 0.5) == 0.9
+    step = make_cfg(loss={"p": 2.0, "p_final": 1.0, "p_anneal_start": 0.5, "p_anneal_end": 0.5})
+    assert float(L.p_at(step.train.loss, 0.49)) == 2.0
+    assert float(L.p_at(step.train.loss, 0.5)) == 1.0
+
+
+def test_output_distances_match_numpy():
+    rng = np.random.default_rng(2)
+    a = rng.normal(size=(3, 4, 7)).astype(np.float32)
+    b = rng.normal(size=(3, 4, 7)).astype(np.float32)
+    assert float(L.output_distance("mse", jnp.asarray(a), jnp.asarray(b))) == pytest.approx(
+        np.mean((a - b) ** 2), rel=1e-5
+    )
+
+    def log_softmax(v):
+        v = v.astype(np.float64)
+        return (
+            v
+            - np.log(np.sum(np.exp(v - v.max(-1, keepdims=True)), -1, keepdims=True))
+            - (v.max(-1, keepdims=True))
+        )
+
+    lt, lm = log_softmax(b), log_softmax(a)  # target b, masked a
+    ref = np.mean(np.sum(np.exp(lt) * (lt - lm), -1))
+    got = L.output_distance("kl", jnp.asarray(a), jnp.asarray(b))
+    assert float(got) == pytest.approx(ref, rel=1e-5)
+    assert float(L.output_distance("kl", jnp.asarray(a), jnp.asarray(a))) == pytest.approx(
+        0.0, abs=1e-6
+    )
+    with pytest.raises(ValueError):
+        L.output_distance("l1", jnp.asarray(a), jnp.asarray(b))
+
+
+def _recon_setup(seq: bool = False):
+    target = FakeSeqTarget() if seq else FakeTarget()
+    params = target.init(jax.random.PRNGKey(0))
+    comps, _, _ = small_decomp(jax.random.PRNGKey(1), target, C=5)
+    shape = (3, 2, 4) if seq else (6, 4)
+    x = jax.random.normal(jax.random.PRNGKey(2), shape)
+    lead = shape[:-1]
+    ci = {
+        "a": jax.random.uniform(jax.random.PRNGKey(3), (*lead, 5)),
+        "b": jax.random.uniform(jax.random.PRNGKey(4), (*lead, 5)),
+    }
+    weights = target.site_weights(params)
+    clean = target.apply(params, x)
+    return target, params, weights, comps, x, clean, ci
+
+
+def _np_comp(comps, weights, p, m, d):
+    return np_site(weights[p], comps[p]["V"], comps[p]["U"], np.asarray(m), d)
+
+
+def test_ci_masked_and_unmasked_recon_match_numpy():
+    target, params, weights, comps, x, clean, ci = _recon_setup()
+    xn, cn = np.asarray(x), np.asarray(clean)
+    fns = {p: _np_comp(comps, weights, p, ci[p], None) for p in ci}
+    ref = np.mean((np_forward(params, xn, fns) - cn) ** 2)
+    got = L.ci_masked_recon_loss(target, params, weights, comps, x, clean, ci, "mse")
+    assert float(got) == pytest.approx(ref, rel=1e-4)
+    fns = {p: _np_comp(comps, weights, p, 1.0, None) for p in ci}
+    ref = np.mean((np_forward(params, xn, fns) - cn) ** 2)
+    got = L.unmasked_recon_loss(target, params, weights, comps, x, clean, ci, "mse")
+    assert float(got) == pytest.approx(ref, rel=1e-4)
+
+
+def test_ppgd_recon_matches_numpy():
+    target, params, weights, comps, x, clean, ci = _recon_setup()
+    sources = {p: jax.random.uniform(jax.random.PRNGKey(9 + i), (6,)) for i, p in enumerate(ci)}
+    fns = {}
+    for p in ci:
+        s, c = np.asarray(sources[p]), np.asarray(ci[p])
+        fns[p] = _np_comp(comps, weights, p, c + (1 - c) * s[:5], np.full(c.shape[:-1], s[5]))
+    ref = np.mean((np_forward(params, np.asarray(x), fns) - np.asarray(clean)) ** 2)
+    got = L.ppgd_recon_loss(target, params, weights, comps, x, clean, ci, sources, True, "mse")
+    assert float(got) == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_stochastic_recon_terms_match_numpy(delta):
+    target, params, weights, comps, x, clean, ci = _recon_setup()
+    key, n = jax.random.PRNGKey(5), 3
+    xn, cn = np.asarray(x), np.asarray(clean)
+    full, layerwise = [], []
+    for s in range(n):
+        masks, dm = L.stochastic_masks(jax.random.fold_in(key, s), ci, "continuous", delta)
+        fns = {p: _np_comp(comps, weights, p, masks[p], None if dm is None else dm[p]) for p in ci}
+        full.append(np.mean((np_forward(params, xn, fns) - cn) ** 2))
+        for p in ci:
+            layerwise.append(np.mean((np_forward(params, xn, {p: fns[p]}) - cn) ** 2))
+    args = (target, params, weights, comps, x, clean, ci, key, n, "continuous", delta, "mse")
+    assert float(L.stochastic_recon_loss(*args)) == pytest.approx(np.mean(full), rel=1e-4)
+    got = L.stochastic_recon_layerwise_loss(*args)
+    assert float(got) == pytest.approx(np.mean(layerwise), rel=1e-4)
+
+
+def test_kl_recon_on_positions():
+    target, params, weights, comps, x, clean, ci = _recon_setup(seq=True)
+    sources = {p: jax.random.uniform(jax.random.PRNGKey(11), (2, 6)) for p in ci}
+    got = L.ppgd_recon_loss(target, params, weights, comps, x, clean, ci, sources, True, "kl")
+    masks, dm = L.source_masks(ci, sources, True)
+    fns = {p: _np_comp(comps, weights, p, masks[p], dm[p]) for p in ci}
+    out = np_forward(params, np.asarray(x), fns)
+    ref = float(L.kl_distance(jnp.asarray(out), clean))
+    assert float(got) == pytest.approx(ref, rel=1e-4)
+    assert float(got) > 0
+
+
+def test_l0_per_site():
+    ci = {"a": jnp.array([[0.0, 0.2, 0.05], [0.5, 0.5, 1.0]])}
+    assert float(L.l0_per_site(ci, 0.1)["a"]) == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the train-stage entry points
+
+
+def _tms_or_fake():
+    if TMS is not None:
+        target = TMS(n_features=5, n_hidden=2)
+        return target, target.init(jax.random.PRNGKey(0)), [{"pattern": "linear*", "C": 6}]
+    target = FakeTarget()
+    return target, target.init(jax.random.PRNGKey(0)), [{"pattern": "*", "C": 6}]
+
+
+ALL_TERMS = {
+    "faithfulness": 0.5,
+    "importance_minimality": 3e-3,
+    "p": 2.0,
+    "p_final": 0.9,
+    "beta": 0.3,
+    "eps": 1e-6,
+    "stochastic_recon": 1.0,
+    "stochastic_recon_layerwise": 1.0,
+    "ppgd_recon": 0.5,
+    "ci_masked_recon": 0.2,
+    "unmasked_recon": 0.1,
+}
+
+
+def _setup_fns(loss=None, ppgd=None, decomp=None, kind="mlp"):
+    target, params, sites = _tms_or_fake()
+    cfg = make_cfg(
+        sites=sites,
+        loss=loss if loss is not None else ALL_TERMS,
+        ppgd=ppgd,
+        decomp={"ci_fn": {"type": kind, "hidden": [8]}, "n_mask_samples": 2, **(decomp or {})},
+    )
+    site_C = {p: 6 for p in target.site_paths()}
+    fns = L.make_spd_fns(target, site_C, cfg)
+    shapes = target.site_shapes()
+    comps, ci_fns, sources = comp_mod.init_decomposition_reference(
+        jax.random.PRNGKey(1),
+        {p: (*shapes[p], 6) for p in fns.paths},
+        kind,
+        [8],
+        lambda c: (c + 1,),
+    )
+    x = target.inputs(target.make_batch(jax.random.PRNGKey(2), 64))
+    if TMS is not None:  # TMS's p=0.05 batches are mostly zeros; denser inputs test more
+        x = jax.random.uniform(jax.random.PRNGKey(2), x.shape)
+    trainable = {"components": comps, "ci_fns": ci_fns}
+    return target, params, fns, trainable, sources, x
+
+
+@pytest.mark.parametrize("kind", ["mlp", "vector_mlp", "shared_mlp"])
+def test_jitted_loss_and_grads_are_finite(kind):
+    target, params, fns, trainable, sources, x = _setup_fns(kind=kind)
+    key = jax.random.PRNGKey(3)
+    grad_fn = jax.jit(jax.value_and_grad(fns.loss, has_aux=True))
+    (total, metrics), grads = grad_fn(trainable, params, sources, x, key, 0.3)
+    assert np.isfinite(float(total))
+    expected = {*L.TERMS, "total"} | {f"l0/{p}" for p in fns.paths}
+    assert set(metrics) == expected
+    for v in metrics.values():
+        assert v.dtype == jnp.float32 and v.shape == () and np.isfinite(float(v))
+    recomputed = sum(ALL_TERMS[t] * float(metrics[t]) for t in L.TERMS)
+    assert float(total) == pytest.approx(recomputed, rel=1e-5)
+    leaves = jax.tree.leaves(grads)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads["ci_fns"]))
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads["components"]))
+    # gradient w.r.t. the sources is available from the same loss (the ppgd term only)
+    src_grad = jax.jit(jax.grad(lambda s: fns.loss(trainable, params, s, x, key, 0.3)[0]))(sources)
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(src_grad))
+
+
+def test_zero_coefficients_are_not_computed_and_faithfulness_fn():
+    target, params, fns, trainable, sources, x = _setup_fns(
+        loss={"importance_minimality": 0.0, "stochastic_recon_layerwise": 0.0}
+    )
+    total, metrics = jax.jit(fns.loss)(trainable, params, sources, x, jax.random.PRNGKey(0), 0.0)
+    terms = {k for k in metrics if k in L.TERMS}
+    assert terms == {"stochastic_recon"}
+    assert float(total) == pytest.approx(float(metrics["stochastic_recon"]))
+    jaxpr = str(jax.make_jaxpr(fns.loss)(trainable, params, sources, x, jax.random.PRNGKey(0), 0.0))
+    assert "log2" not in jaxpr
+    faith = jax.jit(fns.faithfulness_loss)(trainable["components"], params)
+    weights = target.site_weights(params)
+    ref = L.faithfulness_loss({p: weights[p] for p in fns.paths}, trainable["components"])
+    assert float(faith) == pytest.approx(float(ref))
+
+
+def test_loss_is_the_same_with_the_batch_sharded_over_four_devices():
+    target, params, fns, trainable, sources, x = _setup_fns()
+    key = jax.random.PRNGKey(4)
+    ref_total, ref_metrics = jax.jit(fns.loss)(trainable, params, sources, x, key, 0.5)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    x_sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    replicated = NamedSharding(mesh, P())
+    put = lambda t: jax.device_put(t, replicated)  # noqa: E731
+    total, metrics = jax.jit(jax.value_and_grad(fns.loss, has_aux=True))(
+        put(trainable), put(params), put(sources), x_sharded, key, 0.5
+    )[0]
+    assert float(total) == pytest.approx(float(ref_total), rel=1e-5)
+    for k, v in ref_metrics.items():
+        assert float(metrics[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sign"])
+def test_ppgd_ascent_increases_the_ppgd_loss(optimizer):
+    target, params, fns, trainable, sources, x = _setup_fns(
+        loss={
+            "ppgd_recon": 1.0,
+            "importance_minimality": 0.0,
+            "stochastic_recon": 0.0,
+            "stochastic_recon_layerwise": 0.0,
+        },
+        ppgd={"optimizer": optimizer, "lr": 0.05},
+    )
+    key = jax.random.PRNGKey(0)
+    opt = fns.init_source_opt(sources)
+    before = float(fns.loss(trainable, params, sources, x, key, 0.0)[1]["ppgd_recon"])
+    ascent = jax.jit(fns.ppgd_ascent, static_argnames="n_steps")
+    new_src, new_opt, metrics = ascent(sources, opt, trainable, params, x, key, n_steps=5)
+    after = float(fns.loss(trainable, params, new_src, x, key, 0.0)[1]["ppgd_recon"])
+    assert after > before
+    assert float(metrics["ppgd/loss_first"]) == pytest.approx(before, rel=1e-5)
+    assert float(metrics["ppgd/loss_last"]) > before
+    for p, s in new_src.items():
+        s = np.asarray(s)
+        assert s.shape == sources[p].shape and s.min() >= 0 and s.max() <= 1
+        assert not np.array_equal(s, np.asarray(sources[p]))
+    assert jax.tree.structure(new_opt) == jax.tree.structure(opt)
+    # the state persists: a second call continues from the returned moments
+    again = ascent(new_src, new_opt, trainable, params, x, key, n_steps=2)
+    assert float(again[2]["ppgd/loss_first"]) == pytest.approx(after, rel=1e-5)
+    # n_steps = 0 is a no-op
+    same = fns.ppgd_ascent(sources, opt, trainable, params, x, key, 0)
+    jax.tree.map(np.testing.assert_array_equal, same[0], dict(sources))
+
+
+def test_ppgd_ascent_does_not_touch_trainable_gradients():
+    target, params, fns, trainable, sources, x = _setup_fns(
+        loss={"ppgd_recon": 1.0}, ppgd={"optimizer": "adam"}
+    )
+    opt = fns.init_source_opt(sources)
+
+    def f(tr):
+        new_src, _, m = fns.ppgd_ascent(sources, opt, tr, params, x, jax.random.PRNGKey(0), 2)
+        return sum(jnp.sum(v) for v in new_src.values())
+
+    grads = jax.grad(f)(trainable)
+    assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
+
+
+def test_make_spd_fns_rejects_unknown_sites():
+    target, _, sites = _tms_or_fake()
+    with pytest.raises(ValueError):
+        L.make_spd_fns(target, {"nope": 3}, make_cfg(sites=sites))
