@@ -253,6 +253,56 @@ def pretrain(
     _done_line("pretrain", result)
 
 
+@app.command()
+@_guard
+def warmup(
+    ctx: typer.Context,
+    until: Until = None,
+    resume: Resume = False,
+    fresh: Fresh = False,
+    profile_steps: Profile = None,
+) -> None:
+    """Faithfulness warmup of the components (V/U) toward the pretrained target weights."""
+    from pdctl.stages import warmup as stage
+
+    profile = _parse_range(profile_steps, "--profile-steps")
+    result = stage.run(_stage_project(ctx), until=until, resume=resume, fresh=fresh,
+                       profile=profile)
+    _done_line("warmup", result)
+
+
+@app.command()
+@_guard
+def train(
+    ctx: typer.Context,
+    until: Until = None,
+    resume: Resume = False,
+    fresh: Fresh = False,
+    profile_steps: Profile = None,
+) -> None:
+    """Stochastic Parameter Decomposition training (the full SPD step of [train])."""
+    from pdctl.stages import train as stage
+
+    profile = _parse_range(profile_steps, "--profile-steps")
+    result = stage.run(_stage_project(ctx), until=until, resume=resume, fresh=fresh,
+                       profile=profile)
+    _done_line("train", result)
+    _print_eval(result.eval)
+
+
+def _print_eval(ev: dict) -> None:
+    if not ev:
+        return
+    if "ci_errors" in ev:
+        errs = int(ev["ci_errors"].get("total", sum(ev["ci_errors"].values())))
+        mmcs = ev.get("mmcs") or {}
+        mm = f", MMCS {min(mmcs.values()):.4f}" if mmcs else ""
+        console.print(f"eval: CI errors {errs}{mm}, L0 {ev.get('l0')}")
+    else:
+        keys = [k for k in ev if k.startswith(("ce_", "kl_"))]
+        console.print("eval: " + ", ".join(f"{k} {ev[k]:.4g}" for k in keys))
+
+
 def main() -> None:
     app()
 

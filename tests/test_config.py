@@ -219,7 +219,9 @@ def test_match_sites_resolves_globs_in_target_order() -> None:
 
 def test_match_sites_pattern_matching_nothing_is_an_error() -> None:
     cfg = _sites_cfg(("layers.*.mlp_in", 3), ("layers.*.attn", 2))
-    with pytest.raises(PdctlError, match=r"^decomp\.sites\.1\.pattern: 'layers\.\*\.attn' matches no"):
+    with pytest.raises(
+        PdctlError, match=r"^decomp\.sites\.1\.pattern: 'layers\.\*\.attn' matches no"
+    ):
         match_sites(cfg, PATHS)
 
 

@@ -591,12 +591,11 @@ def _setup_fns(loss=None, ppgd=None, decomp=None, kind="mlp"):
     return target, params, fns, trainable, sources, x
 
 
-@pytest.mark.parametrize("kind", ["mlp", "vector_mlp", "shared_mlp"])
-def test_jitted_loss_and_grads_are_finite(kind):
-    target, params, fns, trainable, sources, x = _setup_fns(kind=kind)
+def test_jitted_loss_and_grads_are_finite():
+    _target, params, fns, trainable, sources, x = _setup_fns()
     key = jax.random.PRNGKey(3)
-    grad_fn = jax.jit(jax.value_and_grad(fns.loss, has_aux=True))
-    (total, metrics), grads = grad_fn(trainable, params, sources, x, key, 0.3)
+    grad_fn = jax.jit(jax.value_and_grad(fns.loss, argnums=(0, 2), has_aux=True))
+    (total, metrics), (grads, src_grad) = grad_fn(trainable, params, sources, x, key, 0.3)
     assert np.isfinite(float(total))
     expected = {*L.TERMS, "total"} | {f"l0/{p}" for p in fns.paths}
     assert set(metrics) == expected
@@ -609,7 +608,6 @@ def test_jitted_loss_and_grads_are_finite(kind):
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads["ci_fns"]))
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads["components"]))
     # gradient w.r.t. the sources is available from the same loss (the ppgd term only)
-    src_grad = jax.jit(jax.grad(lambda s: fns.loss(trainable, params, s, x, key, 0.3)[0]))(sources)
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(src_grad))
 
 
@@ -630,16 +628,16 @@ def test_zero_coefficients_are_not_computed_and_faithfulness_fn():
 
 
 def test_loss_is_the_same_with_the_batch_sharded_over_four_devices():
-    target, params, fns, trainable, sources, x = _setup_fns()
+    _target, params, fns, trainable, sources, x = _setup_fns(decomp={"n_mask_samples": 1})
     key = jax.random.PRNGKey(4)
     ref_total, ref_metrics = jax.jit(fns.loss)(trainable, params, sources, x, key, 0.5)
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     x_sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
     replicated = NamedSharding(mesh, P())
     put = lambda t: jax.device_put(t, replicated)  # noqa: E731
-    total, metrics = jax.jit(jax.value_and_grad(fns.loss, has_aux=True))(
+    total, metrics = jax.jit(fns.loss)(
         put(trainable), put(params), put(sources), x_sharded, key, 0.5
-    )[0]
+    )
     assert float(total) == pytest.approx(float(ref_total), rel=1e-5)
     for k, v in ref_metrics.items():
         assert float(metrics[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-7)
@@ -647,7 +645,7 @@ def test_loss_is_the_same_with_the_batch_sharded_over_four_devices():
 
 @pytest.mark.parametrize("optimizer", ["adam", "sign"])
 def test_ppgd_ascent_increases_the_ppgd_loss(optimizer):
-    target, params, fns, trainable, sources, x = _setup_fns(
+    _target, params, fns, trainable, sources, x = _setup_fns(
         loss={
             "ppgd_recon": 1.0,
             "importance_minimality": 0.0,
@@ -658,10 +656,11 @@ def test_ppgd_ascent_increases_the_ppgd_loss(optimizer):
     )
     key = jax.random.PRNGKey(0)
     opt = fns.init_source_opt(sources)
-    before = float(fns.loss(trainable, params, sources, x, key, 0.0)[1]["ppgd_recon"])
+    loss = jax.jit(fns.loss)
+    before = float(loss(trainable, params, sources, x, key, 0.0)[1]["ppgd_recon"])
     ascent = jax.jit(fns.ppgd_ascent, static_argnames="n_steps")
     new_src, new_opt, metrics = ascent(sources, opt, trainable, params, x, key, n_steps=5)
-    after = float(fns.loss(trainable, params, new_src, x, key, 0.0)[1]["ppgd_recon"])
+    after = float(loss(trainable, params, new_src, x, key, 0.0)[1]["ppgd_recon"])
     assert after > before
     assert float(metrics["ppgd/loss_first"]) == pytest.approx(before, rel=1e-5)
     assert float(metrics["ppgd/loss_last"]) > before
@@ -671,7 +670,7 @@ def test_ppgd_ascent_increases_the_ppgd_loss(optimizer):
         assert not np.array_equal(s, np.asarray(sources[p]))
     assert jax.tree.structure(new_opt) == jax.tree.structure(opt)
     # the state persists: a second call continues from the returned moments
-    again = ascent(new_src, new_opt, trainable, params, x, key, n_steps=2)
+    again = ascent(new_src, new_opt, trainable, params, x, key, n_steps=5)
     assert float(again[2]["ppgd/loss_first"]) == pytest.approx(after, rel=1e-5)
     # n_steps = 0 is a no-op
     same = fns.ppgd_ascent(sources, opt, trainable, params, x, key, 0)
@@ -679,16 +678,16 @@ def test_ppgd_ascent_increases_the_ppgd_loss(optimizer):
 
 
 def test_ppgd_ascent_does_not_touch_trainable_gradients():
-    target, params, fns, trainable, sources, x = _setup_fns(
+    _target, params, fns, trainable, sources, x = _setup_fns(
         loss={"ppgd_recon": 1.0}, ppgd={"optimizer": "adam"}
     )
     opt = fns.init_source_opt(sources)
 
     def f(tr):
-        new_src, _, m = fns.ppgd_ascent(sources, opt, tr, params, x, jax.random.PRNGKey(0), 2)
+        new_src, _, _m = fns.ppgd_ascent(sources, opt, tr, params, x, jax.random.PRNGKey(0), 1)
         return sum(jnp.sum(v) for v in new_src.values())
 
-    grads = jax.grad(f)(trainable)
+    grads = jax.jit(jax.grad(f))(trainable)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
 
 

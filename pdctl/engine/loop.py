@@ -239,9 +239,10 @@ class Loop:
             if tracing:
                 jax.profiler.stop_trace()
         interrupted = self._signal is not None
-        if interrupted and step % self.checkpoint_every and step != end:
-            self._checkpoint(step, state, last_metrics, t_start, status="running")
         self.checkpointer.wait()
+        if self.checkpointer.latest_step() != step:  # a signal, or a zero-step stage
+            self._checkpoint(step, state, last_metrics, t_start, status="running")
+            self.checkpointer.wait()
         done = step >= self.total_steps
         status = "done" if done else "interrupted"
         self._write_state(step, last_metrics, t_start, status=status, eval_=last_eval,

@@ -230,3 +230,42 @@ def peak_flops(cfg: Config) -> float | None:
 
     per_dev = peak_flops_per_device(jax.devices()[0], cfg.measure.peak_tflops)
     return per_dev * jax.device_count() if per_dev else None
+
+
+def pretrained_target(env: StageEnv) -> Any:
+    """The trained target parameters: the `params` item of pretrain's latest checkpoint."""
+    abstract = jax.eval_shape(env.target.init, stream_key(env.cfg, STREAM_TARGET))
+    items, _ = env.restore_items("pretrain", {"params": abstract})
+    # Fresh jit outputs: the frozen first argument of warmup/train is never donated, but a
+    # consistent layout avoids a relayout copy at the first call.
+    return rematerialize(items["params"], env.shardings(abstract))
+
+
+def run_loop(env: StageEnv, *, step_fn, state, frozen=(), total: int, start: int, until,
+             log_every: int, max_bad_steps: int, batches=None, eval_fn=None, eval_every=0,
+             examples_per_step=0, lr_fn=None, profile=None):
+    """Run the engine loop with this stage's checkpointer, state writer and trackers."""
+    from pdctl.engine.loop import Loop
+
+    jsonl = env.jsonl()
+    jsonl.truncate_after(start)
+    tracker = env.tracker()
+    target = env.target
+    is_text = target.output_kind == "logits"
+    try:
+        return Loop(
+            stage=env.stage, step_fn=step_fn, state=state, frozen=frozen, total_steps=total,
+            start_step=start, until=until, checkpointer=env.checkpointer(),
+            on_state=env.on_state, jsonl=jsonl, tracker=tracker, log_every=log_every,
+            checkpoint_every=env.cfg.checkpoint.every, batches=batches,
+            batches_state=batches.state if batches is not None else None,
+            max_bad_steps=max_bad_steps, eval_fn=eval_fn, eval_every=eval_every,
+            examples_per_step=examples_per_step,
+            tokens_per_step=examples_per_step * target.n_tokens_per_example() if is_text else 0,
+            lr_fn=lr_fn, peak_flops=peak_flops(env.cfg), profile=profile,
+            profile_dir=env.project.profiles_dir / env.stage,
+        ).run()
+    finally:
+        tracker.finish()
+        if batches is not None:
+            batches.close()

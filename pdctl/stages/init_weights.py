@@ -110,3 +110,22 @@ def run(project: Project) -> dict[str, Any]:
     env.on_state(**fields)
     return {"items": items, **fields, "param_count": int(
         sum(np.prod(x.shape) for x in jax.tree.leaves(items["target"])))}
+
+
+def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:
+    """Shapes and dtypes of what `init_decomposition` returns, without computing anything."""
+    sites = decomposed_sites(cfg, target)
+    dtype = jax.numpy.dtype(cfg.precision.param_dtype)
+    hidden = tuple(cfg.decomp.ci_fn.hidden)
+    key = jax.random.PRNGKey(0)
+
+    def build(key):
+        return {
+            "components": {p: _components(key, *s, dtype=dtype) for p, s in sites.items()},
+            "ci_fns": {p: comps.init_ci_fn(key, cfg.decomp.ci_fn.type, s[0], s[2], hidden)
+                       for p, s in sites.items()},
+            "sources": {p: comps.init_source(key, source_shape(cfg, s[2]))
+                        for p, s in sites.items()},
+        }
+
+    return jax.eval_shape(build, key)

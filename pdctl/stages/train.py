@@ -1,0 +1,200 @@
+"""`pdctl train`: Stochastic Parameter Decomposition training, one jitted step.
+
+Clean target forward → CI → PPGD source ascent (components and CI detached) → all configured
+losses → gradient clipping → AdamW on components and CI functions (separate optimizers when
+`[train.ci_optim]` is set). The step donates everything but the frozen target parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pdctl.config import match_sites
+from pdctl.engine import sharding
+from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.optim import adamw, schedule
+from pdctl.project import Project
+from pdctl.science.spd import evaluate
+from pdctl.science.spd.losses import make_spd_fns
+from pdctl.stages.common import (
+    STREAM_TRAIN,
+    StageEnv,
+    pretrained_target,
+    resume_point,
+    run_loop,
+    stream_key,
+    text_batches,
+)
+from pdctl.stages.warmup import abstract_decomposition
+
+
+def optimizer(cfg, steps: int) -> optax.GradientTransformation:
+    tc = cfg.train
+    if tc.ci_optim is None:
+        return adamw(tc.optim, steps)
+    return optax.multi_transform(
+        {"components": adamw(tc.optim, steps), "ci_fns": adamw(tc.ci_optim, steps)},
+        lambda t: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in t.items()},
+    )
+
+
+def make_step(target, fns, tx, cfg, total: int, batch_sharding):
+    tc = cfg.train
+    use_ppgd = tc.loss.ppgd_recon > 0
+    n_asc, n_warm = tc.ppgd.n_steps, tc.ppgd.warmup_steps
+
+    def step(target_params: Any, state: dict[str, Any], batch: Any):
+        loop = state["loop"]
+        key = jax.random.fold_in(loop["rng"], loop["step"])
+        k_data, k_loss, k_src = jax.random.split(key, 3)
+        if batch is None:  # toy data, a pure function of the step
+            batch = jax.lax.with_sharding_constraint(
+                target.make_batch(k_data, tc.batch_size), batch_sharding
+            )
+        x = target.inputs(batch)
+        trainable = state["trainable"]
+        sources, src_opt, metrics = state["sources"], state["src_opt"], {}
+        if use_ppgd:
+            def ascend(n):
+                return lambda: fns.ppgd_ascent(sources, src_opt, trainable, target_params, x,
+                                               k_src, n)[:2]
+            if n_warm > n_asc:  # extra ascent steps on the first step warm the sources up
+                sources, src_opt = jax.lax.cond(loop["step"] == 0, ascend(n_warm), ascend(n_asc))
+            else:
+                sources, src_opt = ascend(n_asc)()
+        step_frac = loop["step"].astype(jnp.float32) / total
+        (loss, m), grads = jax.value_and_grad(fns.loss, has_aux=True)(
+            trainable, target_params, jax.lax.stop_gradient(sources), x, k_loss, step_frac
+        )
+        updates, opt_state = tx.update(grads, state["opt_state"], trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        metrics.update(m)
+        metrics["loss"] = loss
+        metrics["grad_norm"] = optax.global_norm(grads)
+        new = {"trainable": trainable, "opt_state": opt_state, "sources": sources,
+               "src_opt": src_opt}
+        return guard_update(state, new, all_finite(loss, grads), metrics)
+
+    return step
+
+
+def build(env: StageEnv, fns, total: int):
+    cfg = env.cfg
+    tx = optimizer(cfg, total)
+    rng = stream_key(cfg, STREAM_TRAIN)
+    abstract_dec = abstract_decomposition(env)
+
+    def make_state(components, ci_fns, sources):
+        trainable = {"components": components, "ci_fns": ci_fns}
+        return {
+            "trainable": trainable,
+            "opt_state": tx.init(trainable),
+            "sources": sources,
+            "src_opt": fns.init_source_opt(sources),
+            "loop": loop_counters(rng),
+        }
+
+    abstract = jax.eval_shape(
+        make_state, abstract_dec["components"], abstract_dec["ci_fns"], abstract_dec["sources"]
+    )
+    return tx, make_state, abstract, env.shardings(abstract), abstract_dec
+
+
+def make_eval(env: StageEnv, target_params, fns):
+    cfg, target = env.cfg, env.target
+    eval_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
+    eval_batch = None
+    if target.output_kind == "logits":
+        it = text_batches(env, cfg.train.eval_batch_size, seed=cfg.run.seed + 1, state=None,
+                          sharding=sharding.batch_sharding(env.mesh, 2))
+        eval_batch = next(it)
+        it.close()
+    else:
+        eval_batch = jax.jit(lambda k: target.make_batch(k, cfg.train.eval_batch_size))(eval_key)
+
+    def eval_fn(state) -> dict[str, Any]:
+        comps = state["trainable"]["components"]
+        ci_fns = state["trainable"]["ci_fns"]
+        out: dict[str, Any] = {}
+        stats = evaluate.ci_stats(target, target_params, comps, ci_fns, cfg,
+                                  target.inputs(eval_batch))
+        out["l0"] = {k[3:]: v for k, v in stats.items() if k.startswith("l0/")}
+        out["alive"] = {k[6:]: v for k, v in stats.items() if k.startswith("alive/")}
+        if target.output_kind == "logits":
+            lm = evaluate.lm_eval(target, target_params, comps, ci_fns, cfg, eval_batch, eval_key)
+            for k, v in lm.items():
+                out[k.replace("/", "_")] = v
+        else:
+            toy = evaluate.toy_eval(target, target_params, comps, ci_fns, cfg)
+            out["ci_errors"] = {k[9:]: v for k, v in toy.items() if k.startswith("ci_error/")}
+            out["mmcs"] = {k[5:]: v for k, v in toy.items() if k.startswith("mmcs/")}
+            out["ml2r"] = {k[5:]: v for k, v in toy.items() if k.startswith("ml2r/")}
+        return _finite(out)
+
+    return eval_fn
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out[k] = _finite(v)
+        elif isinstance(v, float | int | np.floating) and np.isfinite(v):
+            out[k] = float(v)
+    return out
+
+
+def run(project: Project, *, until: int | None = None, resume: bool = False,
+        fresh: bool = False, profile: tuple[int, int] | None = None) -> LoopResult:
+    env = StageEnv.open(project, "train", requires=("init_weights", "pretrain", "warmup"))
+    cfg, target = env.cfg, env.target
+    tc = cfg.train
+    total = tc.steps
+    sharding.check_batch_divides(tc.batch_size, env.mesh, "train.batch_size")
+    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
+    site_C = match_sites(cfg, target.site_paths())
+    fns = make_spd_fns(target, site_C, cfg)
+    tx, make_state, abstract, state_sh, abstract_dec = build(env, fns, total)
+    target_params = pretrained_target(env)
+    is_text = target.output_kind == "logits"
+    batch_sh = sharding.batch_sharding(env.mesh, 2)
+    data_state = None
+    if ckpt_step is None:
+        env.begin(fresh=True, steps=total)
+        init, _ = env.restore_items(
+            "init_weights", {"ci_fns": abstract_dec["ci_fns"], "sources": abstract_dec["sources"]}
+        )
+        warm, _ = env.restore_items("warmup", {"components": abstract_dec["components"]})
+        state = jax.jit(make_state, out_shardings=state_sh)(
+            warm["components"], init["ci_fns"], init["sources"]
+        )
+        start = 0
+    else:
+        env.begin(fresh=False, steps=total)
+        state, meta = env.restore_state(ckpt_step, abstract, state_sh)
+        start, data_state = int(meta["step"]), meta.get("data")
+    batches = None
+    if is_text:
+        batches = text_batches(env, tc.batch_size, seed=cfg.run.seed, state=data_state,
+                               sharding=batch_sh)
+    target_sh = jax.tree.map(lambda x: x.sharding, target_params)
+    step_fn = jax.jit(
+        make_step(target, fns, tx, cfg, total, batch_sh),
+        in_shardings=(target_sh, state_sh, batch_sh if is_text else None),
+        out_shardings=(state_sh, None),
+        donate_argnums=(1,),
+    )
+    lr = schedule(tc.optim, total)
+    result = run_loop(
+        env, step_fn=step_fn, state=state, frozen=(target_params,), total=total, start=start,
+        until=until, log_every=tc.log_every, max_bad_steps=tc.max_bad_steps, batches=batches,
+        eval_fn=make_eval(env, target_params, fns), eval_every=tc.eval_every,
+        examples_per_step=tc.batch_size, lr_fn=lambda s: {"lr": float(lr(s))}, profile=profile,
+    )
+    if result.status == "done" and result.eval:
+        env.on_state(eval=result.eval)
+    return result

@@ -1,0 +1,99 @@
+"""`pdctl warmup`: faithfulness warmup of V/U toward the pretrained target weights.
+
+Its own AdamW (discarded afterwards). The step donates everything but the frozen target
+parameters, its first argument, which must survive the call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from pdctl.config import OptimConfig
+from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.optim import adamw
+from pdctl.project import Project
+from pdctl.science.spd.losses import faithfulness_loss
+from pdctl.stages.common import (
+    STREAM_WARMUP,
+    StageEnv,
+    pretrained_target,
+    resume_point,
+    run_loop,
+    stream_key,
+)
+
+
+def optimizer(env: StageEnv, steps: int) -> optax.GradientTransformation:
+    w = env.cfg.warmup
+    return adamw(OptimConfig(lr=w.lr, weight_decay=w.weight_decay, schedule="constant"),
+                 max(steps, 1))
+
+
+def make_step(target, paths: tuple[str, ...], tx):
+    def loss_fn(components, target_params):
+        w = target.site_weights(target_params)
+        return faithfulness_loss({p: jax.lax.stop_gradient(w[p]) for p in paths}, components)
+
+    def step(target_params: Any, state: dict[str, Any], batch: None):
+        loss, grads = jax.value_and_grad(loss_fn)(state["components"], target_params)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["components"])
+        comps = optax.apply_updates(state["components"], updates)
+        metrics = {"loss": loss, "faithfulness": loss, "grad_norm": optax.global_norm(grads)}
+        new = {"components": comps, "opt_state": opt_state}
+        return guard_update(state, new, all_finite(loss, grads), metrics)
+
+    return step
+
+
+def build(env: StageEnv, abstract_components: Any, steps: int):
+    tx = optimizer(env, steps)
+    rng = stream_key(env.cfg, STREAM_WARMUP)
+
+    def make_state(components):
+        return {"components": components, "opt_state": tx.init(components),
+                "loop": loop_counters(rng)}
+
+    abstract = jax.eval_shape(make_state, abstract_components)
+    return tx, make_state, abstract, env.shardings(abstract)
+
+
+def abstract_decomposition(env: StageEnv) -> dict[str, Any]:
+    """Abstract {"components", "ci_fns", "sources"} as init-weights creates them."""
+    from pdctl.stages.init_weights import init_decomposition_abstract
+
+    return init_decomposition_abstract(env.cfg, env.target)
+
+
+def run(project: Project, *, until: int | None = None, resume: bool = False,
+        fresh: bool = False, profile: tuple[int, int] | None = None) -> LoopResult:
+    env = StageEnv.open(project, "warmup", requires=("init_weights", "pretrain"))
+    cfg = env.cfg
+    steps = cfg.warmup.steps
+    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
+    abstract_dec = abstract_decomposition(env)
+    tx, make_state, abstract, state_sh = build(env, abstract_dec["components"], steps)
+    target_params = pretrained_target(env)
+    paths = tuple(p for p in env.target.site_paths() if p in abstract_dec["components"])
+    if ckpt_step is None:
+        env.begin(fresh=True, steps=steps)
+        items, _ = env.restore_items("init_weights", {"components": abstract_dec["components"]})
+        state = jax.jit(make_state, out_shardings=state_sh)(items["components"])
+        start = 0
+    else:
+        env.begin(fresh=False, steps=steps)
+        state, meta = env.restore_state(ckpt_step, abstract, state_sh)
+        start = int(meta["step"])
+    target_sh = jax.tree.map(lambda x: x.sharding, target_params)
+    step_fn = jax.jit(
+        make_step(env.target, paths, tx),
+        in_shardings=(target_sh, state_sh, None),
+        out_shardings=(state_sh, None),
+        donate_argnums=(1,),
+    )
+    return run_loop(
+        env, step_fn=step_fn, state=state, frozen=(target_params,), total=steps, start=start,
+        until=until, log_every=cfg.warmup.log_every, max_bad_steps=cfg.warmup.max_bad_steps,
+        lr_fn=lambda s: {"lr": cfg.warmup.lr}, profile=profile,
+    )
