@@ -303,6 +303,43 @@ def _print_eval(ev: dict) -> None:
         console.print("eval: " + ", ".join(f"{k} {ev[k]:.4g}" for k in keys))
 
 
+@app.command("run")
+@_guard
+def run_pipeline(ctx: typer.Context) -> None:
+    """Run init-weights → pretrain → warmup → train, skipping what is done and not stale."""
+    from pdctl.stages import pipeline
+
+    proj = _stage_project(ctx)
+    pipeline.run_all(proj, echo=lambda s: console.print(s, markup=False))
+    console.print(pipeline.summary(proj), markup=False)
+
+
+@app.command()
+@_guard
+def resume(ctx: typer.Context) -> None:
+    """Continue the interrupted (or crashed) stage from its latest checkpoint, to the end."""
+    from pdctl.stages import pipeline
+
+    stage, result = pipeline.resume(_stage_project(ctx))
+    _done_line(stage, result)
+
+
+@app.command()
+@_guard
+def export(
+    ctx: typer.Context,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The .npz file to write.")],
+    stage: Annotated[
+        str | None, typer.Option("--stage", help="Stage to export (default: the last done).")
+    ] = None,
+) -> None:
+    """Write a stage's final arrays (target, V/U, CI functions, sources) to an .npz file."""
+    from pdctl.stages import pipeline
+
+    shapes = pipeline.export(_project(ctx), stage, out)
+    console.print(f"wrote {len(shapes)} arrays to {out}")
+
+
 def main() -> None:
     app()
 

@@ -1,5 +1,6 @@
 """SPD math: squashings, init, masks, every loss term against NumPy, the jitted train loss."""
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,11 +40,12 @@ class FakeTarget:
     def site_paths(self) -> list[str]:
         return list(self.site_shapes())
 
-    def init(self, key: jax.Array) -> dict[str, Any]:
-        k1, k2, k3 = jax.random.split(key, 3)
+    def init(self, seed: int) -> dict[str, Any]:
+        # NumPy draws: test data should not pay a jax.random compile per shape
+        rng = np.random.default_rng(seed)
         return {
-            "a": {"W": jax.random.normal(k1, (4, 6)) / 2, "b": jax.random.normal(k3, (6,)) / 4},
-            "b": {"W": jax.random.normal(k2, (6, 3)) / 2},
+            "a": {"W": f32(rng.normal(size=(4, 6)) / 2), "b": f32(rng.normal(size=6) / 4)},
+            "b": {"W": f32(rng.normal(size=(6, 3)) / 2)},
         }
 
     def site_weights(self, params: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -64,6 +66,15 @@ class FakeTarget:
 
     def make_batch(self, key, batch_size):
         return {"x": jax.random.uniform(key, (batch_size, 4))}
+
+
+def f32(a) -> jax.Array:
+    return jnp.asarray(np.asarray(a, np.float32))
+
+
+def rand(seed: int, *shape: int, normal: bool = False) -> jax.Array:
+    rng = np.random.default_rng(seed)
+    return f32(rng.normal(size=shape) if normal else rng.uniform(size=shape))
 
 
 class FakeSeqTarget(FakeTarget):
@@ -111,6 +122,15 @@ def make_cfg(target: str = "tms", sites=None, loss=None, ppgd=None, decomp=None)
 def small_decomp(key, target, C=5, kind="mlp", hidden=(3,)):
     sites = {p: (*s, C) for p, s in target.site_shapes().items()}
     return comp_mod.init_decomposition_reference(key, sites, kind, list(hidden), lambda c: (c + 1,))
+
+
+@functools.cache
+def fake_setup():
+    """One FakeTarget decomposition (C = 5) shared by the tests that only need some values."""
+    target = FakeTarget()
+    params = target.init(0)
+    comps, ci_fns, sources = small_decomp(jax.random.PRNGKey(1), target)
+    return target, params, comps, ci_fns, sources
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,8 +199,8 @@ def test_ci_fn_apply_matches_numpy(kind):
     params = comp_mod.init_ci_fn(jax.random.PRNGKey(1), kind, d_in, C, hidden)
     # non-zero biases so that they are exercised
     params = jax.tree.map(lambda a: a + 0.1, params)
-    x = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (2, 7, d_in)))
-    V = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (d_in, C)))
+    x = np.asarray(rand(2, 2, 7, d_in, normal=True))
+    V = np.asarray(rand(3, d_in, C, normal=True))
     h = x @ V
     z = np.asarray(ci_mod.ci_fn_apply(kind, params, jnp.asarray(x), jnp.asarray(h)))
     assert z.shape == (2, 7, C)
@@ -203,11 +223,11 @@ def test_ci_fn_apply_matches_numpy(kind):
 
 
 def test_compute_ci_shapes_and_range():
-    target = FakeTarget()
-    comps, ci_fns, _ = small_decomp(jax.random.PRNGKey(0), target)
-    x = jax.random.normal(jax.random.PRNGKey(1), (8, 4))
-    inputs = {"a": x, "b": jax.random.normal(jax.random.PRNGKey(2), (8, 6))}
-    lo, up = ci_mod.compute_ci(comps, ci_fns, inputs, "mlp", "leaky_hard")
+    _, _, comps, ci_fns, _ = fake_setup()
+    inputs = {"a": rand(1, 8, 4, normal=True), "b": rand(2, 8, 6, normal=True)}
+    lo, up = jax.jit(lambda c, f, i: ci_mod.compute_ci(c, f, i, "mlp", "leaky_hard"))(
+        comps, ci_fns, inputs
+    )
     for p in ("a", "b"):
         assert lo[p].shape == up[p].shape == (8, 5)
         assert float(lo[p].min()) >= 0 and float(lo[p].max()) <= 1
@@ -305,12 +325,10 @@ def test_reference_init_deterministic_distinct_and_vmappable():
 def test_masked_forward_with_unit_masks_and_delta_reproduces_target():
     # ((x V) * 1) U + 1 * x (W - V U) = x W up to rounding: x V U and x (W - V U) are rounded
     # separately, so the sum differs from x W by a few ulps of |x V U|, not exactly.
-    target = FakeTarget()
-    params = target.init(jax.random.PRNGKey(0))
-    comps, _, _ = small_decomp(jax.random.PRNGKey(1), target, C=7)
-    x = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    target, params, comps, _, _ = fake_setup()
+    x = rand(2, 16, 4, normal=True)
     weights = target.site_weights(params)
-    ones = {p: jnp.ones((16, 7)) for p in weights}
+    ones = {p: jnp.ones((16, 5)) for p in weights}
     d_ones = {p: jnp.ones((16,)) for p in weights}
     out = L.masked_forward(target, params, weights, comps, x, ones, d_ones)
     np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-5)
@@ -321,20 +339,18 @@ def test_masked_forward_with_unit_masks_and_delta_reproduces_target():
 
 def test_masked_forward_with_exact_components_and_no_delta_reproduces_target():
     # V = I (C = d_in), U = W: V @ U == W exactly, so masks of 1 without delta give x @ W.
-    target = FakeTarget()
-    params = target.init(jax.random.PRNGKey(0))
+    target, params, _, _, _ = fake_setup()
     weights = target.site_weights(params)
     comps = {p: {"V": jnp.eye(W.shape[0]), "U": W} for p, W in weights.items()}
-    x = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    x = rand(2, 16, 4, normal=True)
     masks = {p: jnp.ones((16, W.shape[0])) for p, W in weights.items()}
     out = L.masked_forward(target, params, weights, comps, x, masks, None)
     np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-6)
 
 
 def test_clean_forward_captures_site_inputs():
-    target = FakeTarget()
-    params = target.init(jax.random.PRNGKey(0))
-    x = jax.random.normal(jax.random.PRNGKey(2), (5, 4))
+    target, params, _, _, _ = fake_setup()
+    x = rand(2, 5, 4, normal=True)
     out, inputs = jax.jit(lambda p, v: L.clean_forward(target, p, v, ("a", "b")))(params, x)
     np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(inputs["a"]), np.asarray(x))
@@ -347,7 +363,7 @@ def test_clean_forward_captures_site_inputs():
 
 
 def test_stochastic_masks_continuous_and_binomial():
-    ci = {"a": jax.random.uniform(jax.random.PRNGKey(0), (64, 3, 5)), "b": jnp.zeros((64, 3, 2))}
+    ci = {"a": rand(0, 64, 3, 5), "b": jnp.zeros((64, 3, 2))}
     key = jax.random.PRNGKey(1)
     masks, dm = L.stochastic_masks(key, ci, "continuous", delta=True)
     for p in ci:
@@ -370,13 +386,13 @@ def test_stochastic_masks_continuous_and_binomial():
 
 
 def test_source_masks_batch_and_position_scope():
-    ci = {"a": jax.random.uniform(jax.random.PRNGKey(0), (2, 3, 4))}
+    ci = {"a": rand(0, 2, 3, 4)}
     s_batch = {"a": jnp.array([0.0, 0.5, 1.0, 0.25, 0.75])}
     m, d = L.source_masks(ci, s_batch, delta=True)
     c = np.asarray(ci["a"])
     np.testing.assert_allclose(np.asarray(m["a"]), c + (1 - c) * np.array([0, 0.5, 1, 0.25]))
     np.testing.assert_array_equal(np.asarray(d["a"]), np.full((2, 3), 0.75, np.float32))
-    s_pos = {"a": jax.random.uniform(jax.random.PRNGKey(1), (3, 5))}
+    s_pos = {"a": rand(1, 3, 5)}
     m, d = L.source_masks(ci, s_pos, delta=True)
     s = np.asarray(s_pos["a"])
     np.testing.assert_allclose(np.asarray(m["a"]), c + (1 - c) * s[None, :, :4], rtol=1e-6)
@@ -460,16 +476,12 @@ def test_output_distances_match_numpy():
 
 
 def _recon_setup(seq: bool = False):
+    _, params, comps, _, _ = fake_setup()
     target = FakeSeqTarget() if seq else FakeTarget()
-    params = target.init(jax.random.PRNGKey(0))
-    comps, _, _ = small_decomp(jax.random.PRNGKey(1), target, C=5)
     shape = (3, 2, 4) if seq else (6, 4)
-    x = jax.random.normal(jax.random.PRNGKey(2), shape)
+    x = rand(2, *shape, normal=True)
     lead = shape[:-1]
-    ci = {
-        "a": jax.random.uniform(jax.random.PRNGKey(3), (*lead, 5)),
-        "b": jax.random.uniform(jax.random.PRNGKey(4), (*lead, 5)),
-    }
+    ci = {"a": rand(3, *lead, 5), "b": rand(4, *lead, 5)}
     weights = target.site_weights(params)
     clean = target.apply(params, x)
     return target, params, weights, comps, x, clean, ci
@@ -494,7 +506,7 @@ def test_ci_masked_and_unmasked_recon_match_numpy():
 
 def test_ppgd_recon_matches_numpy():
     target, params, weights, comps, x, clean, ci = _recon_setup()
-    sources = {p: jax.random.uniform(jax.random.PRNGKey(9 + i), (6,)) for i, p in enumerate(ci)}
+    sources = {p: rand(9 + i, 6) for i, p in enumerate(ci)}
     fns = {}
     for p in ci:
         s, c = np.asarray(sources[p]), np.asarray(ci[p])
@@ -524,7 +536,7 @@ def test_stochastic_recon_terms_match_numpy(delta):
 
 def test_kl_recon_on_positions():
     target, params, weights, comps, x, clean, ci = _recon_setup(seq=True)
-    sources = {p: jax.random.uniform(jax.random.PRNGKey(11), (2, 6)) for p in ci}
+    sources = {p: rand(11, 2, 6) for p in ci}
     got = L.ppgd_recon_loss(target, params, weights, comps, x, clean, ci, sources, True, "kl")
     masks, dm = L.source_masks(ci, sources, True)
     fns = {p: _np_comp(comps, weights, p, masks[p], dm[p]) for p in ci}
@@ -548,7 +560,7 @@ def _tms_or_fake():
         target = TMS(n_features=5, n_hidden=2)
         return target, target.init(jax.random.PRNGKey(0)), [{"pattern": "linear*", "C": 6}]
     target = FakeTarget()
-    return target, target.init(jax.random.PRNGKey(0)), [{"pattern": "*", "C": 6}]
+    return target, target.init(0), [{"pattern": "*", "C": 6}]
 
 
 ALL_TERMS = {
@@ -584,9 +596,8 @@ def _setup_fns(loss=None, ppgd=None, decomp=None, kind="mlp"):
         [8],
         lambda c: (c + 1,),
     )
-    x = target.inputs(target.make_batch(jax.random.PRNGKey(2), 64))
-    if TMS is not None:  # TMS's p=0.05 batches are mostly zeros; denser inputs test more
-        x = jax.random.uniform(jax.random.PRNGKey(2), x.shape)
+    # uniform rather than the targets' sparse batches: denser inputs exercise more
+    x = rand(2, 64, target.site_shapes()[fns.paths[0]][0])
     trainable = {"components": comps, "ci_fns": ci_fns}
     return target, params, fns, trainable, sources, x
 

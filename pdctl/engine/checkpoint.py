@@ -56,6 +56,16 @@ class Checkpointer:
         out = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
         return {k: out[k] for k in abstract}, dict(out["meta"] or {})
 
+    def item_names(self, step: int) -> list[str]:
+        meta = self._mgr.item_metadata(step)
+        return [k for k in meta if k != "meta"]
+
+    def restore_host(self, step: int, names: list[str]) -> dict[str, Any]:
+        """Restore items as they were saved, with no target shardings (for export)."""
+        items = {k: ocp.args.StandardRestore() for k in names}
+        out = self._mgr.restore(step, args=ocp.args.Composite(**items))
+        return {k: out[k] for k in names}
+
     def close(self) -> None:
         self._mgr.wait_until_finished()
         self._mgr.close()

@@ -130,12 +130,27 @@ def make_eval(env: StageEnv, target_params, fns):
                 out[k.replace("/", "_")] = v
         else:
             toy = evaluate.toy_eval(target, target_params, comps, ci_fns, cfg)
+            out["recovered"] = recovered_features(target, target_params, comps, ci_fns, cfg)
             out["ci_errors"] = {k[9:]: v for k, v in toy.items() if k.startswith("ci_error/")}
             out["mmcs"] = {k[5:]: v for k, v in toy.items() if k.startswith("mmcs/")}
             out["ml2r"] = {k[5:]: v for k, v in toy.items() if k.startswith("ml2r/")}
         return _finite(out)
 
     return eval_fn
+
+
+def recovered_features(target, target_params, comps, ci_fns, cfg, tol: float = 0.1) -> int:
+    """Features that every (one-component-per-feature) site gives exactly one component with
+    CI >= 1 - tol and no other component above tol, on the one-hot inputs of SPD.md."""
+    mats = evaluate.toy_ci_matrices(target, target_params, comps, ci_fns, cfg)
+    ok = None
+    for p, m in mats.items():
+        if target.kind == "resid_mlp" and p.endswith("mlp_out"):
+            continue
+        above = (m > tol).sum(axis=1)
+        good = (above == 1) & (m.max(axis=1) >= 1 - tol)
+        ok = good if ok is None else ok & good
+    return int(ok.sum()) if ok is not None else 0
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
