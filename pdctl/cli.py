@@ -124,9 +124,9 @@ def templates() -> None:
 def _fmt_metrics(metrics: dict[str, Any] | None, limit: int = 3) -> str:
     if not metrics:
         return ""
-    keys = [k for k in ("loss", "total") if k in metrics] + [
-        k for k in metrics if k not in ("loss", "total")
-    ]
+    skip = {"loss", "total", "finite", "max_bad_run", "step_ms", "samples_per_s", "tokens_per_s",
+            "tflops_per_s", "mfu", "lr", "grad_norm"}
+    keys = [k for k in ("loss",) if k in metrics] + [k for k in metrics if k not in skip]
     parts = [f"{k}={metrics[k]:.4g}" for k in keys[:limit] if isinstance(metrics[k], int | float)]
     return " ".join(parts)
 
