@@ -124,8 +124,19 @@ def templates() -> None:
 def _fmt_metrics(metrics: dict[str, Any] | None, limit: int = 3) -> str:
     if not metrics:
         return ""
-    skip = {"loss", "total", "finite", "max_bad_run", "step_ms", "samples_per_s", "tokens_per_s",
-            "tflops_per_s", "mfu", "lr", "grad_norm"}
+    skip = {
+        "loss",
+        "total",
+        "finite",
+        "max_bad_run",
+        "step_ms",
+        "samples_per_s",
+        "tokens_per_s",
+        "tflops_per_s",
+        "mfu",
+        "lr",
+        "grad_norm",
+    }
     keys = [k for k in ("loss",) if k in metrics] + [k for k in metrics if k not in skip]
     parts = [f"{k}={metrics[k]:.4g}" for k in keys[:limit] if isinstance(metrics[k], int | float)]
     return " ".join(parts)
@@ -248,8 +259,9 @@ def pretrain(
     from pdctl.stages import pretrain as stage
 
     profile = _parse_range(profile_steps, "--profile-steps")
-    result = stage.run(_stage_project(ctx), steps=steps, until=until, resume=resume,
-                       fresh=fresh, profile=profile)
+    result = stage.run(
+        _stage_project(ctx), steps=steps, until=until, resume=resume, fresh=fresh, profile=profile
+    )
     _done_line("pretrain", result)
 
 
@@ -266,8 +278,9 @@ def warmup(
     from pdctl.stages import warmup as stage
 
     profile = _parse_range(profile_steps, "--profile-steps")
-    result = stage.run(_stage_project(ctx), until=until, resume=resume, fresh=fresh,
-                       profile=profile)
+    result = stage.run(
+        _stage_project(ctx), until=until, resume=resume, fresh=fresh, profile=profile
+    )
     _done_line("warmup", result)
 
 
@@ -284,8 +297,9 @@ def train(
     from pdctl.stages import train as stage
 
     profile = _parse_range(profile_steps, "--profile-steps")
-    result = stage.run(_stage_project(ctx), until=until, resume=resume, fresh=fresh,
-                       profile=profile)
+    result = stage.run(
+        _stage_project(ctx), until=until, resume=resume, fresh=fresh, profile=profile
+    )
     _done_line("train", result)
     _print_eval(result.eval)
 

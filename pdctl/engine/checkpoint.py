@@ -48,9 +48,7 @@ class Checkpointer:
         self._mgr.reload()
         return list(self._mgr.all_steps())
 
-    def restore(
-        self, step: int, abstract: dict[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def restore(self, step: int, abstract: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore the items named in `abstract` (ShapeDtypeStructs with shardings)."""
         items = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
         out = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))

@@ -56,12 +56,14 @@ def grouped_init(
         one = jax.eval_shape(lambda k, sig=sig: init_one(k, *sig), keys[0])
         spec = _specs(names[idx[0]], one, spec_fn)
         stacked_specs.append(
-            jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s)), spec,
-                         is_leaf=lambda x: isinstance(x, P))
+            jax.tree.map(
+                lambda s: NamedSharding(mesh, P(None, *s)), spec, is_leaf=lambda x: isinstance(x, P)
+            )
         )
         for i in idx:
             item_specs[names[i]] = jax.tree.map(
-                lambda s: NamedSharding(mesh, s), _specs(names[i], one, spec_fn),
+                lambda s: NamedSharding(mesh, s),
+                _specs(names[i], one, spec_fn),
                 is_leaf=lambda x: isinstance(x, P),
             )
     group_keys = tuple(keys[jax.numpy.asarray(groups[sig])] for sig in order)
@@ -104,8 +106,11 @@ def per_item_init(
     out_sh = {}
     for name, sig in zip(names, sigs, strict=True):
         one = jax.eval_shape(lambda k, sig=sig: init_one(k, *sig), keys[0])
-        out_sh[name] = jax.tree.map(lambda s: NamedSharding(mesh, s), _specs(name, one, spec_fn),
-                                    is_leaf=lambda x: isinstance(x, P))
+        out_sh[name] = jax.tree.map(
+            lambda s: NamedSharding(mesh, s),
+            _specs(name, one, spec_fn),
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def all_items(keys):
         return {n: init_one(keys[i], *s) for i, (n, s) in enumerate(zip(names, sigs, strict=True))}

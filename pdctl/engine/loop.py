@@ -181,7 +181,8 @@ class Loop:
         end = self.total_steps if self.until is None else min(self.until, self.total_steps)
         compiled = self.compile()
         self.on_state(
-            status="running", compile_s={"step": round(self.compile_s, 3)},
+            status="running",
+            compile_s={"step": round(self.compile_s, 3)},
             flops_per_step=self.flops_per_step,
         )
         step = self.start_step
@@ -229,8 +230,10 @@ class Loop:
                     progress.update(task, completed=step, info=self._info(last_metrics))
                     if last_metrics.get("max_bad_run", 0) >= self.max_bad_steps:
                         self._fail_bad_steps(step, last_metrics, t_start)
-                if self.eval_fn and self.eval_every and (
-                    step % self.eval_every == 0 or step == self.total_steps
+                if (
+                    self.eval_fn
+                    and self.eval_every
+                    and (step % self.eval_every == 0 or step == self.total_steps)
                 ):
                     last_eval = self.eval_fn(state)
                     self._log_eval(step, last_eval)
@@ -245,8 +248,14 @@ class Loop:
             self.checkpointer.wait()
         done = step >= self.total_steps
         status = "done" if done else "interrupted"
-        self._write_state(step, last_metrics, t_start, status=status, eval_=last_eval,
-                          donation_fraction=donation_fraction)
+        self._write_state(
+            step,
+            last_metrics,
+            t_start,
+            status=status,
+            eval_=last_eval,
+            donation_fraction=donation_fraction,
+        )
         if interrupted:
             name = signal.Signals(self._signal).name
             raise Interrupted(
@@ -285,8 +294,9 @@ class Loop:
         loss = m.get("loss", float("nan"))
         return f"loss {loss:.4g}  {m.get('step_ms', 0):.2f} ms/step"
 
-    def _checkpoint(self, step: int, state: Any, metrics: dict[str, float], t_start: float,
-                    status: str) -> None:
+    def _checkpoint(
+        self, step: int, state: Any, metrics: dict[str, float], t_start: float, status: str
+    ) -> None:
         meta = dict(self.meta)
         meta["step"] = step
         if self.batches_state is not None:
@@ -294,8 +304,9 @@ class Loop:
         self.checkpointer.save(step, state, meta)
         self._write_state(step, metrics, t_start, status=status)
 
-    def _write_state(self, step: int, metrics: dict[str, float], t_start: float, status: str,
-                     **extra: Any) -> None:
+    def _write_state(
+        self, step: int, metrics: dict[str, float], t_start: float, status: str, **extra: Any
+    ) -> None:
         latest = self.checkpointer.latest_step()
         fields: dict[str, Any] = {
             "status": status,

@@ -11,7 +11,7 @@ from pdctl.config import OptimConfig
 
 
 def schedule(cfg: OptimConfig, steps: int) -> optax.Schedule:
-    warmup = int(round(cfg.warmup_frac * steps))
+    warmup = round(cfg.warmup_frac * steps)
     decay = max(steps - warmup, 1)
     end = cfg.lr * cfg.final_lr_frac
     if cfg.schedule == "constant":

@@ -7,6 +7,7 @@ not skipped)."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -19,8 +20,13 @@ _DONE = object()
 
 
 class Prefetcher:
-    def __init__(self, host_iter: Iterator[Any], sharding: NamedSharding,
-                 state_fn: Callable[[], Any], size: int = 2):
+    def __init__(
+        self,
+        host_iter: Iterator[Any],
+        sharding: NamedSharding,
+        state_fn: Callable[[], Any],
+        size: int = 2,
+    ):
         self._it = host_iter
         self._sharding = sharding
         self._state_fn = state_fn
@@ -62,7 +68,5 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         while self._thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._q.get(timeout=0.05)
-            except queue.Empty:
-                pass

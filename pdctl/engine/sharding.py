@@ -29,15 +29,11 @@ def resolve_mesh_shape(data: int, fsdp: int, n_devices: int) -> tuple[int, int]:
     """Fill in the -1 axis; a mesh that does not fit the devices is a config error."""
     if data == -1:
         if n_devices % fsdp:
-            raise PdctlError(
-                f"mesh.fsdp: {fsdp} does not divide the {n_devices} available devices"
-            )
+            raise PdctlError(f"mesh.fsdp: {fsdp} does not divide the {n_devices} available devices")
         data = n_devices // fsdp
     elif fsdp == -1:
         if n_devices % data:
-            raise PdctlError(
-                f"mesh.data: {data} does not divide the {n_devices} available devices"
-            )
+            raise PdctlError(f"mesh.data: {data} does not divide the {n_devices} available devices")
         fsdp = n_devices // data
     if data * fsdp != n_devices:
         raise PdctlError(

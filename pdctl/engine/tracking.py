@@ -34,8 +34,17 @@ class NoopTracker:
 
 
 class WandbTracker:
-    def __init__(self, *, mode: str, project: str, entity: str, name: str, directory: Path,
-                 run_id: str | None, config: dict[str, Any]):
+    def __init__(
+        self,
+        *,
+        mode: str,
+        project: str,
+        entity: str,
+        name: str,
+        directory: Path,
+        run_id: str | None,
+        config: dict[str, Any],
+    ):
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -61,12 +70,28 @@ class WandbTracker:
         self._run.finish()
 
 
-def make_tracker(*, mode: str, project: str, entity: str, name: str, directory: Path,
-                 run_id: str | None, config: dict[str, Any], is_writer: bool) -> Tracker:
+def make_tracker(
+    *,
+    mode: str,
+    project: str,
+    entity: str,
+    name: str,
+    directory: Path,
+    run_id: str | None,
+    config: dict[str, Any],
+    is_writer: bool,
+) -> Tracker:
     if mode == "disabled" or not is_writer:
         return NoopTracker()
-    return WandbTracker(mode=mode, project=project, entity=entity, name=name,
-                        directory=directory, run_id=run_id, config=config)
+    return WandbTracker(
+        mode=mode,
+        project=project,
+        entity=entity,
+        name=name,
+        directory=directory,
+        run_id=run_id,
+        config=config,
+    )
 
 
 def _clean(v: Any) -> Any:

@@ -22,8 +22,12 @@ from pdctl.project import Project
 from pdctl.science.targets import Target, build_target
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-CLI_NAME = {"init_weights": "init-weights", "pretrain": "pretrain", "warmup": "warmup",
-            "train": "train"}
+CLI_NAME = {
+    "init_weights": "init-weights",
+    "pretrain": "pretrain",
+    "warmup": "warmup",
+    "train": "train",
+}
 
 # Independent random streams of a run, all derived from [run] seed.
 STREAM_TARGET, STREAM_DECOMP, STREAM_PRETRAIN, STREAM_WARMUP, STREAM_TRAIN = range(5)
@@ -38,20 +42,38 @@ def target_from_config(cfg: Config) -> Target:
     dtype = DTYPES[cfg.precision.param_dtype]
     if t.kind == "tms":
         return build_target(
-            "tms", n_features=t.n_features, n_hidden=t.n_hidden,
-            n_hidden_layers=t.n_hidden_layers, tied_weights=t.tied_weights, bias=t.bias,
-            feature_probability=cfg.data.feature_probability, param_dtype=dtype,
+            "tms",
+            n_features=t.n_features,
+            n_hidden=t.n_hidden,
+            n_hidden_layers=t.n_hidden_layers,
+            tied_weights=t.tied_weights,
+            bias=t.bias,
+            feature_probability=cfg.data.feature_probability,
+            param_dtype=dtype,
         )
     if t.kind == "resid_mlp":
         return build_target(
-            "resid_mlp", n_features=t.n_features, d_embed=t.d_embed, d_mlp=t.d_mlp,
-            n_layers=t.n_layers, feature_probability=cfg.data.feature_probability,
-            embed_seed=t.embed_seed, param_dtype=dtype,
+            "resid_mlp",
+            n_features=t.n_features,
+            d_embed=t.d_embed,
+            d_mlp=t.d_mlp,
+            n_layers=t.n_layers,
+            feature_probability=cfg.data.feature_probability,
+            embed_seed=t.embed_seed,
+            param_dtype=dtype,
         )
     return build_target(
-        "llama_mlp", vocab_size=t.vocab_size, d_model=t.d_model, n_layers=t.n_layers,
-        n_heads=t.n_heads, d_mlp=t.d_mlp, seq_len=cfg.data.seq_len, glu=t.glu,
-        tied_embeddings=t.tied_embeddings, rope_theta=t.rope_theta, param_dtype=dtype,
+        "llama_mlp",
+        vocab_size=t.vocab_size,
+        d_model=t.d_model,
+        n_layers=t.n_layers,
+        n_heads=t.n_heads,
+        d_mlp=t.d_mlp,
+        seq_len=cfg.data.seq_len,
+        glu=t.glu,
+        tied_embeddings=t.tied_embeddings,
+        rope_theta=t.rope_theta,
+        param_dtype=dtype,
     )
 
 
@@ -73,8 +95,13 @@ class StageEnv:
         return self.project.config
 
     @classmethod
-    def open(cls, project: Project, stage: str, requires: tuple[str, ...] = (),
-             devices: list[Any] | None = None) -> StageEnv:
+    def open(
+        cls,
+        project: Project,
+        stage: str,
+        requires: tuple[str, ...] = (),
+        devices: list[Any] | None = None,
+    ) -> StageEnv:
         for req in requires:
             st = project.stage(req)
             if st.get("status") != "done":
@@ -128,8 +155,9 @@ class StageEnv:
 
     # ---- engine pieces -------------------------------------------------------------------
     def checkpointer(self, stage: str | None = None) -> Checkpointer:
-        return Checkpointer(self.project.checkpoint_dir(stage or self.stage),
-                            keep=self.cfg.checkpoint.keep)
+        return Checkpointer(
+            self.project.checkpoint_dir(stage or self.stage), keep=self.cfg.checkpoint.keep
+        )
 
     def shardings(self, abstract: Any) -> Any:
         return sharding.tree_shardings(abstract, self.mesh, self.cfg.mesh.fsdp_min_param_size)
@@ -140,8 +168,11 @@ class StageEnv:
     def tracker(self) -> Tracker:
         t = self.cfg.tracking
         tr = make_tracker(
-            mode=t.wandb, project=t.project, entity=t.entity,
-            name=f"{self.project.root.name}-{self.stage}", directory=self.project.wandb_dir,
+            mode=t.wandb,
+            project=t.project,
+            entity=t.entity,
+            name=f"{self.project.root.name}-{self.stage}",
+            directory=self.project.wandb_dir,
             run_id=self.project.stage(self.stage).get("wandb_id"),
             config=self.cfg.model_dump(mode="json", by_alias=True),
             is_writer=self.project.writer,
@@ -165,14 +196,12 @@ class StageEnv:
         ckpt.close()
         return items, step
 
-
-    def restore_state(self, step: int, abstract: dict[str, Any], shardings: dict[str, Any]
-                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def restore_state(
+        self, step: int, abstract: dict[str, Any], shardings: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore this stage's checkpoint `step` onto the current mesh and make it donatable."""
         ckpt = self.checkpointer()
-        target = {
-            k: sharding.abstract_with_shardings(abstract[k], shardings[k]) for k in abstract
-        }
+        target = {k: sharding.abstract_with_shardings(abstract[k], shardings[k]) for k in abstract}
         items, meta = ckpt.restore(step, target)
         ckpt.close()
         # Restored arrays are not reliably donatable (jax#18617): re-create them as jit outputs.
@@ -187,7 +216,9 @@ def resume_point(env: StageEnv, *, resume: bool, fresh: bool) -> int | None:
     latest = env.checkpointer().latest_step() if status != "pending" else None
     if resume:
         if status == "done":
-            raise PdctlError(f"{stage} is done; nothing to resume (`pdctl {cli} --fresh` reruns it)")
+            raise PdctlError(
+                f"{stage} is done; nothing to resume (`pdctl {cli} --fresh` reruns it)"
+            )
         if latest is None:
             raise PdctlError(f"{stage} has no checkpoint to resume from; run `pdctl {cli}`")
         return latest
@@ -217,8 +248,12 @@ def text_batches(env: StageEnv, batch_size: int, *, seed: int, state: Any, shard
     else:
         tokens = data.synthetic_corpus(cfg.run.seed, cfg.data.synthetic_bytes)
     it = data.make_text_iterator(
-        tokens, cfg.data.seq_len, batch_size, seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
+        tokens,
+        cfg.data.seq_len,
+        batch_size,
+        seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
     )
     if state is not None:
         it.set_state(data.state_from_json(state))
@@ -241,9 +276,24 @@ def pretrained_target(env: StageEnv) -> Any:
     return rematerialize(items["params"], env.shardings(abstract))
 
 
-def run_loop(env: StageEnv, *, step_fn, state, frozen=(), total: int, start: int, until,
-             log_every: int, max_bad_steps: int, batches=None, eval_fn=None, eval_every=0,
-             examples_per_step=0, lr_fn=None, profile=None):
+def run_loop(
+    env: StageEnv,
+    *,
+    step_fn,
+    state,
+    frozen=(),
+    total: int,
+    start: int,
+    until,
+    log_every: int,
+    max_bad_steps: int,
+    batches=None,
+    eval_fn=None,
+    eval_every=0,
+    examples_per_step=0,
+    lr_fn=None,
+    profile=None,
+):
     """Run the engine loop with this stage's checkpointer, state writer and trackers."""
     from pdctl.engine.loop import Loop
 
@@ -254,15 +304,29 @@ def run_loop(env: StageEnv, *, step_fn, state, frozen=(), total: int, start: int
     is_text = target.output_kind == "logits"
     try:
         return Loop(
-            stage=env.stage, step_fn=step_fn, state=state, frozen=frozen, total_steps=total,
-            start_step=start, until=until, checkpointer=env.checkpointer(),
-            on_state=env.on_state, jsonl=jsonl, tracker=tracker, log_every=log_every,
-            checkpoint_every=env.cfg.checkpoint.every, batches=batches,
+            stage=env.stage,
+            step_fn=step_fn,
+            state=state,
+            frozen=frozen,
+            total_steps=total,
+            start_step=start,
+            until=until,
+            checkpointer=env.checkpointer(),
+            on_state=env.on_state,
+            jsonl=jsonl,
+            tracker=tracker,
+            log_every=log_every,
+            checkpoint_every=env.cfg.checkpoint.every,
+            batches=batches,
             batches_state=batches.state if batches is not None else None,
-            max_bad_steps=max_bad_steps, eval_fn=eval_fn, eval_every=eval_every,
+            max_bad_steps=max_bad_steps,
+            eval_fn=eval_fn,
+            eval_every=eval_every,
             examples_per_step=examples_per_step,
             tokens_per_step=examples_per_step * target.n_tokens_per_example() if is_text else 0,
-            lr_fn=lr_fn, peak_flops=peak_flops(env.cfg), profile=profile,
+            lr_fn=lr_fn,
+            peak_flops=peak_flops(env.cfg),
+            profile=profile,
             profile_dir=env.project.profiles_dir / env.stage,
         ).run()
     finally:

@@ -46,18 +46,30 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
     kind = cfg.decomp.ci_fn.type
     out, compile_s = {}, {}
     out["components"], t = grouped_init(
-        partial(_components, dtype=dtype), names, [sites[n] for n in names], comp_keys, mesh,
+        partial(_components, dtype=dtype),
+        names,
+        [sites[n] for n in names],
+        comp_keys,
+        mesh,
         spec_fn,
     )
     compile_s.update({f"components_{k}": v for k, v in t.items()})
     out["ci_fns"], t = grouped_init(
-        comps.init_ci_fn, names, [(kind, sites[n][0], sites[n][2], hidden) for n in names],
-        ci_keys, mesh, spec_fn,
+        comps.init_ci_fn,
+        names,
+        [(kind, sites[n][0], sites[n][2], hidden) for n in names],
+        ci_keys,
+        mesh,
+        spec_fn,
     )
     compile_s.update({f"ci_fns_{k}": v for k, v in t.items()})
     out["sources"], t = grouped_init(
-        comps.init_source, names, [(source_shape(cfg, sites[n][2]),) for n in names], src_keys,
-        mesh, spec_fn,
+        comps.init_source,
+        names,
+        [(source_shape(cfg, sites[n][2]),) for n in names],
+        src_keys,
+        mesh,
+        spec_fn,
     )
     compile_s.update({f"sources_{k}": v for k, v in t.items()})
     return out, compile_s
@@ -93,8 +105,7 @@ def run(project: Project) -> dict[str, Any]:
     ckpt.wait()
     ckpt.close()
     shapes = {
-        k: {sharding.path_str(p): list(x.shape)
-            for p, x in jax.tree_util.tree_leaves_with_path(v)}
+        k: {sharding.path_str(p): list(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(v)}
         for k, v in items.items()
     }
     fields = {
@@ -108,8 +119,11 @@ def run(project: Project) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - t_start, 3),
     }
     env.on_state(**fields)
-    return {"items": items, **fields, "param_count": int(
-        sum(np.prod(x.shape) for x in jax.tree.leaves(items["target"])))}
+    return {
+        "items": items,
+        **fields,
+        "param_count": int(sum(np.prod(x.shape) for x in jax.tree.leaves(items["target"]))),
+    }
 
 
 def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:
@@ -122,10 +136,13 @@ def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:
     def build(key):
         return {
             "components": {p: _components(key, *s, dtype=dtype) for p, s in sites.items()},
-            "ci_fns": {p: comps.init_ci_fn(key, cfg.decomp.ci_fn.type, s[0], s[2], hidden)
-                       for p, s in sites.items()},
-            "sources": {p: comps.init_source(key, source_shape(cfg, s[2]))
-                        for p, s in sites.items()},
+            "ci_fns": {
+                p: comps.init_ci_fn(key, cfg.decomp.ci_fn.type, s[0], s[2], hidden)
+                for p, s in sites.items()
+            },
+            "sources": {
+                p: comps.init_source(key, source_shape(cfg, s[2])) for p, s in sites.items()
+            },
         }
 
     return jax.eval_shape(build, key)

@@ -19,8 +19,9 @@ from pdctl.stages.common import CLI_NAME
 def _stage_module(stage: str):
     from pdctl.stages import init_weights, pretrain, train, warmup
 
-    return {"init_weights": init_weights, "pretrain": pretrain, "warmup": warmup,
-            "train": train}[stage]
+    return {"init_weights": init_weights, "pretrain": pretrain, "warmup": warmup, "train": train}[
+        stage
+    ]
 
 
 def resumable(project: Project, stage: str) -> bool:
@@ -49,8 +50,10 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
         else:
             results[stage] = mod.run(project, fresh=True)
         rerun_downstream = True  # a stage that ran changes every stage after it
-        echo(f"{stage}: {project.stage(stage).get('status')} at step "
-             f"{project.stage(stage).get('step')}")
+        echo(
+            f"{stage}: {project.stage(stage).get('status')} at step "
+            f"{project.stage(stage).get('step')}"
+        )
     return results
 
 
@@ -73,8 +76,11 @@ def summary(project: Project) -> str:
         mmcs = ev.get("mmcs") or {}
         mm = f", MMCS {min(mmcs.values()):.4f}" if mmcs else ""
         return f"recovered {k}/{n} features, CI errors {e}{mm}"
-    parts = [f"{k} {v:.4g}" for k, v in ev.items()
-             if k.startswith(("ce_", "kl_")) and isinstance(v, float)]
+    parts = [
+        f"{k} {v:.4g}"
+        for k, v in ev.items()
+        if k.startswith(("ce_", "kl_")) and isinstance(v, float)
+    ]
     return "eval: " + ", ".join(parts) if parts else "train: no evaluation recorded"
 
 
@@ -102,8 +108,9 @@ def export(project: Project, stage: str | None, out: Path) -> dict[str, tuple[in
     arrays: dict[str, np.ndarray] = {}
     if stage in ("warmup", "train"):  # the target they decomposed
         arrays.update(_load(project, "pretrain", ("params",), rename={"params": "target"}))
-    arrays.update(_load(project, stage, _EXPORT_ITEMS[stage],
-                        rename={"params": "target", "trainable": ""}))
+    arrays.update(
+        _load(project, stage, _EXPORT_ITEMS[stage], rename={"params": "target", "trainable": ""})
+    )
     if stage == "warmup":
         arrays.update(_load(project, "init_weights", ("ci_fns", "sources")))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,7 @@ def make_step(target, tx, batch_size: int, batch_sharding):
             batch = jax.lax.with_sharding_constraint(
                 target.make_batch(key, batch_size), batch_sharding
             )
-        (loss, aux), grads = jax.value_and_grad(target.loss, has_aux=True)(
-            state["params"], batch
-        )
+        (loss, aux), grads = jax.value_and_grad(target.loss, has_aux=True)(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads)}
@@ -58,9 +56,15 @@ def build(env: StageEnv, total: int):
     return tx, abstract, env.shardings(abstract), make_state, abstract_params
 
 
-def run(project: Project, *, steps: int | None = None, until: int | None = None,
-        resume: bool = False, fresh: bool = False,
-        profile: tuple[int, int] | None = None) -> LoopResult:
+def run(
+    project: Project,
+    *,
+    steps: int | None = None,
+    until: int | None = None,
+    resume: bool = False,
+    fresh: bool = False,
+    profile: tuple[int, int] | None = None,
+) -> LoopResult:
     env = StageEnv.open(project, "pretrain", requires=("init_weights",))
     cfg, target = env.cfg, env.target
     pc = cfg.pretrain
@@ -69,7 +73,7 @@ def run(project: Project, *, steps: int | None = None, until: int | None = None,
     ckpt_step = resume_point(env, resume=resume, fresh=fresh)
     tx, abstract, state_sh, make_state, abstract_params = build(env, total)
     is_text = target.output_kind == "logits"
-    batch_sh = sharding.batch_sharding(env.mesh, 2 if is_text else 2)
+    batch_sh = sharding.batch_sharding(env.mesh, 2)
 
     if ckpt_step is None:
         env.begin(fresh=True, steps=total)
@@ -83,8 +87,9 @@ def run(project: Project, *, steps: int | None = None, until: int | None = None,
 
     batches = None
     if is_text:
-        batches = text_batches(env, pc.batch_size, seed=cfg.run.seed, state=data_state,
-                               sharding=batch_sh)
+        batches = text_batches(
+            env, pc.batch_size, seed=cfg.run.seed, state=data_state, sharding=batch_sh
+        )
     step_fn = jax.jit(
         make_step(target, tx, pc.batch_size, batch_sh),
         in_shardings=(state_sh, batch_sh if is_text else None),

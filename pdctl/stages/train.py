@@ -59,9 +59,12 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         trainable = state["trainable"]
         sources, src_opt, metrics = state["sources"], state["src_opt"], {}
         if use_ppgd:
+
             def ascend(n):
-                return lambda: fns.ppgd_ascent(sources, src_opt, trainable, target_params, x,
-                                               k_src, n)[:2]
+                return lambda: fns.ppgd_ascent(
+                    sources, src_opt, trainable, target_params, x, k_src, n
+                )[:2]
+
             if n_warm > n_asc:  # extra ascent steps on the first step warm the sources up
                 sources, src_opt = jax.lax.cond(loop["step"] == 0, ascend(n_warm), ascend(n_asc))
             else:
@@ -75,8 +78,12 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         metrics.update(m)
         metrics["loss"] = loss
         metrics["grad_norm"] = optax.global_norm(grads)
-        new = {"trainable": trainable, "opt_state": opt_state, "sources": sources,
-               "src_opt": src_opt}
+        new = {
+            "trainable": trainable,
+            "opt_state": opt_state,
+            "sources": sources,
+            "src_opt": src_opt,
+        }
         return guard_update(state, new, all_finite(loss, grads), metrics)
 
     return step
@@ -109,8 +116,13 @@ def make_eval(env: StageEnv, target_params, fns):
     eval_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
     eval_batch = None
     if target.output_kind == "logits":
-        it = text_batches(env, cfg.train.eval_batch_size, seed=cfg.run.seed + 1, state=None,
-                          sharding=sharding.batch_sharding(env.mesh, 2))
+        it = text_batches(
+            env,
+            cfg.train.eval_batch_size,
+            seed=cfg.run.seed + 1,
+            state=None,
+            sharding=sharding.batch_sharding(env.mesh, 2),
+        )
         eval_batch = next(it)
         it.close()
     else:
@@ -120,8 +132,9 @@ def make_eval(env: StageEnv, target_params, fns):
         comps = state["trainable"]["components"]
         ci_fns = state["trainable"]["ci_fns"]
         out: dict[str, Any] = {}
-        stats = evaluate.ci_stats(target, target_params, comps, ci_fns, cfg,
-                                  target.inputs(eval_batch))
+        stats = evaluate.ci_stats(
+            target, target_params, comps, ci_fns, cfg, target.inputs(eval_batch)
+        )
         out["l0"] = {k[3:]: v for k, v in stats.items() if k.startswith("l0/")}
         out["alive"] = {k[6:]: v for k, v in stats.items() if k.startswith("alive/")}
         if target.output_kind == "logits":
@@ -163,8 +176,14 @@ def _finite(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(project: Project, *, until: int | None = None, resume: bool = False,
-        fresh: bool = False, profile: tuple[int, int] | None = None) -> LoopResult:
+def run(
+    project: Project,
+    *,
+    until: int | None = None,
+    resume: bool = False,
+    fresh: bool = False,
+    profile: tuple[int, int] | None = None,
+) -> LoopResult:
     env = StageEnv.open(project, "train", requires=("init_weights", "pretrain", "warmup"))
     cfg, target = env.cfg, env.target
     tc = cfg.train
@@ -194,8 +213,9 @@ def run(project: Project, *, until: int | None = None, resume: bool = False,
         start, data_state = int(meta["step"]), meta.get("data")
     batches = None
     if is_text:
-        batches = text_batches(env, tc.batch_size, seed=cfg.run.seed, state=data_state,
-                               sharding=batch_sh)
+        batches = text_batches(
+            env, tc.batch_size, seed=cfg.run.seed, state=data_state, sharding=batch_sh
+        )
     target_sh = jax.tree.map(lambda x: x.sharding, target_params)
     step_fn = jax.jit(
         make_step(target, fns, tx, cfg, total, batch_sh),
@@ -205,10 +225,21 @@ def run(project: Project, *, until: int | None = None, resume: bool = False,
     )
     lr = schedule(tc.optim, total)
     result = run_loop(
-        env, step_fn=step_fn, state=state, frozen=(target_params,), total=total, start=start,
-        until=until, log_every=tc.log_every, max_bad_steps=tc.max_bad_steps, batches=batches,
-        eval_fn=make_eval(env, target_params, fns), eval_every=tc.eval_every,
-        examples_per_step=tc.batch_size, lr_fn=lambda s: {"lr": float(lr(s))}, profile=profile,
+        env,
+        step_fn=step_fn,
+        state=state,
+        frozen=(target_params,),
+        total=total,
+        start=start,
+        until=until,
+        log_every=tc.log_every,
+        max_bad_steps=tc.max_bad_steps,
+        batches=batches,
+        eval_fn=make_eval(env, target_params, fns),
+        eval_every=tc.eval_every,
+        examples_per_step=tc.batch_size,
+        lr_fn=lambda s: {"lr": float(lr(s))},
+        profile=profile,
     )
     if result.status == "done" and result.eval:
         env.on_state(eval=result.eval)

@@ -27,8 +27,9 @@ from pdctl.stages.common import (
 
 def optimizer(env: StageEnv, steps: int) -> optax.GradientTransformation:
     w = env.cfg.warmup
-    return adamw(OptimConfig(lr=w.lr, weight_decay=w.weight_decay, schedule="constant"),
-                 max(steps, 1))
+    return adamw(
+        OptimConfig(lr=w.lr, weight_decay=w.weight_decay, schedule="constant"), max(steps, 1)
+    )
 
 
 def make_step(target, paths: tuple[str, ...], tx):
@@ -52,8 +53,11 @@ def build(env: StageEnv, abstract_components: Any, steps: int):
     rng = stream_key(env.cfg, STREAM_WARMUP)
 
     def make_state(components):
-        return {"components": components, "opt_state": tx.init(components),
-                "loop": loop_counters(rng)}
+        return {
+            "components": components,
+            "opt_state": tx.init(components),
+            "loop": loop_counters(rng),
+        }
 
     abstract = jax.eval_shape(make_state, abstract_components)
     return tx, make_state, abstract, env.shardings(abstract)
@@ -66,8 +70,14 @@ def abstract_decomposition(env: StageEnv) -> dict[str, Any]:
     return init_decomposition_abstract(env.cfg, env.target)
 
 
-def run(project: Project, *, until: int | None = None, resume: bool = False,
-        fresh: bool = False, profile: tuple[int, int] | None = None) -> LoopResult:
+def run(
+    project: Project,
+    *,
+    until: int | None = None,
+    resume: bool = False,
+    fresh: bool = False,
+    profile: tuple[int, int] | None = None,
+) -> LoopResult:
     env = StageEnv.open(project, "warmup", requires=("init_weights", "pretrain"))
     cfg = env.cfg
     steps = cfg.warmup.steps
@@ -93,7 +103,15 @@ def run(project: Project, *, until: int | None = None, resume: bool = False,
         donate_argnums=(1,),
     )
     return run_loop(
-        env, step_fn=step_fn, state=state, frozen=(target_params,), total=steps, start=start,
-        until=until, log_every=cfg.warmup.log_every, max_bad_steps=cfg.warmup.max_bad_steps,
-        lr_fn=lambda s: {"lr": cfg.warmup.lr}, profile=profile,
+        env,
+        step_fn=step_fn,
+        state=state,
+        frozen=(target_params,),
+        total=steps,
+        start=start,
+        until=until,
+        log_every=cfg.warmup.log_every,
+        max_bad_steps=cfg.warmup.max_bad_steps,
+        lr_fn=lambda s: {"lr": cfg.warmup.lr},
+        profile=profile,
     )
