@@ -196,13 +196,19 @@ def np_gelu(a):
 @pytest.mark.parametrize("kind", ["mlp", "vector_mlp", "shared_mlp"])
 def test_ci_fn_apply_matches_numpy(kind):
     d_in, C, hidden = 4, 3, [5, 2]
-    params = comp_mod.init_ci_fn(jax.random.PRNGKey(1), kind, d_in, C, hidden)
-    # non-zero biases so that they are exercised
-    params = jax.tree.map(lambda a: a + 0.1, params)
-    x = np.asarray(rand(2, 2, 7, d_in, normal=True))
-    V = np.asarray(rand(3, d_in, C, normal=True))
+    # random weights and non-zero biases in the init's layout, drawn with NumPy
+    shapes = jax.eval_shape(
+        lambda: comp_mod.init_ci_fn(jax.random.PRNGKey(1), kind, d_in, C, hidden)
+    )
+    leaves, treedef = jax.tree.flatten(shapes)
+    params = jax.tree.unflatten(
+        treedef, [rand(i, *a.shape, normal=True) for i, a in enumerate(leaves)]
+    )
+    x = np.asarray(rand(20, 2, 7, d_in, normal=True))
+    V = np.asarray(rand(21, d_in, C, normal=True))
     h = x @ V
-    z = np.asarray(ci_mod.ci_fn_apply(kind, params, jnp.asarray(x), jnp.asarray(h)))
+    apply = jax.jit(lambda p, a, b: ci_mod.ci_fn_apply(kind, p, a, b))
+    z = np.asarray(apply(params, jnp.asarray(x), jnp.asarray(h)))
     assert z.shape == (2, 7, C)
     layers = [jax.tree.map(np.asarray, params[str(i)]) for i in range(len(params))]
     if kind == "shared_mlp":
@@ -240,21 +246,23 @@ def test_compute_ci_shapes_and_range():
 
 def test_init_site_components_shapes_and_statistics():
     d_in, d_out, C = 64, 48, 256
-    comp = comp_mod.init_site_components(jax.random.PRNGKey(0), d_in, d_out, C)
+    init = jax.jit(comp_mod.init_site_components, static_argnums=(1, 2, 3, 4))
+    comp = init(jax.random.PRNGKey(0), d_in, d_out, C)
     V, U = np.asarray(comp["V"]), np.asarray(comp["U"])
     assert V.shape == (d_in, C) and U.shape == (C, d_out)
     assert V.dtype == np.float32
     assert V.std() == pytest.approx(1 / np.sqrt(d_in), rel=0.05)
     assert U.std() == pytest.approx(1 / np.sqrt(C), rel=0.05)
     assert abs(V.mean()) < 0.01 and abs(U.mean()) < 0.01
-    bf16 = comp_mod.init_site_components(jax.random.PRNGKey(0), 4, 4, 2, jnp.bfloat16)
+    bf16 = init(jax.random.PRNGKey(0), 4, 4, 2, jnp.bfloat16)
     assert bf16["V"].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("kind", ["mlp", "vector_mlp", "shared_mlp"])
 def test_init_ci_fn_shapes_and_statistics(kind):
-    d_in, C, hidden = 64, 32, [128]
-    params = comp_mod.init_ci_fn(jax.random.PRNGKey(0), kind, d_in, C, hidden)
+    d_in, C, hidden = 64, 32, (128,)
+    init = jax.jit(comp_mod.init_ci_fn, static_argnums=(1, 2, 3, 4))
+    params = init(jax.random.PRNGKey(0), kind, d_in, C, hidden)
     assert set(params) == {"0", "1"}
     W0, W1 = np.asarray(params["0"]["W"]), np.asarray(params["1"]["W"])
     fan0 = 1 if kind == "mlp" else d_in
@@ -290,14 +298,15 @@ def test_site_keys_rule():
 
 
 def test_reference_init_deterministic_distinct_and_vmappable():
-    sites = {"x.0": (6, 5, 4), "x.1": (6, 5, 4), "y": (5, 3, 2)}
+    # FakeTarget's shapes, so the per-site jits are shared with the other tests
+    sites = {"x.0": (4, 6, 5), "x.1": (4, 6, 5), "y": (6, 3, 5)}
     key = jax.random.PRNGKey(3)
-    a = comp_mod.init_decomposition_reference(key, sites, "mlp", [3], lambda c: (7, c + 1))
-    b = comp_mod.init_decomposition_reference(key, sites, "mlp", [3], lambda c: (7, c + 1))
+    a = comp_mod.init_decomposition_reference(key, sites, "mlp", [3], lambda c: (c + 1,))
+    b = comp_mod.init_decomposition_reference(key, sites, "mlp", [3], lambda c: (c + 1,))
     jax.tree.map(np.testing.assert_array_equal, a, b)
     comps, ci_fns, sources = a
-    assert comps["y"]["V"].shape == (5, 2) and comps["y"]["U"].shape == (2, 3)
-    assert sources["x.0"].shape == (7, 5)
+    assert comps["y"]["V"].shape == (6, 5) and comps["y"]["U"].shape == (5, 3)
+    assert sources["x.0"].shape == (6,)
     assert float(sources["y"].min()) >= 0 and float(sources["y"].max()) < 1
     assert not np.array_equal(np.asarray(comps["x.0"]["V"]), np.asarray(comps["x.1"]["V"]))
     assert not np.array_equal(
@@ -306,9 +315,15 @@ def test_reference_init_deterministic_distinct_and_vmappable():
     assert not np.array_equal(np.asarray(sources["x.0"]), np.asarray(sources["x.1"]))
     # the per-site functions vmap over key stacks to the same bits (the engine's grouped init)
     ck, ik, sk = comp_mod.site_keys(key, 3)
-    stacked = jax.jit(jax.vmap(lambda k: comp_mod.init_site_components(k, 6, 5, 4)))(ck[:2])
-    stacked_ci = jax.vmap(lambda k: comp_mod.init_ci_fn(k, "mlp", 6, 4, [3]))(ik[:2])
-    stacked_src = jax.vmap(lambda k: comp_mod.init_source(k, (7, 5)))(sk[:2])
+
+    def group(k1, k2, k3):
+        return (
+            comp_mod.init_site_components(k1, 4, 6, 5),
+            comp_mod.init_ci_fn(k2, "mlp", 4, 5, [3]),
+            comp_mod.init_source(k3, (6,)),
+        )
+
+    stacked, stacked_ci, stacked_src = jax.jit(jax.vmap(group))(ck[:2], ik[:2], sk[:2])
     for i, p in enumerate(("x.0", "x.1")):
         np.testing.assert_array_equal(np.asarray(stacked["V"][i]), np.asarray(comps[p]["V"]))
         np.testing.assert_array_equal(np.asarray(stacked["U"][i]), np.asarray(comps[p]["U"]))
@@ -365,7 +380,8 @@ def test_clean_forward_captures_site_inputs():
 def test_stochastic_masks_continuous_and_binomial():
     ci = {"a": rand(0, 64, 3, 5), "b": jnp.zeros((64, 3, 2))}
     key = jax.random.PRNGKey(1)
-    masks, dm = L.stochastic_masks(key, ci, "continuous", delta=True)
+    draw = jax.jit(L.stochastic_masks, static_argnums=(2, 3))
+    masks, dm = draw(key, ci, "continuous", True)
     for p in ci:
         m, c = np.asarray(masks[p]), np.asarray(ci[p])
         assert m.shape == c.shape
@@ -374,7 +390,7 @@ def test_stochastic_masks_continuous_and_binomial():
         assert np.all(np.asarray(dm[p]) >= 0) and np.all(np.asarray(dm[p]) < 1)
     # with ci = 0 the mask is the raw uniform draw
     assert 0.4 < float(masks["b"].mean()) < 0.6
-    bmasks, bdm = L.stochastic_masks(key, ci, "binomial", delta=False)
+    bmasks, bdm = draw(key, ci, "binomial", False)
     assert bdm is None
     for p in ci:
         m, c = np.asarray(bmasks[p]), np.asarray(ci[p])

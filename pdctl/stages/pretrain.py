@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from pdctl.engine import sharding
 from pdctl.engine.loop import Loop, LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
+from pdctl.engine.precision import Policy
 from pdctl.project import Project
 from pdctl.stages.common import (
     STREAM_PRETRAIN,
@@ -22,8 +24,12 @@ from pdctl.stages.common import (
 )
 
 
-def make_step(target, tx, batch_size: int, batch_sharding):
+def make_step(target, tx, batch_size: int, batch_sharding, policy: Policy | None = None):
     """The pure pretrain step: (state, batch) -> (state, metrics)."""
+    policy = policy or Policy(jnp.float32, jnp.float32, jnp.float32)
+
+    def loss_fn(params, batch):
+        return target.loss(policy.to_compute(params), policy.to_compute(batch))
 
     def step(state: dict[str, Any], batch: Any):
         loop = state["loop"]
@@ -91,7 +97,7 @@ def run(
             env, pc.batch_size, seed=cfg.run.seed, state=data_state, sharding=batch_sh
         )
     step_fn = jax.jit(
-        make_step(target, tx, pc.batch_size, batch_sh),
+        make_step(target, tx, pc.batch_size, batch_sh, Policy.from_config(cfg.precision)),
         in_shardings=(state_sh, batch_sh if is_text else None),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),

@@ -17,6 +17,7 @@ from pdctl.config import match_sites
 from pdctl.engine import sharding
 from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
+from pdctl.engine.precision import Policy
 from pdctl.project import Project
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import make_spd_fns
@@ -44,6 +45,12 @@ def optimizer(cfg, steps: int) -> optax.GradientTransformation:
 
 def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     tc = cfg.train
+    policy = Policy.from_config(cfg.precision)
+
+    def loss_fn(trainable, target_params, sources, x, key, step_frac):
+        return fns.loss(policy.to_compute(trainable), policy.to_compute(target_params), sources,
+                        policy.to_compute(x), key, step_frac)
+
     use_ppgd = tc.loss.ppgd_recon > 0
     n_asc, n_warm = tc.ppgd.n_steps, tc.ppgd.warmup_steps
 
@@ -70,7 +77,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             else:
                 sources, src_opt = ascend(n_asc)()
         step_frac = loop["step"].astype(jnp.float32) / total
-        (loss, m), grads = jax.value_and_grad(fns.loss, has_aux=True)(
+        (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             trainable, target_params, jax.lax.stop_gradient(sources), x, k_loss, step_frac
         )
         updates, opt_state = tx.update(grads, state["opt_state"], trainable)

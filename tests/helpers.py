@@ -1,0 +1,230 @@
+"""Shared test utilities: tiny run directories, the CLI in-process, and the pretrain step built
+the way `pdctl.stages.pretrain.run` builds it, on any hand-made mesh.
+
+Import with `from helpers import ...` (pytest puts `tests/` on sys.path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import tomli_w
+from typer.testing import CliRunner
+
+from pdctl.engine import sharding
+from pdctl.engine.checkpoint import Checkpointer
+from pdctl.engine.loop import Loop
+from pdctl.engine.tracking import JsonlWriter, NoopTracker
+from pdctl.project import Project, split_state
+from pdctl.stages import pretrain
+from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
+from pdctl.templates import create_run
+
+TEMPLATES = ("llama-mlp", "resid-mlp", "tms")
+
+# Tiny but structurally complete versions of each template: every site, every kind of leaf.
+TINY: dict[str, dict[str, Any]] = {
+    "tms": {
+        "pretrain": {"steps": 20, "batch_size": 64, "log_every": 5},
+        "checkpoint": {"every": 10},
+        "decomp": {"sites": [{"pattern": "linear1", "C": 4}, {"pattern": "linear2", "C": 4}]},
+    },
+    "resid-mlp": {
+        "target": {"n_features": 16, "d_embed": 32, "d_mlp": 8},
+        "pretrain": {"steps": 20, "batch_size": 64, "log_every": 5},
+        "checkpoint": {"every": 10},
+        "decomp": {
+            "sites": [
+                {"pattern": "layers.*.mlp_in", "C": 8},
+                {"pattern": "layers.*.mlp_out", "C": 8},
+            ]
+        },
+    },
+    "llama-mlp": {
+        "target": {"d_model": 32, "d_mlp": 64, "n_layers": 1, "n_heads": 4},
+        "data": {"seq_len": 16, "synthetic_bytes": 20000},
+        "pretrain": {"steps": 20, "batch_size": 8, "log_every": 5},
+        "checkpoint": {"every": 10},
+        "decomp": {
+            "sites": [
+                {"pattern": "layers.*.mlp.up", "C": 8},
+                {"pattern": "layers.*.mlp.down", "C": 8},
+            ]
+        },
+    },
+}
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of `base` with `over` merged in (tables merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def edit_config(run: Path, overrides: dict[str, Any]) -> None:
+    """Merge `overrides` into the user tables of run/pdctl.toml, keeping any `[state.*]` part."""
+    path = run / "pdctl.toml"
+    user, state = split_state(path.read_text(encoding="utf-8"))
+    raw = merge(tomllib.loads(user), overrides)
+    path.write_text(tomli_w.dumps(raw) + ("\n" + state if state else ""), encoding="utf-8")
+
+
+def make_run(parent: Path, template: str, name: str | None = None, *, tiny: bool = True,
+             **overrides: Any) -> Path:
+    """parent/name from `template`, shrunk with TINY[template] (if `tiny`) and `overrides`
+    (keyword per table: `pretrain={"steps": 8}`, `mesh={"data": 3}`)."""
+    run = create_run(name or template, template, parent)
+    over = merge(TINY[template], overrides) if tiny else overrides
+    if over:
+        edit_config(run, over)
+    Project.load(run / "pdctl.toml")  # still a valid config
+    return run
+
+
+# ---- the CLI, in-process ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _release_locks() -> Iterator[None]:
+    """A stage holds its run directory's lock until the process exits (one CLI call = one
+    process). In-process, release what a command took so that the next command can run."""
+    taken: list[Project] = []
+    original = Project.acquire_lock
+
+    def acquire(self: Project) -> None:
+        original(self)
+        taken.append(self)
+
+    Project.acquire_lock = acquire  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Project.acquire_lock = original  # type: ignore[method-assign]
+        for proj in taken:
+            while proj._lock_depth:
+                proj.release_lock()
+
+
+def cli(*args: str) -> Any:
+    """Invoke the real Typer app in-process; the result has exit_code, stdout and stderr."""
+    from pdctl.cli import app
+
+    with _release_locks():
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def error_lines(result: Any) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def state(run: Path, stage: str) -> dict[str, Any]:
+    return Project.load(run / "pdctl.toml").stage(stage)
+
+
+# ---- the pretrain step on a hand-made mesh ---------------------------------------------------
+
+
+@dataclass
+class Pretrain:
+    """The pretrain stage's pieces (via `pretrain.build` / `pretrain.make_step`) on `mesh`."""
+
+    env: StageEnv
+    tx: Any
+    abstract: Any
+    state_sh: Any
+    make_state: Any
+    abstract_params: Any
+    batch_sh: Any
+    total: int
+
+    @property
+    def target(self) -> Any:
+        return self.env.target
+
+    @property
+    def cfg(self) -> Any:
+        return self.env.cfg
+
+    @property
+    def is_text(self) -> bool:
+        return self.target.output_kind == "logits"
+
+    def init_params(self) -> Any:
+        """Target params born sharded, as init-weights makes them."""
+        key = stream_key(self.cfg, STREAM_TARGET)
+        sh = self.env.shardings(self.abstract_params)
+        return jax.jit(self.target.init, out_shardings=sh)(key)
+
+    def init_state(self, params: Any | None = None) -> Any:
+        params = self.init_params() if params is None else params
+        return jax.jit(self.make_state, out_shardings=self.state_sh)(params)
+
+    def step_fn(self, *, donate: bool = True) -> Any:
+        """The jitted step exactly as `pretrain.run` builds it (`donate=False`: same step, no
+        donation)."""
+        return jax.jit(
+            pretrain.make_step(self.target, self.tx, self.cfg.pretrain.batch_size,
+                               self.batch_sh),
+            in_shardings=(self.state_sh, self.batch_sh if self.is_text else None),
+            out_shardings=(self.state_sh, None),
+            donate_argnums=(0,) if donate else (),
+        )
+
+    def batch(self, i: int) -> Any:
+        """Batch `i`: None for the toys (generated on device from the step), else random tokens
+        (a pure function of `i`) placed on the mesh."""
+        if not self.is_text:
+            return None
+        rng = np.random.default_rng(1000 + i)
+        tokens = rng.integers(0, self.target.vocab_size,
+                              (self.cfg.pretrain.batch_size, self.cfg.data.seq_len + 1))
+        return {"tokens": jax.device_put(tokens.astype(np.int32), self.batch_sh)}
+
+
+def pretrain_on(run: Path, mesh: jax.sharding.Mesh, total: int | None = None) -> Pretrain:
+    """The pretrain pieces of run/pdctl.toml on `mesh` (no lock, no checkpoints)."""
+    proj = Project.load(run / "pdctl.toml")
+    env = StageEnv(proj, "pretrain", mesh, target_from_config(proj.config))
+    total = total or proj.config.pretrain.steps
+    tx, abstract, state_sh, make_state, abstract_params = pretrain.build(env, total)
+    batch_sh = sharding.batch_sharding(mesh, 2)
+    return Pretrain(env, tx, abstract, state_sh, make_state, abstract_params, batch_sh, total)
+
+
+def run_steps(pt: Pretrain, state: Any, n: int, step_fn: Any = None) -> tuple[Any, np.ndarray]:
+    """n steps with no host sync in between; (final state, the n losses)."""
+    step_fn = step_fn or pt.step_fn()
+    losses = []
+    for i in range(n):
+        state, metrics = step_fn(state, pt.batch(i))
+        losses.append(metrics["loss"])
+    return state, np.asarray(jax.device_get(losses), dtype=np.float64)
+
+
+def make_loop(step_fn: Any, state: Any, directory: Path, *, total: int, log_every: int,
+              batches: Iterator[Any] | None = None, **kw: Any) -> tuple[Loop, list[str], list]:
+    """A `Loop` writing into `directory`; returns it with its echo lines and on_state calls."""
+    echoed: list[str] = []
+    states: list[dict[str, Any]] = []
+    loop = Loop(
+        stage="pretrain", step_fn=step_fn, state=state, total_steps=total,
+        checkpointer=Checkpointer(directory / "ckpt", keep=2),
+        on_state=lambda **f: states.append(f),
+        jsonl=JsonlWriter(directory / "metrics.jsonl"), tracker=NoopTracker(),
+        log_every=log_every, checkpoint_every=kw.pop("checkpoint_every", total),
+        batches=batches, echo=echoed.append, **kw,
+    )
+    return loop, echoed, states
