@@ -354,6 +354,52 @@ def export(
     console.print(f"wrote {len(shapes)} arrays to {out}")
 
 
+@app.command("inspect-sharding")
+@_guard
+def inspect_sharding(
+    ctx: typer.Context,
+    stage: Annotated[
+        str, typer.Option("--stage", help="init_weights | pretrain | warmup | train.")
+    ] = "train",
+    devices: Annotated[
+        int | None,
+        typer.Option("--devices", help="Preview a mesh of N devices (simulated CPU devices)."),
+    ] = None,
+    mesh: Annotated[
+        str | None, typer.Option("--mesh", help="Override [mesh]: data=A,fsdp=B (-1 = the rest).")
+    ] = None,
+    compile_step: Annotated[
+        bool,
+        typer.Option("--compile", help="Compile the step; print XLA's per-device memory."),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object: rows, totals, memory.")
+    ] = False,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="One row per array (no grouping of same-shaped sites).")
+    ] = False,
+) -> None:
+    """Show each array's shape, PartitionSpec and bytes per device, without allocating."""
+    import sys
+
+    from pdctl.stages import inspect as insp
+
+    stage = insp.parse_stage(stage)
+    override = insp.parse_mesh(mesh)
+    proj = _project(ctx)
+    if devices is not None and insp.needs_child(devices, proj.config, override):
+        child = insp.run_child(devices, ctx.obj.project if ctx.obj else None, stage, mesh,
+                               compile_step, as_json, show_all, columns=console.width)
+        sys.stdout.write(child.stdout)
+        sys.stderr.write(child.stderr)
+        raise typer.Exit(child.returncode)
+    report = insp.inspect(proj.config, stage, override, compile=compile_step, expand=show_all)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    insp.render(report, console)
+
+
 def main() -> None:
     app()
 

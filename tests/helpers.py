@@ -10,7 +10,7 @@ import contextlib
 import copy
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +82,9 @@ def edit_config(run: Path, overrides: dict[str, Any]) -> None:
     path.write_text(tomli_w.dumps(raw) + ("\n" + state if state else ""), encoding="utf-8")
 
 
-def make_run(parent: Path, template: str, name: str | None = None, *, tiny: bool = True,
-             **overrides: Any) -> Path:
+def make_run(
+    parent: Path, template: str, name: str | None = None, *, tiny: bool = True, **overrides: Any
+) -> Path:
     """parent/name from `template`, shrunk with TINY[template] (if `tiny`) and `overrides`
     (keyword per table: `pretrain={"steps": 8}`, `mesh={"data": 3}`)."""
     run = create_run(name or template, template, parent)
@@ -162,25 +163,38 @@ class Pretrain:
     def is_text(self) -> bool:
         return self.target.output_kind == "logits"
 
+    _jits: dict[str, Any] = field(default_factory=dict)
+
+    def _jit(self, name: str, make: Any) -> Any:
+        if name not in self._jits:  # one jit object per function: repeated calls reuse its cache
+            self._jits[name] = make()
+        return self._jits[name]
+
     def init_params(self) -> Any:
-        """Target params born sharded, as init-weights makes them."""
-        key = stream_key(self.cfg, STREAM_TARGET)
+        """Target params born sharded (`jit(init, out_shardings=...)`), as init-weights does."""
         sh = self.env.shardings(self.abstract_params)
-        return jax.jit(self.target.init, out_shardings=sh)(key)
+        init = self._jit("init", lambda: jax.jit(self.target.init, out_shardings=sh))
+        return init(stream_key(self.cfg, STREAM_TARGET))
 
     def init_state(self, params: Any | None = None) -> Any:
+        """The whole pretrain state born sharded, as `pretrain.run` makes it."""
         params = self.init_params() if params is None else params
-        return jax.jit(self.make_state, out_shardings=self.state_sh)(params)
+        make = self._jit("state", lambda: jax.jit(self.make_state, out_shardings=self.state_sh))
+        return make(params)
 
     def step_fn(self, *, donate: bool = True) -> Any:
-        """The jitted step exactly as `pretrain.run` builds it (`donate=False`: same step, no
-        donation)."""
-        return jax.jit(
-            pretrain.make_step(self.target, self.tx, self.cfg.pretrain.batch_size,
-                               self.batch_sh),
-            in_shardings=(self.state_sh, self.batch_sh if self.is_text else None),
-            out_shardings=(self.state_sh, None),
-            donate_argnums=(0,) if donate else (),
+        """The jitted step exactly as `pretrain.run` builds it (`donate=False`: the same step
+        without donation)."""
+        return self._jit(
+            f"step-{donate}",
+            lambda: jax.jit(
+                pretrain.make_step(
+                    self.target, self.tx, self.cfg.pretrain.batch_size, self.batch_sh
+                ),
+                in_shardings=(self.state_sh, self.batch_sh if self.is_text else None),
+                out_shardings=(self.state_sh, None),
+                donate_argnums=(0,) if donate else (),
+            ),
         )
 
     def batch(self, i: int) -> Any:
@@ -189,8 +203,9 @@ class Pretrain:
         if not self.is_text:
             return None
         rng = np.random.default_rng(1000 + i)
-        tokens = rng.integers(0, self.target.vocab_size,
-                              (self.cfg.pretrain.batch_size, self.cfg.data.seq_len + 1))
+        tokens = rng.integers(
+            0, self.target.vocab_size, (self.cfg.pretrain.batch_size, self.cfg.data.seq_len + 1)
+        )
         return {"tokens": jax.device_put(tokens.astype(np.int32), self.batch_sh)}
 
 
@@ -214,17 +229,32 @@ def run_steps(pt: Pretrain, state: Any, n: int, step_fn: Any = None) -> tuple[An
     return state, np.asarray(jax.device_get(losses), dtype=np.float64)
 
 
-def make_loop(step_fn: Any, state: Any, directory: Path, *, total: int, log_every: int,
-              batches: Iterator[Any] | None = None, **kw: Any) -> tuple[Loop, list[str], list]:
+def make_loop(
+    step_fn: Any,
+    state: Any,
+    directory: Path,
+    *,
+    total: int,
+    log_every: int,
+    batches: Iterator[Any] | None = None,
+    **kw: Any,
+) -> tuple[Loop, list[str], list]:
     """A `Loop` writing into `directory`; returns it with its echo lines and on_state calls."""
     echoed: list[str] = []
     states: list[dict[str, Any]] = []
     loop = Loop(
-        stage="pretrain", step_fn=step_fn, state=state, total_steps=total,
+        stage="pretrain",
+        step_fn=step_fn,
+        state=state,
+        total_steps=total,
         checkpointer=Checkpointer(directory / "ckpt", keep=2),
         on_state=lambda **f: states.append(f),
-        jsonl=JsonlWriter(directory / "metrics.jsonl"), tracker=NoopTracker(),
-        log_every=log_every, checkpoint_every=kw.pop("checkpoint_every", total),
-        batches=batches, echo=echoed.append, **kw,
+        jsonl=JsonlWriter(directory / "metrics.jsonl"),
+        tracker=NoopTracker(),
+        log_every=log_every,
+        checkpoint_every=kw.pop("checkpoint_every", total),
+        batches=batches,
+        echo=echoed.append,
+        **kw,
     )
     return loop, echoed, states

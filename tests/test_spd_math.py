@@ -68,6 +68,9 @@ class FakeTarget:
         return {"x": jax.random.uniform(key, (batch_size, 4))}
 
 
+KEY = jax.random.PRNGKey(0)
+
+
 def f32(a) -> jax.Array:
     return jnp.asarray(np.asarray(a, np.float32))
 
@@ -380,8 +383,13 @@ def test_clean_forward_captures_site_inputs():
 def test_stochastic_masks_continuous_and_binomial():
     ci = {"a": rand(0, 64, 3, 5), "b": jnp.zeros((64, 3, 2))}
     key = jax.random.PRNGKey(1)
-    draw = jax.jit(L.stochastic_masks, static_argnums=(2, 3))
-    masks, dm = draw(key, ci, "continuous", True)
+    both = jax.jit(
+        lambda k, c: (
+            L.stochastic_masks(k, c, "continuous", True),
+            L.stochastic_masks(k, c, "binomial", False),
+        )
+    )
+    (masks, dm), (bmasks, bdm) = both(key, ci)
     for p in ci:
         m, c = np.asarray(masks[p]), np.asarray(ci[p])
         assert m.shape == c.shape
@@ -390,7 +398,6 @@ def test_stochastic_masks_continuous_and_binomial():
         assert np.all(np.asarray(dm[p]) >= 0) and np.all(np.asarray(dm[p]) < 1)
     # with ci = 0 the mask is the raw uniform draw
     assert 0.4 < float(masks["b"].mean()) < 0.6
-    bmasks, bdm = draw(key, ci, "binomial", False)
     assert bdm is None
     for p in ci:
         m, c = np.asarray(bmasks[p]), np.asarray(ci[p])
@@ -571,12 +578,26 @@ def test_l0_per_site():
 # the train-stage entry points
 
 
+@functools.cache
 def _tms_or_fake():
     if TMS is not None:
         target = TMS(n_features=5, n_hidden=2)
-        return target, target.init(jax.random.PRNGKey(0)), [{"pattern": "linear*", "C": 6}]
+        return target, jax.jit(target.init)(KEY), ({"pattern": "linear*", "C": 6},)
     target = FakeTarget()
-    return target, target.init(0), [{"pattern": "*", "C": 6}]
+    return target, target.init(0), ({"pattern": "*", "C": 6},)
+
+
+@functools.cache
+def _decomposition():
+    target, _, _ = _tms_or_fake()
+    shapes = target.site_shapes()
+    return comp_mod.init_decomposition_reference(
+        jax.random.PRNGKey(1),
+        {p: (*s, 6) for p, s in shapes.items()},
+        "mlp",
+        [8],
+        lambda c: (c + 1,),
+    )
 
 
 ALL_TERMS = {
@@ -594,24 +615,16 @@ ALL_TERMS = {
 }
 
 
-def _setup_fns(loss=None, ppgd=None, decomp=None, kind="mlp"):
+def _setup_fns(loss=None, ppgd=None, decomp=None):
     target, params, sites = _tms_or_fake()
     cfg = make_cfg(
-        sites=sites,
+        sites=list(sites),
         loss=loss if loss is not None else ALL_TERMS,
         ppgd=ppgd,
-        decomp={"ci_fn": {"type": kind, "hidden": [8]}, "n_mask_samples": 2, **(decomp or {})},
+        decomp={"ci_fn": {"type": "mlp", "hidden": [8]}, "n_mask_samples": 2, **(decomp or {})},
     )
-    site_C = {p: 6 for p in target.site_paths()}
-    fns = L.make_spd_fns(target, site_C, cfg)
-    shapes = target.site_shapes()
-    comps, ci_fns, sources = comp_mod.init_decomposition_reference(
-        jax.random.PRNGKey(1),
-        {p: (*shapes[p], 6) for p in fns.paths},
-        kind,
-        [8],
-        lambda c: (c + 1,),
-    )
+    fns = L.make_spd_fns(target, {p: 6 for p in target.site_paths()}, cfg)
+    comps, ci_fns, sources = _decomposition()
     # uniform rather than the targets' sparse batches: denser inputs exercise more
     x = rand(2, 64, target.site_shapes()[fns.paths[0]][0])
     trainable = {"components": comps, "ci_fns": ci_fns}
@@ -619,7 +632,7 @@ def _setup_fns(loss=None, ppgd=None, decomp=None, kind="mlp"):
 
 
 def test_jitted_loss_and_grads_are_finite():
-    _target, params, fns, trainable, sources, x = _setup_fns()
+    _target, params, fns, trainable, sources, x = _setup_fns(decomp={"n_mask_samples": 1})
     key = jax.random.PRNGKey(3)
     grad_fn = jax.jit(jax.value_and_grad(fns.loss, argnums=(0, 2), has_aux=True))
     (total, metrics), (grads, src_grad) = grad_fn(trainable, params, sources, x, key, 0.3)
@@ -655,7 +668,17 @@ def test_zero_coefficients_are_not_computed_and_faithfulness_fn():
 
 
 def test_loss_is_the_same_with_the_batch_sharded_over_four_devices():
-    _target, params, fns, trainable, sources, x = _setup_fns(decomp={"n_mask_samples": 1})
+    # the terms with reductions over the batch (importance minimality's sums before the log,
+    # the recon means, L0)
+    _target, params, fns, trainable, sources, x = _setup_fns(
+        loss={
+            "importance_minimality": 1.0,
+            "beta": 0.5,
+            "stochastic_recon": 1.0,
+            "stochastic_recon_layerwise": 0.0,
+        },
+        decomp={"n_mask_samples": 1},
+    )
     key = jax.random.PRNGKey(4)
     ref_total, ref_metrics = jax.jit(fns.loss)(trainable, params, sources, x, key, 0.5)
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
@@ -718,7 +741,31 @@ def test_ppgd_ascent_does_not_touch_trainable_gradients():
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
 
 
+def test_source_ascent_step_matches_numpy_adam_and_sign():
+    rng = np.random.default_rng(3)
+    src = {"a": rng.uniform(size=4).astype(np.float32)}
+    grads = [{"a": rng.normal(size=4).astype(np.float32)} for _ in range(3)]
+    state = L.init_source_opt_state(src, "adam")
+    s, m, v = src["a"].astype(np.float64), np.zeros(4), np.zeros(4)
+    cur = {k: jnp.asarray(a) for k, a in src.items()}
+    for t, g in enumerate(grads, start=1):
+        cur, state = L.source_ascent_step(cur, g, state, "adam", 0.05)
+        m = 0.9 * m + 0.1 * g["a"]
+        v = 0.999 * v + 0.001 * g["a"] ** 2
+        step = (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+        s = np.clip(s + 0.05 * step, 0, 1)
+    np.testing.assert_allclose(np.asarray(cur["a"]), s, rtol=1e-5, atol=1e-6)
+    assert float(state["count"]) == 3
+    sign_state = L.init_source_opt_state(src, "sign")
+    out, sign_state = L.source_ascent_step(src, grads[0], sign_state, "sign", 0.3)
+    want = np.clip(src["a"] + 0.3 * np.sign(grads[0]["a"]), 0, 1)
+    np.testing.assert_allclose(np.asarray(out["a"]), want, rtol=1e-6)
+    assert set(sign_state) == {"count"}
+    with pytest.raises(ValueError):
+        L.init_source_opt_state(src, "sgd")
+
+
 def test_make_spd_fns_rejects_unknown_sites():
     target, _, sites = _tms_or_fake()
     with pytest.raises(ValueError):
-        L.make_spd_fns(target, {"nope": 3}, make_cfg(sites=sites))
+        L.make_spd_fns(target, {"nope": 3}, make_cfg(sites=list(sites)))

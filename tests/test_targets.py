@@ -1,6 +1,12 @@
-"""Targets: the site interface, overrides, data generators, init, and that the toys train."""
+"""Targets: the site interface, overrides, data generators, init, and that the toys train.
 
+XLA compiles dominate this file's run time, so each target config is initialised once per module
+and every check on its forward pass shares one compiled program.
+"""
+
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +16,11 @@ import pytest
 
 from pdctl.science.targets import TMS, LlamaMLP, ResidMLP, Target, build_target
 
-TARGETS = {
+CONFIGS = {
     "tms": lambda: TMS(),
     "tms_untied_hidden": lambda: TMS(n_features=6, n_hidden=3, n_hidden_layers=2, tied_weights=False),
     "resid_mlp": lambda: ResidMLP(n_features=12, d_embed=16, d_mlp=6, n_layers=2),
-    "llama": lambda: LlamaMLP(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_mlp=24, seq_len=8),
+    "llama": lambda: LlamaMLP(d_model=16, n_layers=2, n_heads=2, d_mlp=24, seq_len=8),
     "llama_glu_untied": lambda: LlamaMLP(
         vocab_size=32, d_model=16, n_layers=1, n_heads=4, d_mlp=24, seq_len=8, glu=True,
         tied_embeddings=False,
@@ -22,89 +28,115 @@ TARGETS = {
 }  # fmt: skip
 
 
-def _dense_inputs(target: Target, key: jax.Array) -> jax.Array:
-    """Inputs with every feature/token position populated, so any site change shows."""
+def _freeze(tx: optax.GradientTransformation, mask) -> optax.GradientTransformation:
+    return optax.multi_transform({True: tx, False: optax.set_to_zero()}, mask)
+
+
+def _train(target: Target, params, tx, key, steps: int, batch_size: int):
+    """`steps` of `tx` on fresh `make_batch` data, as one scanned program: (params, losses)."""
+
+    def step(carry, k):
+        params, opt = carry
+        batch = target.make_batch(k, batch_size)
+        (loss, _), grads = jax.value_and_grad(target.loss, has_aux=True)(params, batch)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), loss
+
+    (params, _), losses = jax.lax.scan(
+        step, (params, tx.init(params)), jax.random.split(key, steps)
+    )
+    return params, losses
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def case(request) -> SimpleNamespace:
+    target = CONFIGS[request.param]()
+    rng = np.random.default_rng(0)
     if isinstance(target, LlamaMLP):
-        return jax.random.randint(key, (3, target.seq_len), 0, target.vocab_size)
-    return jax.random.uniform(key, (7, target.n_features), minval=0.1, maxval=1.0)
+        # Dense inputs (every token position populated) so any site change shows in the output.
+        x = rng.integers(0, target.vocab_size, (3, target.seq_len), dtype=np.int32)
+        batch = {"tokens": rng.integers(0, target.vocab_size, (3, target.seq_len + 1), np.int32)}
+    else:
+        x = rng.uniform(0.1, 1.0, (7, target.n_features)).astype(np.float32)
+        batch = jax.jit(target.make_batch, static_argnums=1)(jax.random.key(1), 64)
+    params = jax.jit(target.init)(jax.random.key(0))
+    return SimpleNamespace(target=target, params=params, x=x, batch=batch)
 
 
-def _batch(target: Target, key: jax.Array) -> dict[str, jax.Array]:
-    if isinstance(target, LlamaMLP):
-        return {"tokens": jax.random.randint(key, (3, target.seq_len + 1), 0, target.vocab_size)}
-    return target.make_batch(key, 64)
-
-
-@pytest.fixture(params=list(TARGETS))
-def target(request) -> Target:
-    return TARGETS[request.param]()
-
-
-def test_site_interface(target: Target):
-    params = target.init(jax.random.key(0))
+def test_site_interface(case):
+    target, params = case.target, case.params
     weights = target.site_weights(params)
     assert list(weights) == target.site_paths() == list(target.site_shapes())
     for path, w in weights.items():
-        assert w.shape == target.site_shapes()[path], path
-        assert w.dtype == jnp.float32
-    x = _dense_inputs(target, jax.random.key(1))
-    out = jax.jit(target.apply)(params, x)
-    if target.output_kind == "logits":
-        assert out.shape == (*x.shape, target.vocab_size)
-    else:
-        assert out.shape == x.shape
-    assert out.dtype == jnp.float32
+        assert w.shape == target.site_shapes()[path] and w.dtype == jnp.float32, path
     mask = target.trainable_mask(params)
     assert jax.tree.structure(mask) == jax.tree.structure(params)
     assert target.flops_per_example() > 0
     assert target.kind in {"tms", "resid_mlp", "llama_mlp"}
+    assert target.output_kind == ("logits" if target.kind == "llama_mlp" else "mse")
 
 
-def test_identity_override_is_exact_and_zero_override_changes_output(target: Target):
-    params = target.init(jax.random.key(0))
-    x = _dense_inputs(target, jax.random.key(1))
-    weights = target.site_weights(params)
-    same = {path: (lambda x_in, w=w: x_in @ w) for path, w in weights.items()}
+def test_apply_and_overrides(case):
+    """Shapes; an override `x_in @ W` at every site reproduces the model exactly; an override
+    returning zeros at any one site changes the output."""
+    target, paths = case.target, case.target.site_paths()
 
-    def run(overrides):
-        return jax.jit(lambda p, x: target.apply(p, x, overrides))(params, x)
+    def run(p, x):
+        weights = target.site_weights(p)  # from the traced params, as a decomposition does
+        same = {path: (lambda x_in, w=w: x_in @ w) for path, w in weights.items()}
 
-    ref = run(None)
-    np.testing.assert_array_equal(run(same), ref)
-    np.testing.assert_array_equal(target.apply(params, x, same), target.apply(params, x))
-    for path, (_, d_out) in target.site_shapes().items():
-        zero = {path: lambda x_in, d_out=d_out: jnp.zeros((*x_in.shape[:-1], d_out), x_in.dtype)}
-        assert not np.allclose(run(zero), ref), f"zeroing {path} left the output unchanged"
+        def zero_site(i):  # one vmapped program covers every choice of zeroed site
+            def zeros_at(j, w):
+                def override(x_in):
+                    y = x_in @ w
+                    return jnp.where(i == j, jnp.zeros_like(y), y)
+
+                return override
+
+            return target.apply(p, x, {path: zeros_at(j, weights[path]) for j, path in enumerate(paths)})
+
+        return target.apply(p, x), target.apply(p, x, same), jax.vmap(zero_site)(jnp.arange(len(paths)))
+
+    ref, same, zeroed = jax.jit(run)(case.params, case.x)
+    if target.output_kind == "logits":
+        assert ref.shape == (*case.x.shape, target.vocab_size)
+    else:
+        assert ref.shape == case.x.shape
+    assert ref.dtype == jnp.float32
+    np.testing.assert_array_equal(same, ref)
+    for path, out in zip(paths, zeroed, strict=True):
+        assert not np.allclose(out, ref), f"zeroing {path} left the output unchanged"
 
 
-def test_loss_is_finite_and_differentiable(target: Target):
-    params = target.init(jax.random.key(0))
-    batch = _batch(target, jax.random.key(1))
-    (loss, aux), grads = jax.jit(jax.value_and_grad(target.loss, has_aux=True))(params, batch)
-    assert loss.shape == () and loss.dtype == jnp.float32 and np.isfinite(loss)
-    assert all(np.isfinite(v) and v.shape == () for v in aux.values())
-    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
-    assert target.inputs(batch).shape[0] == next(iter(batch.values())).shape[0]
-
-
-def test_strict_promotion_and_bfloat16(target: Target):
-    # Other modules may run under strict numerics; the targets must not rely on implicit
-    # dtype or rank promotion, and a bf16 model must still give float32 outputs and losses.
-    bf16 = type(target)(**{**_fields(target), "param_dtype": jnp.bfloat16})
-    params = bf16.init(jax.random.key(0))
-    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(params))
-    batch = _batch(bf16, jax.random.key(1))
+def test_loss_and_grads_under_strict_numerics(case):
+    # Other modules may run with strict dtype promotion and rank promotion errors; the targets
+    # must not lean on implicit promotion.
+    target = case.target
     with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
-        loss, _ = jax.jit(bf16.loss)(params, batch)
-        f32 = target.init(jax.random.key(0))
-        jax.jit(jax.grad(lambda p: target.loss(p, batch)[0]))(f32)
-    assert loss.dtype == jnp.float32 and np.isfinite(loss)
+        fn = jax.jit(jax.value_and_grad(target.loss, has_aux=True))
+        (loss, aux), grads = fn(case.params, case.batch)
+    assert loss.shape == () and loss.dtype == jnp.float32 and np.isfinite(loss)
+    assert aux and all(np.isfinite(v) and v.shape == () for v in aux.values())
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    assert target.inputs(case.batch).shape[0] == next(iter(case.batch.values())).shape[0]
 
 
-def _fields(target: Target) -> dict:
-    import dataclasses
+def test_bfloat16_params_give_float32_outputs():
+    t = LlamaMLP(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_mlp=16, seq_len=4, glu=True,
+                 param_dtype=jnp.bfloat16)  # fmt: skip
+    toy = dataclasses.replace(TMS(n_hidden_layers=1, tied_weights=False), param_dtype="bfloat16")
+    tokens = np.arange(10, dtype=np.int32).reshape(2, 5)
 
-    return {f.name: getattr(target, f.name) for f in dataclasses.fields(target)}
+    @jax.jit
+    def run(key):
+        p, q = t.init(key), toy.init(key)
+        with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+            return p, t.loss(p, {"tokens": tokens}), q, toy.loss(q, toy.make_batch(key, 8))
+
+    p, (loss, _), q, (toy_loss, _) = run(jax.random.key(0))
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves((p, q)))
+    assert loss.dtype == toy_loss.dtype == jnp.float32
+    assert np.isfinite(loss) and np.isfinite(toy_loss)
 
 
 def test_build_target():
@@ -123,80 +155,62 @@ def test_build_target():
 # TMS
 
 
-def test_tms_tied_and_untied():
-    tied = TMS()
-    p = tied.init(jax.random.key(0))
-    assert set(p) == {"linear1", "linear2"} and set(p["linear2"]) == {"b"}
-    w = tied.site_weights(p)
-    np.testing.assert_array_equal(w["linear2"], p["linear1"]["W"].T)
-    assert w["linear1"].shape == (5, 2) and w["linear2"].shape == (2, 5)
+def test_tms_tied_untied_and_hidden_layers():
+    tied, untied, deep = TMS(), TMS(tied_weights=False, bias=False), TMS(n_hidden_layers=2)
+    p_tied, p_untied, p_deep = jax.jit(lambda k: (tied.init(k), untied.init(k), deep.init(k)))(
+        jax.random.key(3)
+    )
+    assert set(p_tied) == {"linear1", "linear2"} and set(p_tied["linear2"]) == {"b"}
+    np.testing.assert_array_equal(p_tied["linear2"]["b"], np.zeros(5))
+    np.testing.assert_array_equal(tied.site_weights(p_tied)["linear2"], p_tied["linear1"]["W"].T)
+    assert set(p_untied) == {"linear1", "linear2"} and set(p_untied["linear2"]) == {"W"}
+    np.testing.assert_array_equal(untied.site_weights(p_untied)["linear2"], p_untied["linear2"]["W"])
 
-    untied = TMS(tied_weights=False)
-    p = untied.init(jax.random.key(0))
-    assert p["linear2"]["W"].shape == (2, 5)
-    np.testing.assert_array_equal(untied.site_weights(p)["linear2"], p["linear2"]["W"])
-
-    no_bias = TMS(bias=False)
-    assert "linear2" not in no_bias.init(jax.random.key(0))
-
-
-def test_tms_identity_hidden_layers_are_frozen_and_transparent():
-    deep, flat = TMS(n_hidden_layers=2), TMS()
-    p_deep = deep.init(jax.random.key(3))
     assert deep.site_paths() == ["linear1", "hidden_layers.0", "hidden_layers.1", "linear2"]
     for i in ("0", "1"):
         np.testing.assert_array_equal(p_deep["hidden_layers"][i]["W"], np.eye(2))
     mask = deep.trainable_mask(p_deep)
     assert mask["hidden_layers"] == {"0": {"W": False}, "1": {"W": False}}
     assert mask["linear1"]["W"] and mask["linear2"]["b"]
+    # Identity hidden layers are transparent.
     p_flat = {k: v for k, v in p_deep.items() if k != "hidden_layers"}
-    x = _dense_inputs(flat, jax.random.key(4))
-    np.testing.assert_allclose(deep.apply(p_deep, x), flat.apply(p_flat, x), rtol=1e-6)
+    x = np.random.default_rng(0).uniform(0, 1, (7, 5)).astype(np.float32)
+    np.testing.assert_allclose(deep.apply(p_deep, x), tied.apply(p_flat, x), rtol=1e-6)
 
 
 def test_tms_make_batch_deterministic_and_sparse():
     t = TMS(n_features=5, feature_probability=0.05)
-    a, b = t.make_batch(jax.random.key(7), 20_000), t.make_batch(jax.random.key(7), 20_000)
+    make = jax.jit(lambda k: t.make_batch(k, 20_000))
+    a, b, c = make(jax.random.key(7)), make(jax.random.key(7)), make(jax.random.key(8))
     np.testing.assert_array_equal(a["x"], b["x"])
-    assert not np.array_equal(a["x"], t.make_batch(jax.random.key(8), 20_000)["x"])
+    assert not np.array_equal(a["x"], c["x"])
     x = np.asarray(a["x"])
     assert x.shape == (20_000, 5) and x.dtype == np.float32
     assert 0.0 <= x.min() and x.max() <= 1.0
-    # 100k Bernoulli(0.05) draws: std of the active fraction is ~7e-4.
+    # 100k Bernoulli(0.05) draws: the active fraction has std ~7e-4.
     assert abs(np.mean(x > 0) - 0.05) < 0.004
     np.testing.assert_array_equal(a["y"], a["x"])
     assert t.inputs(a) is a["x"]
 
 
 def test_tms_5_2_pretrains_to_the_pentagon():
-    """Adam on TMS 5-2 (p=0.05, batch 1024, lr 1e-2) reaches the pentagon within 600 steps.
+    """Adam(1e-2) on TMS 5-2 (p=0.05, batch 1024) reaches the pentagon within 500 steps.
 
     Threshold: the best symmetric pentagon (row norm 1.13, bias -0.25) has MSE 0.00180 on this
-    data; each feature the model leaves unrepresented costs p * E[U^2] / n_features = 0.0033 on
-    its own, so MSE < 0.0025 holds only when all five features are represented. With our
-    zero-bias init 32/32 seeds got there in 500 steps (median eval MSE 0.00178); the zero model
-    sits at p / 3 = 0.0167. Four seeds are trained at once with vmap.
+    data, while a feature left unrepresented costs p * E[U^2] / n_features = 0.0033 by itself, so
+    MSE < 0.0025 holds only when all five features are represented. With the zero-bias init,
+    32/32 seeds got there in 500 steps (eval MSE 0.00174-0.00183); the zero model sits at
+    p / 3 = 0.0167. Four seeds train at once under vmap.
     """
-    t, steps, batch_size = TMS(), 600, 1024
-    tx = optax.adam(1e-2)
+    t, tx = TMS(), optax.adam(1e-2)
 
-    def train(seed):
+    def train_and_eval(seed):
         params = t.init(jax.random.key(seed))
-
-        def step(carry, key):
-            params, opt = carry
-            (loss, _), grads = jax.value_and_grad(t.loss, has_aux=True)(
-                params, t.make_batch(key, batch_size)
-            )
-            updates, opt = tx.update(grads, opt, params)
-            return (optax.apply_updates(params, updates), opt), loss
-
-        keys = jax.random.split(jax.random.key(seed + 100), steps)
-        (params, _), losses = jax.lax.scan(step, (params, tx.init(params)), keys)
+        params, losses = _train(t, params, tx, jax.random.key(seed + 100), 500, 1024)
         eval_loss, _ = t.loss(params, t.make_batch(jax.random.key(10_000 + seed), 65_536))
         return params, losses, eval_loss
 
-    params, losses, eval_loss = jax.jit(jax.vmap(train))(jnp.arange(4))
+    params, losses, eval_loss = jax.jit(jax.vmap(train_and_eval))(jnp.arange(4))
     losses, eval_loss = np.asarray(losses), np.asarray(eval_loss)
     assert np.all(losses[:, -50:].mean(1) < 0.3 * losses[:, :10].mean(1))
     assert np.all(eval_loss < 0.0025), eval_loss
@@ -209,79 +223,92 @@ def test_tms_5_2_pretrains_to_the_pentagon():
 
 def test_resid_mlp_embedding_fixed_unit_norm_and_frozen():
     t = ResidMLP(n_features=12, d_embed=16, d_mlp=6, n_layers=1, embed_seed=3)
-    p0, p1 = t.init(jax.random.key(0)), t.init(jax.random.key(1))
+    other_seed = dataclasses.replace(t, embed_seed=4)
+    no_bias = dataclasses.replace(t, bias=False)
+    p0, p1, p_other, p_nb = jax.jit(
+        lambda k0, k1: (t.init(k0), t.init(k1), other_seed.init(k0), no_bias.init(k0))
+    )(jax.random.key(0), jax.random.key(1))
     np.testing.assert_allclose(np.linalg.norm(p0["W_E"], axis=-1), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(p0["W_E"], p1["W_E"])
-    assert not np.array_equal(
-        p0["layers"]["0"]["mlp_in"]["W"], p1["layers"]["0"]["mlp_in"]["W"]
-    )
-    other_seed = ResidMLP(n_features=12, d_embed=16, d_mlp=6, embed_seed=4)
-    assert not np.array_equal(p0["W_E"], other_seed.init(jax.random.key(0))["W_E"])
+    assert not np.array_equal(p0["W_E"], p_other["W_E"])
+    assert not np.array_equal(p0["layers"]["0"]["mlp_in"]["W"], p1["layers"]["0"]["mlp_in"]["W"])
+    assert set(p_nb["layers"]["0"]["mlp_in"]) == {"W"}
     mask = t.trainable_mask(p0)
-    assert mask["W_E"] is False
-    assert all(jax.tree.leaves(mask["layers"]))
-    assert "b" not in ResidMLP(n_features=4, d_embed=8, d_mlp=2, bias=False).init(
-        jax.random.key(0)
-    )["layers"]["0"]["mlp_in"]
+    assert mask["W_E"] is False and all(jax.tree.leaves(mask["layers"]))
 
 
-def test_resid_mlp_make_batch():
-    t = ResidMLP(n_features=50, d_embed=16, d_mlp=6, feature_probability=0.02)
-    batch = t.make_batch(jax.random.key(0), 10_000)
-    np.testing.assert_array_equal(batch["x"], t.make_batch(jax.random.key(0), 10_000)["x"])
-    x, y = np.asarray(batch["x"]), np.asarray(batch["y"])
-    assert -1.0 <= x.min() < 0 < x.max() <= 1.0
-    assert abs(np.mean(x != 0) - 0.02) < 0.002
-    np.testing.assert_array_equal(y, x + np.maximum(x, 0))
-
-
-def test_resid_mlp_trains():
+def test_resid_mlp_make_batch_and_training():
     t = ResidMLP(n_features=20, d_embed=40, d_mlp=10, feature_probability=0.05)
-    params = t.init(jax.random.key(0))
-    tx = optax.masked(optax.adam(3e-3), t.trainable_mask(params))
 
     @jax.jit
-    def run(params):
-        def step(carry, key):
-            params, opt = carry
-            (loss, _), g = jax.value_and_grad(t.loss, has_aux=True)(params, t.make_batch(key, 256))
-            updates, opt = tx.update(g, opt, params)
-            return (optax.apply_updates(params, updates), opt), loss
+    def run(key):
+        params = t.init(key)
+        tx = _freeze(optax.adam(1e-2), t.trainable_mask(params))
+        trained, losses = _train(t, params, tx, jax.random.key(1), 300, 256)
+        return t.make_batch(key, 10_000), params, trained, losses
 
-        return jax.lax.scan(step, (params, tx.init(params)), jax.random.split(jax.random.key(1), 300))
-
-    (trained, _), losses = run(params)
+    batch, params, trained, losses = run(jax.random.key(0))
+    x, y = np.asarray(batch["x"]), np.asarray(batch["y"])
+    assert -1.0 <= x.min() < 0 < x.max() <= 1.0
+    # 200k Bernoulli(0.05) draws: the active fraction has std ~5e-4.
+    assert abs(np.mean(x != 0) - 0.05) < 0.003
+    np.testing.assert_array_equal(y, x + np.maximum(x, 0))
     np.testing.assert_array_equal(trained["W_E"], params["W_E"])
+    # Measured: 0.015 -> 0.007 over these 300 steps.
     assert losses[-20:].mean() < 0.7 * losses[:20].mean()
 
 
 # LlamaMLP
 
 
-def test_llama_loss_at_init_is_log_vocab():
-    t = LlamaMLP(d_model=32, n_layers=1, n_heads=2, d_mlp=64, seq_len=16)
-    params = t.init(jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, t.vocab_size)
-    loss, aux = jax.jit(t.loss)(params, {"tokens": tokens})
-    assert abs(float(loss) - math.log(256)) < 0.1
+def test_llama_loss_at_init_is_log_vocab(case):
+    if case.target.kind != "llama_mlp":
+        pytest.skip("LM only")
+    t = case.target
+    loss, aux = jax.jit(t.loss)(case.params, case.batch)
+    # Tied N(0, 0.02) embeddings after a unit-RMS norm give logits of std 0.02 * sqrt(d_model),
+    # so the CE exceeds log(vocab) by about half their variance (< 0.01 here).
+    assert abs(float(loss) - math.log(t.vocab_size)) < 0.1
     assert set(aux) == {"ce", "accuracy"} and 0 <= aux["accuracy"] <= 1
-    np.testing.assert_array_equal(t.inputs({"tokens": tokens}), tokens[:, :-1])
-    assert t.n_tokens_per_example() == 16
+    np.testing.assert_array_equal(t.inputs(case.batch), case.batch["tokens"][:, :-1])
+    assert t.n_tokens_per_example() == t.seq_len
     with pytest.raises(TypeError):
         t.make_batch(jax.random.key(0), 4)
 
 
 def test_llama_params_layout_and_causality():
-    t = TARGETS["llama_glu_untied"]()
-    params = t.init(jax.random.key(0))
+    t = CONFIGS["llama_glu_untied"]()
+    tokens = np.random.default_rng(1).integers(0, t.vocab_size, (3, t.seq_len), dtype=np.int32)
+    changed = tokens.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % t.vocab_size
+
+    @jax.jit
+    def run(key):
+        params = t.init(key)
+        return params, t.apply(params, tokens), t.apply(params, changed)
+
+    params, out, out_changed = run(jax.random.key(0))
     layer = params["layers"]["0"]
     assert layer["mlp"]["gate"].shape == layer["mlp"]["up"].shape == (16, 24)
     assert layer["mlp"]["down"].shape == (24, 16)
     assert params["unembed"].shape == (16, 32)
     np.testing.assert_array_equal(layer["attn_norm"], np.ones(16))
     assert t.site_paths()[4:] == ["layers.0.mlp.gate", "layers.0.mlp.up", "layers.0.mlp.down"]
-    tokens = _dense_inputs(t, jax.random.key(1))
-    changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % t.vocab_size)
-    apply = jax.jit(t.apply)
-    np.testing.assert_allclose(apply(params, tokens)[:, :-1], apply(params, changed)[:, :-1])
-    assert not np.allclose(apply(params, tokens)[:, -1], apply(params, changed)[:, -1])
+    np.testing.assert_allclose(out[:, :-1], out_changed[:, :-1], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(out[:, -1], out_changed[:, -1])
+
+
+def test_llama_init_matches_per_site_draws():
+    """Grouped (vmapped) init equals drawing each site from its own key, bit for bit."""
+    t = CONFIGS["llama"]()
+    paths = t.site_paths()
+
+    @jax.jit
+    def run(key):
+        site_keys = jax.random.split(jax.random.split(key, 3)[2], len(paths))
+        ref = {p: 0.02 * jax.random.normal(k, t.site_shapes()[p]) for p, k in zip(paths, site_keys)}
+        return t.site_weights(t.init(key)), ref
+
+    got, ref = run(jax.random.key(0))
+    for path in paths:
+        np.testing.assert_array_equal(got[path], ref[path], err_msg=path)

@@ -41,12 +41,18 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest *complete* checkpoint (orbax ignores unfinished ones)."""
-        self._mgr.reload()
-        return self._mgr.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        self._mgr.reload()
-        return list(self._mgr.all_steps())
+        """The complete checkpoints on disk, oldest first.
+
+        Read from the directory, not with `CheckpointManager.reload()`: reloading while an
+        async save is in flight drops that save from the manager's bookkeeping, and its
+        garbage collection then keeps `keep + 1` checkpoints."""
+        if not self.directory.exists():
+            return []
+        return sorted(m.step for m in ocp.step.standard_name_format().find_all(self.directory))
 
     def restore(self, step: int, abstract: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore the items named in `abstract` (ShapeDtypeStructs with shardings)."""

@@ -178,6 +178,12 @@ class Loop:
 
     # ---- run -----------------------------------------------------------------------------
     def run(self) -> LoopResult:
+        # The handlers stay installed until the stop checkpoint and the final state are
+        # written: a second SIGTERM/SIGINT must not cut that save short.
+        with self._signals():
+            return self._run()
+
+    def _run(self) -> LoopResult:
         end = self.total_steps if self.until is None else min(self.until, self.total_steps)
         compiled = self.compile()
         self.on_state(
@@ -203,7 +209,7 @@ class Loop:
             disable=not self.console.is_terminal,
         )
         tracing = False
-        with self._signals(), progress:
+        with progress:
             task = progress.add_task(self.stage, total=end, completed=step, info="")
             while step < end and self._signal is None:
                 if self.profile and step == self.profile[0] and self.profile_dir:

@@ -11,6 +11,7 @@ bits as `init_decomposition_reference`, the per-site loop below.
 """
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -119,19 +120,29 @@ def init_decomposition_reference(
     components: Components = {}
     ci_fns: dict[str, CiParams] = {}
     sources: dict[str, Array] = {}
-    hidden = tuple(hidden)
     for i, (path, (d_in, d_out, C)) in enumerate(sites.items()):
-        # Each per-site function under its own jit only to save op-by-op dispatch: the values
-        # are the same bits eagerly, under jit and under vmap (see `_scaled_normal`).
-        components[path] = _init_site_components_jit(comp_keys[i], d_in, d_out, C, dtype)
-        ci_fns[path] = _init_ci_fn_jit(ci_keys[i], ci_kind, d_in, C, hidden)
-        sources[path] = _init_source_jit(src_keys[i], tuple(source_shape(C)))
+        components[path], ci_fns[path], sources[path] = _init_site_jit(
+            comp_keys[i],
+            ci_keys[i],
+            src_keys[i],
+            (d_in, d_out, C, ci_kind, tuple(hidden), tuple(source_shape(C)), dtype),
+        )
     return components, ci_fns, sources
 
 
-_init_site_components_jit = jax.jit(init_site_components, static_argnums=(1, 2, 3, 4))
-_init_ci_fn_jit = jax.jit(init_ci_fn, static_argnums=(1, 2, 3, 4))
-_init_source_jit = jax.jit(init_source, static_argnums=(1,))
+@partial(jax.jit, static_argnums=(3,))
+def _init_site_jit(
+    comp_key: Array, ci_key: Array, src_key: Array, spec: tuple
+) -> tuple[dict[str, Array], CiParams, Array]:
+    # One site's three per-site functions under one jit, only to save compiles and op-by-op
+    # dispatch: the values are the same bits eagerly, under jit and under vmap (see
+    # `_scaled_normal`).
+    d_in, d_out, C, ci_kind, hidden, src_shape, dtype = spec
+    return (
+        init_site_components(comp_key, d_in, d_out, C, dtype),
+        init_ci_fn(ci_key, ci_kind, d_in, C, hidden),
+        init_source(src_key, src_shape),
+    )
 
 
 def expand_left(a: Array, ndim: int) -> Array:

@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from pdctl.config import Config, LossConfig
 from pdctl.science.spd.ci import compute_ci
@@ -294,6 +293,51 @@ def l0_per_site(ci_lower: Dict, threshold: float) -> dict[str, Array]:
 
 
 # ---------------------------------------------------------------------------------------------
+# the adversary's optimizer
+
+ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-8  # goodfire-ai/spd's AdamPGDConfig defaults
+
+
+def init_source_opt_state(sources: Dict, optimizer: str) -> dict[str, Any]:
+    """{"count", "m", "v"} for Adam, {"count"} for sign steps (a plain dict, so it checkpoints
+    and shards like the sources themselves)."""
+    state: dict[str, Any] = {"count": jnp.zeros((), jnp.float32)}
+    if optimizer == "adam":
+        state["m"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
+        state["v"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
+    elif optimizer != "sign":
+        raise ValueError(f"unknown source optimizer {optimizer!r}")
+    return state
+
+
+def source_ascent_step(
+    sources: Dict,
+    grads: Dict,
+    opt_state: Mapping[str, Any],
+    optimizer: str,
+    lr: Array | float,
+) -> tuple[dict[str, Array], dict[str, Any]]:
+    """One ASCENT step on the sources (Adam with bias correction, or lr * sign(grad)), then
+    projection onto [0, 1]. Written out rather than taken from optax so that it also runs under
+    `jax_numpy_dtype_promotion="strict"` (optax's bias correction mixes int and float)."""
+    count = opt_state["count"] + 1
+    new_state: dict[str, Any] = {"count": count}
+    if optimizer == "adam":
+        m = {p: ADAM_B1 * opt_state["m"][p] + (1 - ADAM_B1) * g for p, g in grads.items()}
+        v = {p: ADAM_B2 * opt_state["v"][p] + (1 - ADAM_B2) * g * g for p, g in grads.items()}
+        c1 = 1 - jnp.power(ADAM_B1, count)
+        c2 = 1 - jnp.power(ADAM_B2, count)
+        direction = {p: (m[p] / c1) / (jnp.sqrt(v[p] / c2) + ADAM_EPS) for p in grads}
+        new_state["m"], new_state["v"] = m, v
+    elif optimizer == "sign":
+        direction = {p: jnp.sign(g) for p, g in grads.items()}
+    else:
+        raise ValueError(f"unknown source optimizer {optimizer!r}")
+    new = {p: jnp.clip(sources[p] + lr * direction[p], 0.0, 1.0) for p in sources}
+    return new, new_state
+
+
+# ---------------------------------------------------------------------------------------------
 # entry points for the train stage
 
 TERMS = (
@@ -322,7 +366,8 @@ class SpdFns:
       and kept for a stable signature. `lr` overrides `train.ppgd.lr` (e.g. a schedule value).
     - `source_step(sources, grads, src_opt_state, lr=None) -> (sources, src_opt_state)`: one
       ascent step (Adam or sign) followed by clipping to [0, 1].
-    - `init_source_opt(sources)`: the source optimizer state (Adam moments, or empty for sign).
+    - `init_source_opt(sources)`: the source optimizer state, a dict: {"count", "m", "v"} for
+      Adam (betas 0.9 / 0.999, eps 1e-8), {"count"} for sign steps.
     - `ci(components, ci_fns, target_params, x) -> (ci_lower, ci_upper)`.
     """
 
@@ -343,7 +388,6 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
     dcfg, lcfg, pcfg = cfg.decomp, cfg.train.loss, cfg.train.ppgd
     kind, sigmoid, delta = dcfg.ci_fn.type, dcfg.sigmoid, dcfg.delta_component
     out_kind = lcfg.output
-    adam = optax.scale_by_adam()
 
     def site_weights(target_params: Any) -> dict[str, Array]:
         w = target.site_weights(target_params)
@@ -409,19 +453,15 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
     def faithfulness(components: Components, target_params: Any) -> Array:
         return faithfulness_loss(site_weights(target_params), components)
 
-    def init_source_opt(sources: Dict) -> Any:
-        return adam.init(sources) if pcfg.optimizer == "adam" else optax.EmptyState()
+    def init_source_opt(sources: Dict) -> dict[str, Any]:
+        return init_source_opt_state(sources, pcfg.optimizer)
 
     def source_step(
-        sources: Dict, grads: Dict, opt_state: Any, lr: Array | float | None = None
-    ) -> tuple[dict[str, Array], Any]:
-        lr = pcfg.lr if lr is None else lr
-        if pcfg.optimizer == "adam":
-            direction, opt_state = adam.update(grads, opt_state)
-        else:
-            direction = jax.tree.map(jnp.sign, grads)
-        new = {p: jnp.clip(sources[p] + lr * direction[p], 0.0, 1.0) for p in sources}
-        return new, opt_state
+        sources: Dict, grads: Dict, opt_state: Mapping[str, Any], lr: Array | float | None = None
+    ) -> tuple[dict[str, Array], dict[str, Any]]:
+        return source_ascent_step(
+            sources, grads, opt_state, pcfg.optimizer, pcfg.lr if lr is None else lr
+        )
 
     def ppgd_ascent(
         sources: Dict,

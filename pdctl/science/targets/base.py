@@ -60,6 +60,9 @@ class Target:
         raise NotImplementedError
 
     def trainable_mask(self, params: Params) -> Any:
+        """Bool pytree like `params`; False leaves must not move. Freeze them with
+        `optax.multi_transform({True: tx, False: optax.set_to_zero()}, mask)`: `optax.masked`
+        passes the raw gradient of a False leaf through as its update."""
         return jax.tree.map(lambda _: True, params)
 
     def n_tokens_per_example(self) -> int:
@@ -78,9 +81,14 @@ class Target:
         return x_in @ w
 
 
+def lift(v: jax.Array, like: jax.Array) -> jax.Array:
+    """`v` with leading unit axes up to `like.ndim`: an explicit broadcast, so the models stay
+    valid under jax_numpy_rank_promotion="raise"."""
+    return v.reshape((1,) * (like.ndim - v.ndim) + v.shape)
+
+
 def add_bias(h: jax.Array, b: jax.Array) -> jax.Array:
-    # Explicit reshape keeps the model valid under jax_numpy_rank_promotion="raise".
-    return h + b.reshape((1,) * (h.ndim - b.ndim) + b.shape)
+    return h + lift(b, h)
 
 
 def uniform_fan_in(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:

@@ -7,9 +7,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from pdctl.science.targets.base import Overrides, Params, Target
+from pdctl.science.targets.base import Overrides, Params, Target, lift
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,22 +72,32 @@ class LlamaMLP(Target):
         return weights
 
     def init(self, key: jax.Array) -> Params:
+        """N(0, 0.02) matrices, unit norm scales. Site i draws from the i-th of `split(key, n)`
+        (after the embedding keys); same-shaped sites draw together under one vmapped sampler,
+        which keeps the RNG bodies in a compiled init to a handful however deep the model."""
         d, V, dt = self.d_model, self.vocab_size, self.param_dtype
         shapes = self.site_shapes()
         k_embed, k_unembed, k_sites = jax.random.split(key, 3)
+        site_keys = jax.random.split(k_sites, len(shapes))
 
         def normal(k: jax.Array, shape: tuple[int, ...]) -> jax.Array:
             return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dt)
 
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, shape in enumerate(shapes.values()):
+            by_shape.setdefault(shape, []).append(i)
+        drawn: dict[int, jax.Array] = {}
+        for shape, idx in by_shape.items():
+            stacked = jax.vmap(lambda k, shape=shape: normal(k, shape))(site_keys[np.array(idx)])
+            drawn.update({i: stacked[j] for j, i in enumerate(idx)})
+
         layers: Params = {}
-        for (path, shape), k in zip(
-            shapes.items(), jax.random.split(k_sites, len(shapes)), strict=True
-        ):
-            _, i, block, name = path.split(".")
+        for i, path in enumerate(shapes):
+            _, layer_idx, block, name = path.split(".")
             layer = layers.setdefault(
-                i, {"attn_norm": jnp.ones((d,), dt), "mlp_norm": jnp.ones((d,), dt)}
+                layer_idx, {"attn_norm": jnp.ones((d,), dt), "mlp_norm": jnp.ones((d,), dt)}
             )
-            layer.setdefault(block, {})[name] = normal(k, shape)
+            layer.setdefault(block, {})[name] = drawn[i]
         params: Params = {
             "embed": normal(k_embed, (V, d)),
             "layers": layers,
@@ -100,7 +111,7 @@ class LlamaMLP(Target):
         # Statistics in float32: a bf16 mean of squares over d_model loses too many bits.
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.norm_eps)
-        return x32.astype(x.dtype) * scale
+        return x32.astype(x.dtype) * lift(scale, x)
 
     def _rope(self, x_BxTxNxH: jax.Array) -> jax.Array:
         T, H = x_BxTxNxH.shape[1], x_BxTxNxH.shape[3]

@@ -1,0 +1,624 @@
+"""`pdctl inspect-sharding`: how a stage's arrays are laid out on the mesh, without allocating.
+
+Everything here is abstract: `jax.eval_shape` through the stages' own `build` functions gives the
+shapes, `sharding.tree_specs` gives the PartitionSpecs the stage will use, and bytes per device
+are shape x itemsize / shards. Nothing takes the run lock or reads checkpoints, so it works on a
+fresh run directory and next to a running stage. `--compile` lowers and compiles the stage's
+donating step from `jax.ShapeDtypeStruct`s carrying their shardings and reports XLA's
+`memory_analysis()`; `--devices N` previews another device count in a child process with N
+simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from pydantic import ValidationError
+
+from pdctl.config import Config, MeshConfig, match_sites
+from pdctl.engine import sharding
+from pdctl.errors import PdctlError
+from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
+
+STAGES = ("init_weights", "pretrain", "warmup", "train")
+KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
+KIND_LABEL = {
+    "target": "target",
+    "components": "components (V/U)",
+    "ci_fns": "CI functions",
+    "sources": "PPGD sources",
+    "optimizer": "optimizer state",
+    "loop": "loop counters",
+    "batch": "batch",
+    "other": "other",
+}
+DONATION_THRESHOLD = 0.95
+CHILD_ENV = "PDCTL_INSPECT_CHILD"
+N_LARGEST = 5
+
+
+# ---- option parsing ------------------------------------------------------------------------
+def parse_stage(value: str) -> str:
+    stage = value.strip().replace("-", "_")
+    if stage not in STAGES:
+        raise PdctlError(f"--stage: unknown stage {value!r} (choose from {', '.join(STAGES)})")
+    return stage
+
+
+def parse_mesh(value: str | None) -> dict[str, int] | None:
+    """`data=A,fsdp=B` (either key may be left out; -1 = all remaining devices)."""
+    if value is None:
+        return None
+    out: dict[str, int] = {}
+    for part in value.split(","):
+        key, eq, num = part.partition("=")
+        key = key.strip()
+        try:
+            n = int(num)
+        except ValueError:
+            n = None
+        if not eq or key not in sharding.AXES or key in out or n is None:
+            raise PdctlError(
+                f"--mesh: expected data=A,fsdp=B (integers, -1 = the rest), got {value!r}"
+            )
+        out[key] = n
+    return out
+
+
+def mesh_config(cfg: Config, override: dict[str, int] | None) -> MeshConfig:
+    if not override:
+        return cfg.mesh
+    fields = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, **override}
+    if "data" in override and "fsdp" not in override and override["data"] != -1:
+        fields["fsdp"] = -1  # data=A alone: the rest of the devices shard parameters
+    if "fsdp" in override and "data" not in override and override["fsdp"] != -1:
+        fields["data"] = -1
+    fields["fsdp_min_param_size"] = cfg.mesh.fsdp_min_param_size
+    try:
+        return MeshConfig.model_validate(fields)
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise PdctlError(f"--mesh: {msg}") from None
+
+
+def check_mesh_fits(mc: MeshConfig, n_devices: int, from_flag: bool) -> tuple[int, int]:
+    try:
+        return sharding.resolve_mesh_shape(mc.data, mc.fsdp, n_devices)
+    except PdctlError as e:
+        if from_flag:
+            raise PdctlError(f"--mesh: data={mc.data},fsdp={mc.fsdp} does not fit: {e}") from None
+        raise
+
+
+# ---- what a stage's step sees ----------------------------------------------------------------
+@dataclass
+class Arg:
+    """One argument of the stage's step: its abstract tree, specs, and whether it is donated."""
+
+    name: str
+    abstract: Any
+    specs: Any
+    donated: bool
+    prefix: str = ""  # row paths are prefix + tree path
+
+
+@dataclass
+class Plan:
+    stage: str
+    cfg: Config
+    mesh: Any
+    args: list[Arg]
+    step: Any = None  # the pure step function (None: init_weights has no step)
+    out_specs: Any = None  # the state specs the step returns
+    notes: list[str] = field(default_factory=list)
+
+
+def _env(cfg: Config, stage: str, mesh, target) -> StageEnv:
+    # A StageEnv without StageEnv.open: no lock, no prerequisite checks, no files touched.
+    return StageEnv(project=SimpleNamespace(config=cfg), stage=stage, mesh=mesh, target=target)
+
+
+def _specs(abstract: Any, cfg: Config, mesh) -> Any:
+    return sharding.tree_specs(abstract, mesh, cfg.mesh.fsdp_min_param_size)
+
+
+def _batch_abstract(cfg: Config, target, batch_size: int, mesh, key: str) -> tuple[Any, Any]:
+    """(abstract batch, its spec) for text targets; (None, None) where the step makes its own."""
+    if target.output_kind != "logits":
+        return None, None
+    if batch_size % sharding.batch_shards(mesh):
+        raise PdctlError(
+            f"{key}: {batch_size} is not divisible by the {sharding.batch_shards(mesh)} devices "
+            f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']})"
+        )
+    abstract = {"tokens": jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len + 1), jnp.int32)}
+    return abstract, {"tokens": P(sharding.BATCH_AXES, None)}
+
+
+def plan(cfg: Config, stage: str, mesh) -> Plan:
+    """The abstract arguments of `stage`'s step (or, for init_weights, what it creates)."""
+    from pdctl.stages import init_weights, pretrain, train, warmup
+
+    target = target_from_config(cfg)
+    env = _env(cfg, stage, mesh, target)
+    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+    target_specs = _specs(abstract_params, cfg, mesh)
+    notes: list[str] = []
+    if stage == "init_weights":
+        dec = init_weights.init_decomposition_abstract(cfg, target)
+        return Plan(
+            stage,
+            cfg,
+            mesh,
+            [
+                Arg("target", abstract_params, target_specs, False, "target"),
+                Arg("decomposition", dec, _specs(dec, cfg, mesh), False),
+            ],
+            notes=["init_weights has no step; rows are what it creates"],
+        )
+    if stage == "pretrain":
+        pc = cfg.pretrain
+        tx, abstract, _, _, _ = pretrain.build(env, pc.steps)
+        batch, batch_specs = _batch_abstract(
+            cfg, target, pc.batch_size, mesh, "pretrain.batch_size"
+        )
+        state_specs = _specs(abstract, cfg, mesh)
+        step = pretrain.make_step(
+            target, tx, pc.batch_size, NamedSharding(mesh, P(sharding.BATCH_AXES, None))
+        )
+        args = [Arg("state", abstract, state_specs, True)]
+        args.append(Arg("batch", batch, batch_specs, False, "batch"))
+        return Plan(stage, cfg, mesh, args, step, state_specs, notes)
+    dec = init_weights.init_decomposition_abstract(cfg, target)
+    frozen = Arg("target", abstract_params, target_specs, False, "target")
+    if stage == "warmup":
+        tx, _, abstract, _ = warmup.build(env, dec["components"], cfg.warmup.steps)
+        paths = tuple(p for p in target.site_paths() if p in dec["components"])
+        step = warmup.make_step(target, paths, tx)
+        state_specs = _specs(abstract, cfg, mesh)
+        args = [frozen, Arg("state", abstract, state_specs, True), Arg("batch", None, None, False)]
+        return Plan(stage, cfg, mesh, args, step, state_specs, notes)
+    from pdctl.science.spd.losses import make_spd_fns
+
+    tc = cfg.train
+    fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
+    tx, _, abstract, _, _ = train.build(env, fns, tc.steps)
+    batch, batch_specs = _batch_abstract(cfg, target, tc.batch_size, mesh, "train.batch_size")
+    step = train.make_step(
+        target, fns, tx, cfg, tc.steps, NamedSharding(mesh, P(sharding.BATCH_AXES, None))
+    )
+    state_specs = _specs(abstract, cfg, mesh)
+    args = [frozen, Arg("state", abstract, state_specs, True)]
+    args.append(Arg("batch", batch, batch_specs, False, "batch"))
+    return Plan(stage, cfg, mesh, args, step, state_specs, notes)
+
+
+# ---- rows ------------------------------------------------------------------------------------
+def _kind(arg: str, path: str) -> str:
+    if arg in ("target", "batch"):
+        return arg
+    head = path.split(".", 2)
+    first = head[0]
+    if first == "trainable" and len(head) > 1:
+        first = head[1]
+    if first == "params":
+        return "target"
+    if first in ("components", "ci_fns", "sources"):
+        return first
+    if first in ("opt_state", "src_opt"):
+        return "optimizer"
+    if first == "loop":
+        return "loop"
+    return "other"
+
+
+def _spec_axes(spec: P, ndim: int) -> list[Any]:
+    axes = list(spec) + [None] * (ndim - len(spec))
+    return [list(a) if isinstance(a, tuple) else a for a in axes]
+
+
+def spec_str(axes: list[Any]) -> str:
+    if all(a is None for a in axes):
+        return "P()"
+
+    def one(a):
+        if a is None:
+            return "None"
+        if isinstance(a, list):
+            return "(" + ", ".join(repr(x) for x in a) + ")"
+        return repr(a)
+
+    return "P(" + ", ".join(one(a) for a in axes) + ")"
+
+
+def shard_count(axes: list[Any], mesh_shape: dict[str, int]) -> int:
+    n = 1
+    for a in axes:
+        for name in a if isinstance(a, list) else [a]:
+            if name is not None:
+                n *= mesh_shape[name]
+    return n
+
+
+def _group_path(keys: tuple[Any, ...]) -> str:
+    """The path with layer/site indices (numeric dict-key segments) replaced by '*'.
+
+    Tuple indices (optax chain positions) stay literal: they name different states."""
+    parts = []
+    for k in keys:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(".".join("*" if s.isdigit() else s for s in str(k.key).split(".")))
+        else:
+            parts.append(sharding.path_str((k,)))
+    return ".".join(parts)
+
+
+def _why_replicated(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> str:
+    if not shape:
+        return "scalar"
+    if fsdp == 1:
+        return "mesh has fsdp=1"
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf in ("V", "U") and len(shape) == 2:
+        c = shape[1] if leaf == "V" else shape[0]
+        return f"C={c} not divisible by fsdp={fsdp}"
+    if math.prod(shape) < min_size:
+        return f"below fsdp_min_param_size={min_size}"
+    return f"no dimension divisible by fsdp={fsdp}"
+
+
+def array_rows(p: Plan) -> list[dict[str, Any]]:
+    """One row per array of the plan, in argument and tree order."""
+    mesh_shape = sharding.describe_mesh(p.mesh)
+    rows = []
+    for arg in p.args:
+        if arg.abstract is None:
+            continue
+        leaves = jax.tree_util.tree_leaves_with_path(arg.abstract)
+        specs = jax.tree.leaves(arg.specs, is_leaf=lambda x: isinstance(x, P))
+        for (keys, x), spec in zip(leaves, specs, strict=True):
+            path = sharding.path_str(keys)
+            group = _group_path(keys)
+            if arg.prefix:
+                path, group = f"{arg.prefix}.{path}", f"{arg.prefix}.{group}"
+            shape = tuple(int(d) for d in x.shape)
+            axes = _spec_axes(spec, len(shape))
+            shards = shard_count(axes, mesh_shape)
+            nbytes = math.prod(shape) * jnp.dtype(x.dtype).itemsize
+            sh = NamedSharding(p.mesh, P(*[tuple(a) if isinstance(a, list) else a for a in axes]))
+            per_device = math.prod(sh.shard_shape(shape)) * jnp.dtype(x.dtype).itemsize
+            rows.append(
+                {
+                    "path": path,
+                    "group": group,
+                    "kind": _kind(arg.name, path),
+                    "arg": arg.name,
+                    "shape": list(shape),
+                    "dtype": str(jnp.dtype(x.dtype)),
+                    "spec": axes,
+                    "spec_str": spec_str(axes),
+                    "shards": shards,
+                    "count": 1,
+                    "bytes": int(nbytes),
+                    "bytes_per_device": int(per_device),
+                    "sharded": shards > 1,
+                    "donated": arg.donated,
+                }
+            )
+    order = {k: i for i, k in enumerate(KINDS)}
+    return sorted(rows, key=lambda r: order[r["kind"]])  # stable: tree order within a kind
+
+
+def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Same leaf name + shape + dtype + spec across sites/layers: one row with a count."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (r["arg"], r["group"], tuple(r["shape"]), r["dtype"], r["spec_str"])
+        g = groups.get(key)
+        if g is None:
+            groups[key] = {**r, "paths": [r["path"]]}
+            continue
+        g["count"] += 1
+        g["bytes"] += r["bytes"]
+        g["bytes_per_device"] += r["bytes_per_device"]
+        g["paths"].append(r["path"])
+    out = []
+    for g in groups.values():
+        if g["count"] > 1:
+            g["path"] = g["group"]
+        else:
+            del g["paths"]
+        out.append(g)
+    return out
+
+
+def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
+    per_device = {k: 0 for k in KINDS}
+    logical = {k: 0 for k in KINDS}
+    for r in rows:
+        per_device[r["kind"]] += r["bytes_per_device"]
+        logical[r["kind"]] += r["bytes"]
+    used = [k for k in KINDS if logical[k]]
+    sharded = sum(r["bytes_per_device"] for r in rows if r["sharded"])
+    fsdp, min_size = p.mesh.shape["fsdp"], p.cfg.mesh.fsdp_min_param_size
+    replicated = sorted(
+        (r for r in rows if not r["sharded"] and r["shape"]),
+        key=lambda r: (-r["bytes_per_device"], r["path"]),
+    )[:N_LARGEST]
+    return {
+        "per_device": {k: per_device[k] for k in used},
+        "per_device_total": sum(per_device.values()),
+        "bytes": {k: logical[k] for k in used},
+        "bytes_total": sum(logical.values()),
+        "donated_per_device": sum(r["bytes_per_device"] for r in rows if r["donated"]),
+        "sharded_per_device": sharded,
+        "replicated_per_device": sum(per_device.values()) - sharded,
+        "arrays": len(rows),
+        "largest_replicated": [
+            {
+                "path": r["path"],
+                "shape": r["shape"],
+                "bytes_per_device": r["bytes_per_device"],
+                "why": _why_replicated(r["path"], tuple(r["shape"]), fsdp, min_size),
+            }
+            for r in replicated
+        ],
+    }
+
+
+# ---- compile -----------------------------------------------------------------------------------
+def _with_shardings(arg: Arg, mesh) -> Any:
+    if arg.abstract is None:
+        return None
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        arg.abstract,
+        arg.specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def _named(specs: Any, mesh) -> Any:
+    if specs is None:
+        return None
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def compile_step(p: Plan, donate: bool = True) -> tuple[Any, float]:
+    """(compiled step, seconds to lower + compile) from abstract, sharded arguments; the jit is
+    built as the stage builds it (same in/out shardings and donated argument)."""
+    if p.step is None:
+        raise PdctlError(f"--compile: {p.stage} has no step to compile")
+    donated = tuple(i for i, a in enumerate(p.args) if a.donated) if donate else ()
+    fn = jax.jit(
+        p.step,
+        in_shardings=tuple(_named(a.specs, p.mesh) for a in p.args),
+        out_shardings=(_named(p.out_specs, p.mesh), None),
+        donate_argnums=donated,
+    )
+    t0 = time.perf_counter()
+    compiled = fn.lower(*(_with_shardings(a, p.mesh) for a in p.args)).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def memory_report(compiled: Any, donated_bytes: int) -> dict[str, Any]:
+    """XLA's per-device sizes, the estimated peak and how much of the donated state aliases."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {"available": False}
+    arg, out = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
+    alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
+    frac = alias / donated_bytes if donated_bytes else 1.0
+    rep = {
+        "available": True,
+        "argument_bytes": arg,
+        "output_bytes": out,
+        "alias_bytes": alias,
+        "temp_bytes": temp,
+        "generated_code_bytes": int(m.generated_code_size_in_bytes),
+        "peak_bytes_estimate": arg + out + temp - alias,
+        "donated_bytes": donated_bytes,
+        "alias_fraction": frac,
+        "donation_ok": frac >= DONATION_THRESHOLD,
+    }
+    xla_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+    if xla_peak:
+        rep["xla_peak_bytes"] = xla_peak
+    return rep
+
+
+# ---- the whole report ----------------------------------------------------------------------------
+def inspect(
+    cfg: Config,
+    stage: str = "train",
+    mesh_override: dict[str, int] | None = None,
+    compile: bool = False,
+    expand: bool = False,
+    devices: list[Any] | None = None,
+) -> dict[str, Any]:
+    """The `inspect-sharding` report as a JSON-ready dict: rows, totals and (with `compile`)
+    the compiled step's memory."""
+    stage = parse_stage(stage)
+    devices = list(jax.devices() if devices is None else devices)
+    mc = mesh_config(cfg, mesh_override)
+    check_mesh_fits(mc, len(devices), from_flag=bool(mesh_override))
+    cfg = cfg.model_copy(update={"mesh": mc})
+    mesh = sharding.make_mesh(mc.data, mc.fsdp, devices)
+    p = plan(cfg, stage, mesh)
+    rows = array_rows(p)
+    report: dict[str, Any] = {
+        "stage": stage,
+        "devices": len(devices),
+        "platform": devices[0].platform,
+        "mesh": sharding.describe_mesh(mesh),
+        "fsdp_min_param_size": mc.fsdp_min_param_size,
+        "rows": rows if expand else group_rows(rows),
+        "grouped": not expand,
+        "totals": totals(rows, p),
+        "notes": list(p.notes),
+    }
+    if compile:
+        if p.step is None:
+            report["notes"].append("--compile: init_weights has no step to compile")
+            report["memory"] = None
+        else:
+            compiled, secs = compile_step(p)
+            report["memory"] = memory_report(compiled, report["totals"]["donated_per_device"])
+            report["memory"]["compile_s"] = round(secs, 3)
+    return report
+
+
+# ---- --devices N: a child process with N simulated devices ---------------------------------------
+def needs_child(n: int, cfg: Config, override: dict[str, int] | None) -> bool:
+    """Whether `--devices N` needs a child process (JAX here sees another device count); checks
+    N and an explicit --mesh against N first, so a bad preview fails without starting one."""
+    if n < 1:
+        raise PdctlError(f"--devices: must be >= 1, got {n}")
+    if override:
+        check_mesh_fits(mesh_config(cfg, override), n, from_flag=True)
+    have = jax.device_count()
+    if have == n:
+        return False
+    if os.environ.get(CHILD_ENV):
+        raise PdctlError(f"--devices: asked for {n} simulated devices but JAX sees {have}")
+    return True
+
+
+def child_env(n: int) -> dict[str, str]:
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={n}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env[CHILD_ENV] = "1"
+    return env
+
+
+def run_child(
+    n: int,
+    project: Path | None,
+    stage: str,
+    mesh: str | None,
+    compile: bool,
+    as_json: bool,
+    expand: bool,
+    columns: int | None = None,
+) -> subprocess.CompletedProcess:
+    """Rerun this inspection in `sys.executable -m pdctl` with N simulated CPU devices."""
+    argv = [sys.executable, "-m", "pdctl"]
+    if project is not None:
+        argv += ["--project", str(Path(project).expanduser().resolve())]
+    argv += ["inspect-sharding", "--stage", stage, "--devices", str(n)]
+    if mesh is not None:
+        argv += ["--mesh", mesh]
+    argv += [f for f, on in (("--compile", compile), ("--json", as_json), ("--all", expand)) if on]
+    env = child_env(n)
+    if columns:
+        env["COLUMNS"] = str(columns)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+
+
+# ---- text output -------------------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def render(report: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    mesh = report["mesh"]
+    t = report["totals"]
+    console.print(
+        f"{report['stage']}: {report['devices']} {report['platform']} devices, mesh "
+        f"data={mesh['data']} x fsdp={mesh['fsdp']}, fsdp_min_param_size="
+        f"{report['fsdp_min_param_size']}, {t['arrays']} arrays",
+        markup=False,
+    )
+    table = Table(title_justify="left")
+    for col, just in (
+        ("path", "left"),
+        ("n", "right"),
+        ("shape", "left"),
+        ("dtype", "left"),
+        ("spec", "left"),
+        ("bytes", "right"),
+        ("per device", "right"),
+        ("layout", "left"),
+    ):
+        table.add_column(col, justify=just, overflow="fold")
+    for r in report["rows"]:
+        layout = f"sharded /{r['shards']}" if r["sharded"] else "replicated"
+        if r["donated"]:
+            layout += ", donated"
+        table.add_row(
+            r["path"],
+            str(r["count"]),
+            str(tuple(r["shape"])),
+            r["dtype"],
+            r["spec_str"],
+            fmt_bytes(r["bytes"]),
+            fmt_bytes(r["bytes_per_device"]),
+            layout,
+        )
+    console.print(table)
+    if report["grouped"]:
+        console.print("(rows with n > 1 group same-shaped sites/layers; --all lists every array)")
+    kinds = Table(title="per device", title_justify="left")
+    kinds.add_column("kind")
+    kinds.add_column("per device", justify="right")
+    kinds.add_column("total", justify="right")
+    for k, v in t["per_device"].items():
+        kinds.add_row(KIND_LABEL[k], fmt_bytes(v), fmt_bytes(t["bytes"][k]))
+    kinds.add_row("all", fmt_bytes(t["per_device_total"]), fmt_bytes(t["bytes_total"]))
+    console.print(kinds)
+    console.print(
+        f"sharded {fmt_bytes(t['sharded_per_device'])} / replicated "
+        f"{fmt_bytes(t['replicated_per_device'])} per device; donated state "
+        f"{fmt_bytes(t['donated_per_device'])} per device",
+        markup=False,
+    )
+    if t["largest_replicated"]:
+        console.print("largest replicated arrays (what to shard next):", markup=False)
+        for r in t["largest_replicated"]:
+            console.print(
+                f"  {r['path']} {tuple(r['shape'])} {fmt_bytes(r['bytes_per_device'])} "
+                f"({r['why']})",
+                markup=False,
+            )
+    for note in report["notes"]:
+        console.print(f"note: {note}", markup=False)
+    m = report.get("memory")
+    if m:
+        if not m.get("available"):
+            console.print("compiled: memory_analysis() is not available here", markup=False)
+            return
+        console.print(
+            f"compiled step ({m['compile_s']:.2f} s), per device: argument "
+            f"{fmt_bytes(m['argument_bytes'])}, output {fmt_bytes(m['output_bytes'])}, alias "
+            f"{fmt_bytes(m['alias_bytes'])}, temp {fmt_bytes(m['temp_bytes'])}; estimated peak "
+            f"{fmt_bytes(m['peak_bytes_estimate'])} (argument + output + temp - alias)",
+            markup=False,
+        )
+        verdict = "ok" if m["donation_ok"] else "DONATION FAILED"
+        console.print(
+            f"donation: aliased {fmt_bytes(m['alias_bytes'])} of "
+            f"{fmt_bytes(m['donated_bytes'])} donated state = {m['alias_fraction']:.1%} "
+            f"({verdict}, threshold {DONATION_THRESHOLD:.0%})",
+            markup=False,
+        )

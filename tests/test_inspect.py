@@ -1,0 +1,368 @@
+"""`pdctl inspect-sharding`: abstract layout, bytes per device, compiled memory and donation,
+plus the compile cache and profiler traces of real (tiny) stage runs.
+
+Stage runs go through subprocesses: a stage holds its run directory's lock until its process
+exits, so a second stage in this process could not take it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdctl.cli import app
+from pdctl.templates import create_run
+
+# ---- tiny runs -------------------------------------------------------------------------------
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return str(v)
+
+
+def edit(text: str, table: str, **values) -> str:
+    """Set keys of `[table]` in a pdctl.toml (no state tables yet), keeping everything else."""
+    out, cur, found = [], None, False
+    for line in text.splitlines(keepends=True):
+        m = re.match(r"\s*\[([^\[\]]+)\]\s*(#.*)?$", line)
+        if m:
+            cur = m.group(1).strip()
+            out.append(line)
+            if cur == table:
+                found = True
+                out.append("".join(f"{k} = {_toml(v)}\n" for k, v in values.items()))
+            continue
+        k = re.match(r"\s*(\w+)\s*=", line)
+        if cur == table and k and k.group(1) in values:
+            continue  # replaced by the line written after the header
+        out.append(line)
+    text = "".join(out)
+    if not found:
+        text += f"\n[{table}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
+    return text
+
+
+def tiny_llama(parent: Path, name: str = "llama", data: int = 1, fsdp: int = -1) -> Path:
+    run = create_run(name, "llama-mlp", parent)
+    p = run / "pdctl.toml"
+    t = p.read_text()
+    t = edit(t, "target", vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_mlp=64)
+    t = edit(t, "data", seq_len=8, synthetic_bytes=20000)
+    t = edit(t, "mesh", data=data, fsdp=fsdp, fsdp_min_param_size=256)
+    t = re.sub(r"C = \d+", "C = 16", t)
+    t = edit(t, "pretrain", steps=4, batch_size=8, log_every=2)
+    t = edit(t, "warmup", steps=4, log_every=2)
+    t = edit(t, "train", steps=4, batch_size=8, log_every=2, eval_every=4, eval_batch_size=8)
+    p.write_text(t)
+    return run
+
+
+def tiny_tms(parent: Path, name: str = "tms", **compile_table) -> Path:
+    run = create_run(name, "tms", parent)
+    p = run / "pdctl.toml"
+    t = p.read_text()
+    t = edit(t, "pretrain", steps=6, batch_size=64, log_every=2)
+    t = edit(t, "warmup", steps=4, log_every=2)
+    t = edit(t, "train", steps=4, batch_size=64, log_every=2, eval_every=4)
+    if compile_table:
+        t = edit(t, "compile", **compile_table)
+    p.write_text(t)
+    return run
+
+
+def pdctl(run: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300):
+    full = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled", **(env or {})}
+    full["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    return subprocess.run(
+        [sys.executable, "-m", "pdctl", "--project", str(run), *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def ok_json(*args: str) -> dict:
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, (result.output, result.exception)
+    return json.loads(result.stdout)
+
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "uint32": 4}
+
+
+def shards_of(spec: list, mesh: dict[str, int]) -> int:
+    names = [n for a in spec for n in (a if isinstance(a, list) else [a]) if n is not None]
+    return math.prod(mesh[n] for n in names)
+
+
+def check_rows(report: dict) -> None:
+    """Every row's bytes follow from its shape, dtype and spec; totals are the rows' sum."""
+    mesh = report["mesh"]
+    per_kind: dict[str, int] = {}
+    for r in report["rows"]:
+        one = math.prod(r["shape"]) * ITEMSIZE[r["dtype"]]
+        shards = shards_of(r["spec"], mesh)
+        assert r["shards"] == shards, r
+        assert r["bytes"] == r["count"] * one, r
+        assert r["bytes_per_device"] * shards == r["count"] * one, r
+        assert r["sharded"] == (shards > 1), r
+        per_kind[r["kind"]] = per_kind.get(r["kind"], 0) + r["bytes_per_device"]
+    t = report["totals"]
+    assert t["per_device"] == per_kind
+    assert t["per_device_total"] == sum(r["bytes_per_device"] for r in report["rows"])
+    assert t["bytes_total"] == sum(r["bytes"] for r in report["rows"])
+    assert t["donated_per_device"] == sum(
+        r["bytes_per_device"] for r in report["rows"] if r["donated"]
+    )
+    assert t["sharded_per_device"] + t["replicated_per_device"] == t["per_device_total"]
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+
+def test_preview_8_devices_bytes_match_shapes(tmp_path: Path) -> None:
+    """--devices 8 (a child process; this one has 4): fsdp=-1 from the config, then an explicit
+    data=2,fsdp=4 mesh; every array's bytes per device = shape x itemsize / shards."""
+    run = tiny_llama(tmp_path)
+    full = ok_json("--project", str(run), "inspect-sharding", "--devices", "8", "--all")
+    assert full["devices"] == 8 and full["mesh"] == {"data": 1, "fsdp": 8}
+    assert full["stage"] == "train" and not full["grouped"]
+    check_rows(full)
+    assert any(r["sharded"] for r in full["rows"])
+    assert set(full["totals"]["per_device"]) == {
+        "target",
+        "components",
+        "ci_fns",
+        "sources",
+        "optimizer",
+        "loop",
+        "batch",
+    }
+    # V (d_in, C) shards over C, U (C, d_out) over C; the frozen target is not donated.
+    by_path = {r["path"]: r for r in full["rows"]}
+    v = by_path["trainable.components.layers.0.mlp.up.V"]
+    u = by_path["trainable.components.layers.0.mlp.up.U"]
+    assert v["spec"] == [None, "fsdp"] and u["spec"] == ["fsdp", None]
+    assert v["donated"] and not by_path["target.embed"]["donated"]
+    assert by_path["target.embed"]["sharded"]
+
+    grouped = ok_json(
+        "--project",
+        str(run),
+        "inspect-sharding",
+        "--devices",
+        "8",
+        "--mesh",
+        "data=2,fsdp=4",
+        "--stage",
+        "init_weights",
+    )
+    assert grouped["mesh"] == {"data": 2, "fsdp": 4} and grouped["grouped"]
+    check_rows(grouped)
+    assert any(r["sharded"] for r in grouped["rows"])
+    assert set(grouped["totals"]["per_device"]) == {"target", "components", "ci_fns", "sources"}
+    groups = {r["path"]: r for r in grouped["rows"]}
+    assert "components.layers.*.mlp.up.V" not in groups  # one layer: nothing to group
+    assert groups["components.layers.0.mlp.up.V"]["shards"] == 4  # replicated over data
+
+
+def test_groups_expand_with_all(tmp_path: Path) -> None:
+    """Same-shaped sites of several layers are one row; --all lists each; same totals."""
+    run = tiny_llama(tmp_path, fsdp=-1)
+    p = run / "pdctl.toml"
+    p.write_text(edit(p.read_text(), "target", n_layers=3))
+    args = ("--project", str(run), "inspect-sharding", "--stage", "warmup")
+    grouped = ok_json(*args)
+    full = ok_json(*args, "--all")
+    check_rows(grouped)
+    check_rows(full)
+    assert grouped["totals"] == full["totals"]
+    assert len(grouped["rows"]) < len(full["rows"])
+    g = {r["path"]: r for r in grouped["rows"]}["components.layers.*.mlp.up.V"]
+    assert g["count"] == 3 and g["paths"] == [f"components.layers.{i}.mlp.up.V" for i in range(3)]
+    assert g["bytes_per_device"] == 3 * math.prod(g["shape"]) * 4 // g["shards"]
+
+
+def test_text_output(tmp_path: Path) -> None:
+    run = tiny_tms(tmp_path)
+    result = invoke(
+        "--project",
+        str(run),
+        "inspect-sharding",
+        "--stage",
+        "pretrain",
+        "--devices",
+        "4",
+        "--mesh",
+        "data=2,fsdp=2",
+    )
+    assert result.exit_code == 0, (result.output, result.exception)
+    out = result.stdout
+    assert "pretrain: 4 cpu devices, mesh data=2 x fsdp=2" in out
+    for word in ("params.linear1.W", "replicated", "optimizer state", "largest replicated"):
+        assert word in out
+
+
+# ---- compiled memory and donation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "warmup", "train"])
+@pytest.mark.parametrize("template", ["tms", "llama"])
+def test_compile_aliases_the_donated_state(tmp_path: Path, template: str, stage: str) -> None:
+    """The compiled step aliases >= 95% of the donated state's bytes (per device), and the
+    frozen target of warmup/train is an argument that is not donated."""
+    if template == "tms":
+        run, mesh = tiny_tms(tmp_path), "data=2,fsdp=2"
+    else:
+        run, mesh = tiny_llama(tmp_path), "data=1,fsdp=4"
+    rep = ok_json(
+        "--project", str(run), "inspect-sharding", "--stage", stage, "--mesh", mesh, "--compile"
+    )
+    check_rows(rep)
+    m, t = rep["memory"], rep["totals"]
+    assert m["available"]
+    assert m["donated_bytes"] == t["donated_per_device"] > 0
+    assert m["alias_bytes"] >= 0.95 * m["donated_bytes"], m
+    assert m["alias_fraction"] >= 0.95 and m["donation_ok"]
+    assert m["argument_bytes"] >= m["donated_bytes"]
+    assert m["peak_bytes_estimate"] == (
+        m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"]
+    )
+    if stage == "pretrain":
+        assert t["donated_per_device"] == t["per_device_total"] - t["per_device"].get("batch", 0)
+    else:
+        assert t["per_device"]["target"] > 0
+        assert t["donated_per_device"] == t["per_device_total"] - t["per_device"]["target"] - (
+            t["per_device"].get("batch", 0)
+        )
+
+
+def test_init_weights_has_no_step(tmp_path: Path) -> None:
+    rep = ok_json(
+        "--project",
+        str(tiny_tms(tmp_path)),
+        "inspect-sharding",
+        "--stage",
+        "init-weights",
+        "--compile",
+    )
+    assert rep["memory"] is None and any("no step" in n for n in rep["notes"])
+
+
+# ---- real runs: compile cache, profiler ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tms_initialized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny TMS run with init-weights done (in a subprocess)."""
+    parent = tmp_path_factory.mktemp("runs")
+    run = tiny_tms(parent, cache_dir=str(parent / "unused-cache"))
+    out = pdctl(run, "init-weights")
+    assert out.returncode == 0, out.stderr
+    return run
+
+
+def test_second_process_hits_the_compile_cache(tms_initialized: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(tms_initialized, run)
+    cache = tmp_path / "cache"
+    p = run / "pdctl.toml"
+    text = p.read_text()
+    assert text.count("unused-cache") == 1
+    p.write_text(re.sub(r'cache_dir = ".*"', f"cache_dir = {json.dumps(str(cache))}", text))
+    env = {"JAX_LOG_COMPILES": "1"}
+    hit = "Persistent compilation cache hit for 'jit_step'"
+    compile_s = []
+    for i in range(2):
+        out = pdctl(run, "pretrain", "--fresh", env=env)
+        assert out.returncode == 0, out.stderr
+        assert "pretrain: done at step 6" in out.stdout
+        assert "Finished XLA compilation of jit(step)" in out.stderr  # compile logs not muted
+        assert (hit in out.stderr) == (i == 1), out.stderr[-3000:]
+        state = tomllib.loads(p.read_text())["state"]["pretrain"]
+        compile_s.append(state["compile_s"]["step"])
+    assert any(cache.iterdir())
+    assert compile_s[1] < compile_s[0], compile_s
+    print(
+        f"compile_s.step cold {compile_s[0]:.3f} s, cached {compile_s[1]:.3f} s, "
+        f"ratio {compile_s[0] / compile_s[1]:.1f}x"
+    )
+
+
+def test_profile_steps_write_a_trace(tms_initialized: Path) -> None:
+    out = pdctl(tms_initialized, "pretrain", "--fresh", "--profile-steps", "2:4")
+    assert out.returncode == 0, out.stderr
+    files = [f for f in (tms_initialized / "profiles" / "pretrain").rglob("*") if f.is_file()]
+    assert any(f.name.endswith(".xplane.pb") for f in files), files
+    assert all(f.stat().st_size > 0 for f in files)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--stage", "nope"], "--stage: unknown stage 'nope'"),
+        (["--mesh", "data"], "--mesh: expected data=A,fsdp=B"),
+        (["--mesh", "data=x,fsdp=2"], "--mesh: expected data=A,fsdp=B"),
+        (["--mesh", "data=2,model=2"], "--mesh: expected data=A,fsdp=B"),
+        (["--mesh", "data=-1,fsdp=-1"], "--mesh: only one of mesh.data and mesh.fsdp"),
+        (["--mesh", "data=0,fsdp=4"], "--mesh: mesh sizes must be positive"),
+        (["--mesh", "data=2,fsdp=3"], "--mesh: data=2,fsdp=3 does not fit"),
+        (["--mesh", "data=3,fsdp=2", "--devices", "8"], "--mesh: data=3,fsdp=2 does not fit"),
+        (["--devices", "0"], "--devices: must be >= 1"),
+    ],
+    ids=[
+        "stage",
+        "mesh-no-eq",
+        "mesh-not-int",
+        "mesh-axis",
+        "mesh-two-wild",
+        "mesh-zero",
+        "mesh-no-fit",
+        "mesh-no-fit-preview",
+        "devices-zero",
+    ],
+)
+def test_bad_options_are_one_line_errors(tmp_path: Path, argv: list[str], expected: str) -> None:
+    run = tiny_tms(tmp_path)
+    result = invoke("--project", str(run), "inspect-sharding", *argv)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert expected in lines[0], result.output
+    assert result.stdout == ""
+
+
+def test_child_error_is_relayed(tmp_path: Path) -> None:
+    """A config error in the --devices child comes back as its one line and exit code 2."""
+    run = tiny_tms(tmp_path)
+    p = run / "pdctl.toml"
+    p.write_text(edit(p.read_text(), "mesh", data=3, fsdp=1))
+    result = invoke("--project", str(run), "inspect-sharding", "--devices", "8")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: mesh: data=3 x fsdp=1 = 3 devices, but 8 are available; set mesh.data = -1 to "
+        "use them all"
+    ]

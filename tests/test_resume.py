@@ -1,0 +1,623 @@
+"""Resume: an interrupted run continues exactly where it stopped.
+
+- `train --until` + `pdctl resume` ends bit-identical to a straight run (arrays, optimizer and
+  source state, step, logged losses); the same for `pretrain` on text data stopped mid-epoch.
+- The restored state is donatable once re-materialised; fed in straight from orbax it is not
+  reliably so (see `test_directly_fed_restored_arrays_are_not_reliably_donated`).
+- A checkpoint written on 4 devices continues on 2 and on 1, and one written on 1 on 4.
+- SIGTERM (once, or twice in a row) stops a real `pdctl train` cleanly: exit 3, `interrupted`, a
+  checkpoint at the stopped step; `pdctl resume` then ends bit-identical to a straight run.
+
+Runs are tiny (TMS 5-2, C=8, batch 64). init-weights → pretrain → warmup is built once per
+session (`tms_base`) and copied with `shutil.copytree`, so every branch shares it. In-process
+commands go through the real Typer app (`helpers.cli`); subprocess ones through
+`python -m pdctl` with the device count set by XLA_FLAGS. A persistent compilation cache (a
+`[compile] cache_dir` in subprocess runs; the same directory in-process for this module only)
+keeps the repeated compiles of the same step cheap; it changes no numerics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import tomli_w
+from helpers import cli, edit_config
+
+from pdctl.config import STAGES, match_sites
+from pdctl.engine import donation, sharding
+from pdctl.engine.checkpoint import Checkpointer, rematerialize
+from pdctl.engine.sharding import path_str
+from pdctl.project import Project
+from pdctl.science.spd.losses import make_spd_fns
+from pdctl.stages import train
+from pdctl.stages.common import StageEnv, pretrained_target, target_from_config
+
+EXIT_INTERRUPTED = 3
+
+# ---- configs ---------------------------------------------------------------------------------
+
+TMS: dict[str, Any] = {
+    "schema": 1,
+    "run": {"seed": 0},
+    "target": {"kind": "tms", "n_features": 5, "n_hidden": 2, "tied_weights": True, "bias": True},
+    "data": {"feature_probability": 0.05},
+    "mesh": {"data": -1, "fsdp": 1},
+    # 7 divides neither the --until step (20) nor the total (40): both stops save their own.
+    "checkpoint": {"every": 7, "keep": 2},
+    "tracking": {"wandb": "disabled"},
+    "pretrain": {"steps": 20, "batch_size": 64, "log_every": 5, "optim": {"lr": 0.005}},
+    "decomp": {
+        "sites": [{"pattern": "linear1", "C": 8}, {"pattern": "linear2", "C": 8}],
+        "ci_fn": {"type": "mlp", "hidden": [4]},
+    },
+    "warmup": {"steps": 5, "log_every": 5},
+    # ppgd_recon > 0: the PPGD sources are state that a resume must carry.
+    "train": {
+        "steps": 40,
+        "batch_size": 64,
+        "log_every": 1,
+        "eval_every": 1000,
+        "loss": {"ppgd_recon": 0.5},
+    },
+}
+TMS_STEPS, TMS_UNTIL = 40, 20
+
+# Subprocess runs (SIGTERM, kill -9, other device counts) share this train table, so the
+# uninterrupted reference and the compiled step are shared too. `checkpoint` and `mesh` do not
+# enter any stage's fingerprint, so editing them never makes a stage stale.
+SUB_STEPS = 100
+SUB: dict[str, Any] = {
+    "checkpoint": {"every": 5, "keep": 2},
+    "train": {"steps": SUB_STEPS, "log_every": 1},
+}
+
+# A tiny byte-level LM on a 20 kB synthetic corpus: 20000 // 17 = 1176 windows of seq_len + 1
+# tokens, 18.4 batches of 64 per epoch. Stopping at step 13 is mid-epoch, and the resumed half
+# crosses into the second (reshuffled) epoch.
+LLAMA: dict[str, Any] = {
+    "schema": 1,
+    "run": {"seed": 0},
+    "target": {
+        "kind": "llama_mlp",
+        "vocab_size": 256,
+        "d_model": 32,
+        "n_layers": 1,
+        "n_heads": 2,
+        "d_mlp": 64,
+    },
+    "data": {"seq_len": 16, "synthetic_bytes": 20000},
+    "mesh": {"data": -1, "fsdp": 1},
+    "checkpoint": {"every": 5, "keep": 2},
+    "tracking": {"wandb": "disabled"},
+    "pretrain": {
+        "steps": 30,
+        "batch_size": 64,
+        "log_every": 1,
+        "optim": {"lr": 0.003, "warmup_frac": 0.1, "grad_clip": 1.0},
+    },
+    "decomp": {
+        "sites": [
+            {"pattern": "layers.*.mlp.up", "C": 8},
+            {"pattern": "layers.*.mlp.down", "C": 8},
+        ],
+        "ci_fn": {"type": "vector_mlp", "hidden": [4]},
+    },
+}
+LLAMA_UNTIL = 13
+
+# Logged per step but measured, not computed: they differ between any two runs.
+TIMING_KEYS = {"step_ms", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu"}
+
+
+# ---- helpers (also used by test_chaos.py) ----------------------------------------------------
+
+
+def write_run(directory: Path, config: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "pdctl.toml").write_text(tomli_w.dumps(config), encoding="utf-8")
+    Project.load(directory / "pdctl.toml")  # a valid config
+    return directory
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def ok(*args: Any) -> Any:
+    """The real Typer app in-process; the command must succeed."""
+    result = cli(*args)
+    assert result.exit_code == 0, (args, result.stdout, result.stderr, result.exception)
+    return result
+
+
+def state(run: Path, stage: str) -> dict[str, Any]:
+    return Project.load(run / "pdctl.toml").stage(stage)
+
+
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.getbasetemp() / "jax-compile-cache"
+
+
+def subprocess_env(devices: int) -> dict[str, str]:
+    """This environment with JAX on `devices` simulated CPU devices."""
+    env = dict(os.environ)
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if "xla_force_host_platform_device_count" not in f
+    ]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env.update(
+        XLA_FLAGS=" ".join(flags),
+        JAX_PLATFORMS="cpu",
+        WANDB_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def pdctl_cmd(run: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pdctl", "--project", str(run), *args]
+
+
+def pdctl(run: Path, *args: str, devices: int = 1, expect: int = 0, timeout: float = 600):
+    """`python -m pdctl --project RUN ARGS` in a subprocess with `devices` CPU devices."""
+    proc = subprocess.run(
+        pdctl_cmd(run, *args),
+        env=subprocess_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == expect, (args, proc.returncode, proc.stdout, proc.stderr[-3000:])
+    return proc
+
+
+def checkpoint_arrays(run: Path, stage: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, {item.path: array}) of every item of a checkpoint (default: the latest)."""
+    ckpt = Checkpointer(run / "checkpoints" / stage, keep=100)
+    step = ckpt.latest_step() if step is None else step
+    assert step is not None, f"{stage} of {run} has no checkpoint"
+    items = ckpt.restore_host(step, ckpt.item_names(step))
+    ckpt.close()
+    flat = {}
+    for name, tree in items.items():
+        for p, x in jax.tree_util.tree_leaves_with_path(tree):
+            flat[f"{name}.{path_str(p)}"] = np.asarray(x)
+    return step, flat
+
+
+def assert_trees_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k, strict=True)
+
+
+def metric_lines(run: Path, stage: str) -> list[dict[str, Any]]:
+    """metrics/<stage>.jsonl without the timing fields (losses, lr, eval, ...)."""
+    path = run / "metrics" / f"{stage}.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs]
+
+
+def exported(run: Path, out: Path) -> dict[str, np.ndarray]:
+    """`pdctl export --stage train` (in-process), loaded back."""
+    ok("--project", run, "export", "--stage", "train", "--out", out)
+    with np.load(out) as z:
+        return {k: z[k] for k in z.files}
+
+
+def tms_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """init-weights → pretrain → warmup of the tiny TMS run, once per session (in-process, on
+    pytest's 4 CPU devices). Copy it; never write into it."""
+    root = tmp_path_factory.getbasetemp() / "resume-tms-base"
+    run = root / "run"
+    if (root / "done").exists():
+        return run
+    shutil.rmtree(root, ignore_errors=True)
+    write_run(run, TMS)
+    for cmd in ("init-weights", "pretrain", "warmup"):
+        ok("--project", run, cmd)
+    (root / "done").touch()
+    return run
+
+
+def sub_run(base: Path, dst: Path, tmp_path_factory, **over: Any) -> Path:
+    """A copy of `base` for subprocess runs: the shared SUB train table and compile cache."""
+    run = copy_run(base, dst)
+    cfg = {**SUB, "compile": {"cache_dir": str(compile_cache(tmp_path_factory))}}
+    for k, v in over.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    edit_config(run, cfg)
+    return run
+
+
+def tms_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted `pdctl train` of the SUB table on 1 device, once per session."""
+    base = tms_base(tmp_path_factory)
+    root = tmp_path_factory.getbasetemp() / "resume-tms-reference"
+    run = root / "run"
+    if (root / "done").exists():
+        return run
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    sub_run(base, run, tmp_path_factory)
+    pdctl(run, "train")
+    assert state(run, "train")["status"] == "done"
+    (root / "done").touch()
+    return run
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _persistent_compile_cache(tmp_path_factory):
+    """This module's in-process compiles go through a persistent cache (restored afterwards):
+    the straight, the stopped and the resumed run compile the same step."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    keys = {
+        "jax_compilation_cache_dir": str(compile_cache(tmp_path_factory)),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {k: getattr(jax.config, k) for k in keys}
+    for k, v in keys.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tms_base(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def stopped(base: Path, tmp_path_factory) -> Path:
+    """`pdctl train --until 20` of 40 on a copy of the base (in-process). Copy it before
+    changing it."""
+    run = copy_run(base, tmp_path_factory.mktemp("tms-stopped") / "run")
+    out = ok("--project", run, "train", "--until", TMS_UNTIL)
+    assert f"interrupted at step {TMS_UNTIL}" in out.stdout
+    return run
+
+
+# ---- bit-exact continuation ------------------------------------------------------------------
+
+
+def test_train_until_then_resume_is_bit_exact(base: Path, stopped: Path, tmp_path: Path) -> None:
+    straight = copy_run(base, tmp_path / "straight")
+    ok("--project", straight, "train")
+
+    # The --until stop saved its own checkpoint (7 does not divide 20) and says so in state.
+    st = state(stopped, "train")
+    assert (st["status"], st["step"], st["checkpoint"]) == ("interrupted", 20, 20)
+    assert Checkpointer(stopped / "checkpoints" / "train", keep=2).all_steps() == [14, 20]
+
+    resumed = copy_run(stopped, tmp_path / "resumed")
+    out = ok("--project", resumed, "resume")
+    assert f"train: done at step {TMS_STEPS}" in out.stdout
+    st = state(resumed, "train")
+    assert (st["status"], st["step"], st["checkpoint"]) == ("done", TMS_STEPS, TMS_STEPS)
+    # The loop's own check on the first resumed step: the restored state was donated.
+    assert st["donation_fraction"] >= donation.THRESHOLD
+
+    # V/U, CI functions, sources, both optimizers' state, the loop counters and RNG: exact.
+    step_a, a = checkpoint_arrays(straight, "train")
+    step_b, b = checkpoint_arrays(resumed, "train")
+    assert step_a == step_b == TMS_STEPS
+    assert {k.split(".")[0] for k in a} == {"trainable", "opt_state", "sources", "src_opt", "loop"}
+    assert a["loop.step"] == TMS_STEPS
+    assert_trees_equal(a, b)
+    assert_trees_equal(exported(straight, tmp_path / "a.npz"), exported(resumed, tmp_path / "b.npz"))
+
+    # Every logged metric after the resume point (and before it) equals the straight run's;
+    # the resumed file holds each step exactly once.
+    ma, mb = metric_lines(straight, "train"), metric_lines(resumed, "train")
+    assert [r["step"] for r in mb if "loss" in r] == list(range(1, TMS_STEPS + 1))
+    assert [r for r in mb if r["step"] > TMS_UNTIL] == [r for r in ma if r["step"] > TMS_UNTIL]
+    assert ma == mb
+
+    # `keep = 2` means two checkpoints on disk, not three.
+    for run in (straight, resumed):
+        assert Checkpointer(run / "checkpoints" / "train", keep=2).all_steps() == [35, 40]
+
+
+def test_pretrain_on_text_resumes_mid_epoch_bit_exact(tmp_path: Path) -> None:
+    init = write_run(tmp_path / "init", LLAMA)
+    ok("--project", init, "init-weights")
+    straight = copy_run(init, tmp_path / "straight")
+    resumed = copy_run(init, tmp_path / "resumed")
+    ok("--project", straight, "pretrain")
+    ok("--project", resumed, "pretrain", "--until", LLAMA_UNTIL)
+
+    st = state(resumed, "pretrain")
+    assert (st["status"], st["checkpoint"]) == ("interrupted", LLAMA_UNTIL)
+    n_windows = LLAMA["data"]["synthetic_bytes"] // (LLAMA["data"]["seq_len"] + 1)
+    batch, steps = LLAMA["pretrain"]["batch_size"], LLAMA["pretrain"]["steps"]
+    assert 0 < LLAMA_UNTIL * batch < n_windows < steps * batch  # mid-epoch; the rest crosses
+    # The grain iterator's position is in the checkpoint's meta.
+    meta = _checkpoint_meta(resumed / "checkpoints" / "pretrain", LLAMA_UNTIL)
+    assert meta["step"] == LLAMA_UNTIL and meta["data"]
+
+    ok("--project", resumed, "resume")
+    assert state(resumed, "pretrain")["status"] == "done"
+    step_a, a = checkpoint_arrays(straight, "pretrain")
+    step_b, b = checkpoint_arrays(resumed, "pretrain")
+    assert step_a == step_b == steps
+    assert {k.split(".")[0] for k in a} == {"params", "opt_state", "loop"}
+    assert_trees_equal(a, b)
+    ma, mb = metric_lines(straight, "pretrain"), metric_lines(resumed, "pretrain")
+    assert [r["step"] for r in mb] == list(range(1, steps + 1))
+    assert ma == mb
+
+
+def _checkpoint_meta(directory: Path, step: int) -> dict[str, Any]:
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(directory) as mgr:
+        return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+# ---- donation of the restored state ----------------------------------------------------------
+
+
+class TrainPieces:
+    """The train stage's pieces, built as `train.run` builds them (no lock, no loop)."""
+
+    def __init__(self, run: Path):
+        proj = Project.load(run / "pdctl.toml")
+        cfg = self.cfg = proj.config
+        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+        env = StageEnv(proj, "train", mesh, target_from_config(cfg))
+        fns = make_spd_fns(env.target, match_sites(cfg, env.target.site_paths()), cfg)
+        total = cfg.train.steps
+        tx, _, self.abstract, self.state_sh, _ = train.build(env, fns, total)
+        self.target_params = pretrained_target(env)
+        batch_sh = sharding.batch_sharding(mesh, 2)
+        target_sh = jax.tree.map(lambda x: x.sharding, self.target_params)
+        self.step_fn = jax.jit(
+            train.make_step(env.target, fns, tx, cfg, total, batch_sh),
+            in_shardings=(target_sh, self.state_sh, None),
+            out_shardings=(self.state_sh, None),
+            donate_argnums=(1,),
+        )
+        self.ckpt = Checkpointer(proj.checkpoint_dir("train"), keep=cfg.checkpoint.keep)
+
+    def restore(self, step: int) -> dict[str, Any]:
+        """The checkpoint straight from orbax, into abstract arrays with the target shardings."""
+        target = {
+            k: sharding.abstract_with_shardings(self.abstract[k], self.state_sh[k])
+            for k in self.abstract
+        }
+        items, meta = self.ckpt.restore(step, target)
+        assert meta["step"] == step
+        return items
+
+    def donated_fraction(self, state: dict[str, Any]) -> float:
+        """Bytes-weighted pointer reuse through one step; the target must survive it."""
+        before = donation.buffer_bytes_by_ptr(state)
+        new, metrics = self.step_fn(self.target_params, state, None)
+        jax.block_until_ready(new)
+        assert int(new["loop"]["step"]) == TMS_UNTIL + 1 and float(metrics["finite"]) == 1.0
+        assert not any(x.is_deleted() for x in jax.tree.leaves(self.target_params))
+        fraction, _ = donation.reused_fraction(before, new)
+        return fraction
+
+
+@pytest.fixture(scope="module")
+def pieces(stopped: Path) -> TrainPieces:
+    return TrainPieces(stopped)
+
+
+def test_rematerialized_restore_is_donated(pieces: TrainPieces) -> None:
+    restored = pieces.restore(TMS_UNTIL)
+    state = rematerialize(restored, pieces.state_sh)
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
+        assert x.sharding == y.sharding
+    assert pieces.donated_fraction(state) >= donation.THRESHOLD
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))  # consumed by the step
+
+
+def test_directly_fed_restored_arrays_are_not_reliably_donated(pieces: TrainPieces) -> None:
+    """What happens on this JAX (0.10.2, orbax 0.12.8, CPU) when the orbax-restored arrays go
+    straight into the donating step: it runs, but part of the state is *not* donated.
+
+    Restored host buffers that happen to be 64-byte aligned are adopted zero-copy (on several
+    CPU devices every shard of a replicated array then shares one host buffer), and such
+    buffers are never donated; which arrays that hits depends on allocation addresses, so it
+    varies from restore to restore. For this tiny state the bytes-weighted reuse stayed above
+    the 95% threshold (measured 0.96-0.99) but below 1; for MiB-sized leaves it falls far below
+    (see the next test). Re-materialising (previous test) always gives 1.0."""
+    fractions = [pieces.donated_fraction(pieces.restore(TMS_UNTIL)) for _ in range(3)]
+    assert min(fractions) < 1.0, fractions
+
+
+def test_rematerialize_makes_large_restored_leaves_donatable(tmp_path: Path) -> None:
+    """The same check with MiB-sized leaves (replicated and fsdp-sharded over 4 devices): fed
+    straight from orbax, most of the bytes are not donated; re-materialised, all are."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = sharding.make_mesh(1, 4)
+    specs = {"rep": P(), "shard": P("fsdp"), "small": P()}
+    sizes = {"rep": 1 << 18, "shard": 1 << 20, "small": 16}
+    sh = {k: NamedSharding(mesh, specs[k]) for k in specs}
+    state = jax.jit(
+        lambda: {k: jax.numpy.arange(n, dtype=jax.numpy.float32) for k, n in sizes.items()},
+        out_shardings=sh,
+    )()
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=1)
+    ckpt.save(1, {"state": state})
+    ckpt.wait()
+    step = jax.jit(
+        lambda s: jax.tree.map(lambda x: x + 1, s),
+        in_shardings=(sh,),
+        out_shardings=sh,
+        donate_argnums=(0,),
+    )
+    abstract = {"state": sharding.abstract_with_shardings(state, sh)}
+
+    def fraction(tree):
+        before = donation.buffer_bytes_by_ptr(tree)
+        return donation.reused_fraction(before, step(tree))[0]
+
+    direct = [fraction(ckpt.restore(1, abstract)[0]["state"]) for _ in range(3)]
+    remat = [fraction(rematerialize(ckpt.restore(1, abstract)[0]["state"], sh)) for _ in range(3)]
+    ckpt.close()
+    assert remat == [1.0, 1.0, 1.0]
+    assert min(direct) < donation.THRESHOLD, direct
+
+
+# ---- another device count --------------------------------------------------------------------
+
+
+def _set_mesh(run: Path, data: int, fsdp: int) -> None:
+    edit_config(run, {"mesh": {"data": data, "fsdp": fsdp}})
+    proj = Project.load(run / "pdctl.toml")
+    assert not any(proj.is_stale(s) for s in STAGES), "editing [mesh] made a stage stale"
+
+
+def _losses(run: Path, after: int) -> np.ndarray:
+    return np.array([r["loss"] for r in metric_lines(run, "train") if "loss" in r][after:])
+
+
+@pytest.mark.slow
+def test_checkpoint_continues_on_other_device_counts(base: Path, tmp_path_factory) -> None:
+    """4 devices (data=1, fsdp=4: V/U sharded over their component axis) → 4 (never moved), → 2
+    and → 1; and 1 → 4. Subprocesses with their own device count.
+
+    Tolerance: another device count changes the order of floating-point reductions (the
+    batch mean over data shards, the fsdp all-gathers feeding the matmuls), so the runs drift
+    apart at float32 rounding level (~1e-7 relative per op) and Adam's normalised updates carry
+    that drift along without amplifying it much over these few steps; the measured max relative
+    loss difference is ~1e-6. rtol 1e-4 leaves room for that and still fails on anything
+    structural (a wrong restored leaf, a reset optimizer state or source, a replayed batch all
+    move the loss by percents)."""
+    tmp = tmp_path_factory.mktemp("mesh")
+    half, three_q = SUB_STEPS // 2, 3 * SUB_STEPS // 4
+    fast = {"checkpoint": {"every": 1000}}  # only the --until stops and the end save
+    four = sub_run(base, tmp / "four", tmp_path_factory, mesh={"data": 1, "fsdp": 4}, **fast)
+    pdctl(four, "train", "--until", str(half), devices=4)
+    st = state(four, "train")
+    assert (st["status"], st["checkpoint"], st["mesh"]) == (
+        "interrupted",
+        half,
+        {"data": 1, "fsdp": 4},
+    )
+
+    never_moved = copy_run(four, tmp / "never-moved")
+    on_two = copy_run(four, tmp / "two")
+    via_one = copy_run(four, tmp / "one")
+    pdctl(never_moved, "resume", devices=4)
+
+    _set_mesh(on_two, -1, 2)
+    pdctl(on_two, "resume", devices=2)
+    st = state(on_two, "train")
+    assert (st["status"], st["devices"], st["mesh"]) == ("done", 2, {"data": 1, "fsdp": 2})
+
+    _set_mesh(via_one, 1, 1)
+    pdctl(via_one, "train", "--resume", "--until", str(three_q), devices=1)
+    st = state(via_one, "train")
+    assert (st["status"], st["devices"], st["checkpoint"]) == ("interrupted", 1, three_q)
+    _set_mesh(via_one, 1, 4)
+    pdctl(via_one, "resume", devices=4)
+    st = state(via_one, "train")
+    assert (st["status"], st["devices"], st["mesh"]) == ("done", 4, {"data": 1, "fsdp": 4})
+
+    ref = _losses(never_moved, 0)
+    assert ref.shape == (SUB_STEPS,)
+    for run in (on_two, via_one):
+        losses = _losses(run, 0)
+        # Up to the stop the file is the 4-device run's own, byte for byte.
+        np.testing.assert_array_equal(losses[:half], ref[:half])
+        np.testing.assert_allclose(losses[half:], ref[half:], rtol=1e-4, atol=0)
+        _, a = checkpoint_arrays(never_moved, "train")
+        _, b = checkpoint_arrays(run, "train")
+        assert sorted(a) == sorted(b)
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-3, atol=1e-6, err_msg=k)
+        assert b["loop.step"] == SUB_STEPS
+
+
+# ---- SIGTERM ---------------------------------------------------------------------------------
+
+
+def _wait_for_metrics(run: Path, proc: subprocess.Popen, min_step: int, timeout: float = 300):
+    path = run / "metrics" / "train.jsonl"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"pdctl exited early ({proc.returncode}): {proc.stderr.read()}")
+        if path.exists():
+            lines = path.read_text().splitlines()
+            if lines and json.loads(lines[-1]).get("step", 0) >= min_step:
+                return
+        time.sleep(0.005)
+    raise AssertionError("no metrics line in time")
+
+
+@pytest.mark.parametrize("n_signals", [1, 2], ids=["sigterm", "sigterm-twice"])
+def test_sigterm_stops_cleanly_and_resume_is_bit_exact(
+    base: Path, tmp_path: Path, tmp_path_factory, n_signals: int
+) -> None:
+    reference = tms_reference(tmp_path_factory)
+    run = sub_run(base, tmp_path / "run", tmp_path_factory)
+    proc = subprocess.Popen(
+        pdctl_cmd(run, "train"),
+        env=subprocess_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_metrics(run, proc, min_step=3)
+        proc.send_signal(signal.SIGTERM)
+        if n_signals == 2:  # while the first one's stop checkpoint is being written
+            time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+    assert "stopped by SIGTERM" in err and "pdctl resume" in err
+
+    text = (run / "pdctl.toml").read_text(encoding="utf-8")
+    st = tomllib.loads(text)["state"]["train"]
+    stopped_at = st["step"]
+    assert st["status"] == "interrupted"
+    assert 3 <= stopped_at < SUB_STEPS
+    assert st["checkpoint"] == stopped_at
+    ckpt_dir = run / "checkpoints" / "train"
+    assert Checkpointer(ckpt_dir, keep=2).latest_step() == stopped_at
+    assert not [p.name for p in ckpt_dir.iterdir() if "tmp" in p.name]
+    step, arrays = checkpoint_arrays(run, "train")
+    assert step == stopped_at and arrays["loop.step"] == stopped_at
+    report = json.loads(ok("--project", run, "status", "--json").stdout)
+    assert report["train"]["status"] == "interrupted" and not report["train"]["stale"]
+
+    out = pdctl(run, "resume").stdout
+    assert f"train: done at step {SUB_STEPS}" in out
+    assert_trees_equal(checkpoint_arrays(reference, "train")[1], checkpoint_arrays(run, "train")[1])
+    assert_trees_equal(exported(reference, tmp_path / "a.npz"), exported(run, tmp_path / "b.npz"))
+    assert metric_lines(run, "train") == metric_lines(reference, "train")

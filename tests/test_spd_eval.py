@@ -1,0 +1,219 @@
+"""SPD evaluation: CI error matching, MMCS / ML2R, L0 / alive, toy and LM evals."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdctl.config import parse_config
+from pdctl.science.spd import components as comp_mod
+from pdctl.science.spd import evaluate as E
+
+try:
+    from pdctl.science.targets import TMS, LlamaMLP
+except ImportError:  # pragma: no cover - the targets package is written concurrently
+    TMS = LlamaMLP = None
+
+needs_targets = pytest.mark.skipif(TMS is None, reason="pdctl.science.targets not available")
+
+
+def make_cfg(target: str, sites: list[dict], **decomp):
+    return parse_config(
+        {"schema": 1, "target": {"kind": target}, "decomp": {"sites": sites, **decomp}}
+    )
+
+
+def random_ci_fn(seed: int, d_in: int, C: int, hidden: tuple[int, ...]):
+    """CI-function weights in the init's layout, drawn with NumPy (no compile per shape)."""
+    shapes = jax.eval_shape(lambda k: comp_mod.init_ci_fn(k, "mlp", d_in, C, hidden), KEY)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda a: jnp.asarray(
+            rng.normal(size=a.shape) / np.sqrt(a.shape[-2] if a.ndim > 2 else 1), jnp.float32
+        ),
+        shapes,
+    )
+
+
+KEY = jax.random.PRNGKey(0)
+
+# ---------------------------------------------------------------------------------------------
+# CI error
+
+
+def test_ci_errors_identity_and_permutations():
+    assert E.ci_errors(np.eye(5)) == 0
+    padded = np.zeros((5, 20))
+    padded[np.arange(5), [7, 3, 19, 0, 11]] = 1.0  # a permuted identity inside C = 20
+    assert E.ci_errors(padded) == 0
+    near = padded * 0.95
+    near[near == 0] = 0.05  # within tolerance everywhere
+    assert E.ci_errors(near) == 0
+
+
+def test_ci_errors_count_extra_and_missing_entries():
+    m = np.eye(5, 8)
+    m[2, 6] = 0.5  # an extra active entry
+    assert E.ci_errors(m) == 1
+    m[0, 0] = 0.6  # a matched entry below 1 - tol
+    assert E.ci_errors(m) == 2
+    # one component for two features: one of them is matched elsewhere (to a 0), so it counts
+    # once as an unmatched active entry and once as a matched entry below 0.9
+    shared = np.zeros((2, 3))
+    shared[:, 0] = 1.0
+    assert E.ci_errors(shared) == 2
+    assert E.ci_errors(np.eye(3) * 0.85, tol=0.2) == 0
+    assert E.ci_errors(np.eye(3) * 0.85, tol=0.1) == 3
+
+
+def test_dense_ci_errors():
+    dense = np.zeros((6, 10))
+    dense[:, [1, 4, 7]] = 1.0
+    assert E.dense_ci_errors(dense, k=3) == 0
+    assert E.dense_ci_errors(dense, k=4) == 1  # a 4th column has no strong entry
+    dense[2, 9] = 0.5
+    assert E.dense_ci_errors(dense, k=3) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# MMCS / ML2R
+
+
+def test_mmcs_and_ml2r_exact_components():
+    rng = np.random.default_rng(0)
+    W = rng.normal(size=(5, 3))
+    # per row: component i = e_i (x) W[i, :], plus unused random components
+    V = np.concatenate([np.eye(5), rng.normal(size=(5, 4))], axis=1)
+    U = np.concatenate([W, rng.normal(size=(4, 3)) * 0.01], axis=0)
+    mmcs, ml2r = E.mmcs_and_ml2r(W, V, U, per="in")
+    assert mmcs == pytest.approx(1.0, abs=1e-9) and ml2r == pytest.approx(1.0, abs=1e-9)
+    # per column: component j = W[:, j] (x) e_j
+    mmcs, ml2r = E.mmcs_and_ml2r(W, W, np.eye(3), per="out")
+    assert mmcs == pytest.approx(1.0, abs=1e-9) and ml2r == pytest.approx(1.0, abs=1e-9)
+    # half-size components keep the direction and halve the ratio
+    mmcs, ml2r = E.mmcs_and_ml2r(W, np.eye(5), W / 2, per="in")
+    assert mmcs == pytest.approx(1.0) and ml2r == pytest.approx(0.5)
+    # the cosine is signed: sign-flipped components (-1) lose to the other, empty rows (0)
+    mmcs, _ = E.mmcs_and_ml2r(W, -np.eye(5), W, per="in")
+    assert mmcs == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        E.mmcs_and_ml2r(W, W, np.eye(3), per="diag")
+
+
+# ---------------------------------------------------------------------------------------------
+# L0 and alive
+
+
+def test_l0_and_alive():
+    ci = {
+        "a": jnp.array([[0.0, 0.5, 0.2], [0.05, 0.95, 0.0]]),
+        "b": jnp.array([[[0.2, 0.0], [0.0, 0.0]]]),
+    }
+    l0 = E.l0(ci, 0.1)
+    assert float(l0["a"]) == pytest.approx(1.5)
+    assert float(l0["b"]) == pytest.approx(0.5)
+    alive = E.alive(ci, 0.1)
+    np.testing.assert_array_equal(np.asarray(alive["a"]), [False, True, True])
+    np.testing.assert_array_equal(np.asarray(alive["b"]), [True, False])
+
+
+# ---------------------------------------------------------------------------------------------
+# toy evals on TMS 5-2
+
+
+@functools.cache
+def _tms_exact():
+    """TMS 5-2 with C = 5 components that reproduce each site exactly, one per feature."""
+    target = TMS(n_features=5, n_hidden=2)
+    params = jax.jit(target.init)(jax.random.PRNGKey(0))
+    w = target.site_weights(params)
+    comps = {
+        "linear1": {"V": jnp.eye(5), "U": w["linear1"]},
+        "linear2": {"V": w["linear2"], "U": jnp.eye(5)},
+    }
+    ci_fns = {
+        "linear1": random_ci_fn(1, 5, 5, (16,)),
+        "linear2": random_ci_fn(2, 2, 5, (16,)),
+    }
+    cfg = make_cfg("tms", [{"pattern": "linear*", "C": 5}])
+    return target, params, comps, ci_fns, cfg
+
+
+@needs_targets
+def test_toy_ci_matrix_and_toy_eval_on_tms():
+    target, params, comps, ci_fns, cfg = _tms_exact()
+    m = E.toy_ci_matrix(target, params, comps, ci_fns, cfg, "linear1")
+    assert m.shape == (5, 5) and m.min() >= 0 and m.max() <= 1
+    mats = E.toy_ci_matrices(target, params, comps, ci_fns, cfg)
+    np.testing.assert_allclose(mats["linear1"], m, rtol=1e-6)
+    # the matrix is the CI of one-hot inputs of magnitude 0.75 through the target
+    x = 0.75 * jnp.eye(5)
+    h = x @ comps["linear1"]["V"]
+    from pdctl.science.spd.ci import ci_fn_apply
+
+    z = ci_fn_apply("mlp", ci_fns["linear1"], x, h)
+    np.testing.assert_allclose(m, np.clip(np.asarray(z), 0, 1), rtol=1e-5, atol=1e-6)
+    out = E.toy_eval(target, params, comps, ci_fns, cfg)
+    assert set(out) == {
+        "ci_error/linear1",
+        "ci_error/linear2",
+        "ci_error/total",
+        "mmcs/linear1",
+        "mmcs/linear2",
+        "ml2r/linear1",
+        "ml2r/linear2",
+    }
+    assert out["ci_error/total"] == out["ci_error/linear1"] + out["ci_error/linear2"]
+    for site in ("linear1", "linear2"):
+        assert out[f"mmcs/{site}"] == pytest.approx(1.0, abs=1e-6)
+        assert out[f"ml2r/{site}"] == pytest.approx(1.0, abs=1e-6)
+
+
+@needs_targets
+def test_ci_stats_on_tms_batch():
+    target, params, comps, ci_fns, cfg = _tms_exact()
+    x = jnp.asarray(np.random.default_rng(0).uniform(size=(32, 5)), jnp.float32)
+    stats = E.ci_stats(target, params, comps, ci_fns, cfg, x)
+    assert set(stats) == {"l0/linear1", "l0/linear2", "alive/linear1", "alive/linear2"}
+    ci_lower, _ = E.compute_ci_jit(target, params, comps, ci_fns, cfg, x)
+    for site, ci in ci_lower.items():
+        ci = np.asarray(ci)
+        assert stats[f"l0/{site}"] == pytest.approx(float((ci > 0.1).sum(-1).mean()))
+        assert stats[f"alive/{site}"] == float((ci > 0.1).any(0).sum())
+        assert 0 <= stats[f"alive/{site}"] <= 5
+
+
+# ---------------------------------------------------------------------------------------------
+# LM eval
+
+
+@needs_targets
+def test_lm_eval_with_exact_components():
+    target = LlamaMLP(vocab_size=16, d_model=8, n_layers=1, n_heads=2, d_mlp=16, seq_len=6)
+    params = jax.jit(target.init)(jax.random.PRNGKey(0))
+    w = target.site_weights(params)
+    sites = ("layers.0.mlp.up", "layers.0.mlp.down")
+    # V = I, U = W: V @ U == W exactly, so the unmasked model (no delta) is the target
+    comps = {p: {"V": jnp.eye(w[p].shape[0]), "U": w[p]} for p in sites}
+    ci_fns = {
+        "layers.0.mlp.up": random_ci_fn(1, 8, 8, (4,)),
+        "layers.0.mlp.down": random_ci_fn(2, 16, 16, (4,)),
+    }
+    cfg = make_cfg("llama_mlp", [{"pattern": "layers.*.mlp.*", "C": 8}])
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, size=(4, 7)), jnp.int32)
+    out = E.lm_eval(target, params, comps, ci_fns, cfg, {"tokens": tokens}, jax.random.PRNGKey(3))
+    kinds = ("ci_masked", "stoch_masked", "unmasked", "zero_masked")
+    expected = {"ce/target"} | {f"{m}/{k}" for m in ("ce", "kl") for k in kinds}
+    expected |= {f"{m}/{k}" for m in ("ce_difference", "ce_unrecovered") for k in kinds[:3]}
+    assert set(out) == expected
+    assert all(np.isfinite(v) for v in out.values())
+    assert out["kl/unmasked"] == pytest.approx(0.0, abs=1e-6)
+    assert out["ce/unmasked"] == pytest.approx(out["ce/target"], abs=1e-5)
+    assert out["ce_difference/unmasked"] == pytest.approx(0.0, abs=1e-5)
+    assert out["kl/zero_masked"] > 0
+    for k in kinds:
+        assert out[f"kl/{k}"] >= -1e-6
+    ref_ce = float(jax.jit(target.loss)(params, {"tokens": tokens})[0])
+    assert out["ce/target"] == pytest.approx(ref_ce, rel=1e-5)
