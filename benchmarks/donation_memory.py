@@ -167,10 +167,14 @@ def main() -> int:
         )
     ok = worst <= 0.05
     print(f"est.peak saving = one donated state (+/-5%) for every step: {'yes' if ok else 'NO'}")
-    if any(r["without"]["xla_peak_bytes"] == _arg_out(r["without"]) for r in results):
+    if all(
+        abs(r[k]["xla_peak_bytes"] - _arg_out(r[k])) <= 0.01 * r[k]["xla_peak_bytes"]
+        for r in results
+        for k in ("with", "without")
+    ):
         print(
-            "note: on this backend XLA's peak_memory_in_bytes equals argument + output - alias "
-            "(no temp), so its saving equals the aliased bytes by construction"
+            "note: here XLA's peak_memory_in_bytes is ~argument + output - alias (temp left "
+            "out), so its saving is the aliased bytes by construction; est.peak is the figure"
         )
     if args.json:
         print(json.dumps(results))

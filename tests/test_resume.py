@@ -317,8 +317,9 @@ def test_train_until_then_resume_is_bit_exact(base: Path, stopped: Path, tmp_pat
     assert f"train: done at step {TMS_STEPS}" in out.stdout
     st = state(resumed, "train")
     assert (st["status"], st["step"], st["checkpoint"]) == ("done", TMS_STEPS, TMS_STEPS)
-    # The loop's own check on the first resumed step: the restored state was donated.
-    assert st["donation_fraction"] >= donation.THRESHOLD
+    # The loop's own check on the first resumed step: every byte of the restored state was
+    # donated (fed straight from orbax, a part of it would not be; see below).
+    assert st["donation_fraction"] == 1.0
 
     # V/U, CI functions, sources, both optimizers' state, the loop counters and RNG: exact.
     step_a, a = checkpoint_arrays(straight, "train")
@@ -434,7 +435,9 @@ def test_rematerialized_restore_is_donated(pieces: TrainPieces) -> None:
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
         assert x.sharding == y.sharding
-    assert pieces.donated_fraction(state) >= donation.THRESHOLD
+    # All of it, not just the 95% that the loop's DONATION FAILED check asks for: the direct
+    # feed (next test) also clears 95% on a state this small.
+    assert pieces.donated_fraction(state) == 1.0
     assert all(x.is_deleted() for x in jax.tree.leaves(state))  # consumed by the step
 
 

@@ -652,15 +652,19 @@ def test_jitted_loss_and_grads_are_finite():
 
 
 def test_zero_coefficients_are_not_computed_and_faithfulness_fn():
+    off = ("importance_minimality", "stochastic_recon_layerwise", "ppgd_recon", "faithfulness")
     target, params, fns, trainable, sources, x = _setup_fns(
-        loss={"importance_minimality": 0.0, "stochastic_recon_layerwise": 0.0}
+        loss={**ALL_TERMS, **dict.fromkeys(off, 0.0)}  # beta > 0 stays: log2 would show
     )
-    total, metrics = jax.jit(fns.loss)(trainable, params, sources, x, jax.random.PRNGKey(0), 0.0)
-    terms = {k for k in metrics if k in L.TERMS}
-    assert terms == {"stochastic_recon"}
-    assert float(total) == pytest.approx(float(metrics["stochastic_recon"]))
-    jaxpr = str(jax.make_jaxpr(fns.loss)(trainable, params, sources, x, jax.random.PRNGKey(0), 0.0))
-    assert "log2" not in jaxpr
+    args = (trainable, params, sources, x, jax.random.PRNGKey(0), 0.0)
+    _, metrics = jax.eval_shape(fns.loss, *args)  # traced only: no compile needed
+    assert {k for k in metrics if k in L.TERMS} == {
+        "stochastic_recon",
+        "ci_masked_recon",
+        "unmasked_recon",
+    }
+    jaxpr = str(jax.make_jaxpr(fns.loss)(*args))
+    assert "log2" not in jaxpr and "pow" not in jaxpr
     faith = jax.jit(fns.faithfulness_loss)(trainable["components"], params)
     weights = target.site_weights(params)
     ref = L.faithfulness_loss({p: weights[p] for p in fns.paths}, trainable["components"])
@@ -693,7 +697,7 @@ def test_loss_is_the_same_with_the_batch_sharded_over_four_devices():
         assert float(metrics[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sign"])
+@pytest.mark.parametrize("optimizer", ["adam"])  # sign steps: see the NumPy step test
 def test_ppgd_ascent_increases_the_ppgd_loss(optimizer):
     _target, params, fns, trainable, sources, x = _setup_fns(
         loss={

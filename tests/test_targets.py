@@ -20,9 +20,8 @@ CONFIGS = {
     "tms": lambda: TMS(),
     "tms_untied_hidden": lambda: TMS(n_features=6, n_hidden=3, n_hidden_layers=2, tied_weights=False),
     "resid_mlp": lambda: ResidMLP(n_features=12, d_embed=16, d_mlp=6, n_layers=2),
-    "llama": lambda: LlamaMLP(d_model=16, n_layers=2, n_heads=2, d_mlp=24, seq_len=8),
     "llama_glu_untied": lambda: LlamaMLP(
-        vocab_size=32, d_model=16, n_layers=1, n_heads=4, d_mlp=24, seq_len=8, glu=True,
+        vocab_size=32, d_model=16, n_layers=2, n_heads=4, d_mlp=24, seq_len=8, glu=True,
         tied_embeddings=False,
     ),
 }  # fmt: skip
@@ -261,54 +260,48 @@ def test_resid_mlp_make_batch_and_training():
 # LlamaMLP
 
 
-def test_llama_loss_at_init_is_log_vocab(case):
-    if case.target.kind != "llama_mlp":
-        pytest.skip("LM only")
-    t = case.target
-    loss, aux = jax.jit(t.loss)(case.params, case.batch)
-    # Tied N(0, 0.02) embeddings after a unit-RMS norm give logits of std 0.02 * sqrt(d_model),
-    # so the CE exceeds log(vocab) by about half their variance (< 0.01 here).
-    assert abs(float(loss) - math.log(t.vocab_size)) < 0.1
-    assert set(aux) == {"ce", "accuracy"} and 0 <= aux["accuracy"] <= 1
-    np.testing.assert_array_equal(t.inputs(case.batch), case.batch["tokens"][:, :-1])
-    assert t.n_tokens_per_example() == t.seq_len
-    with pytest.raises(TypeError):
-        t.make_batch(jax.random.key(0), 4)
-
-
-def test_llama_params_layout_and_causality():
-    t = CONFIGS["llama_glu_untied"]()
-    tokens = np.random.default_rng(1).integers(0, t.vocab_size, (3, t.seq_len), dtype=np.int32)
+def test_llama_plain_loss_at_init_layout_and_causality():
+    """Tied, GELU MLP: CE at init ~ log(vocab); params at their site paths; causal attention."""
+    t = LlamaMLP(d_model=16, n_layers=1, n_heads=2, d_mlp=24, seq_len=8)
+    rng = np.random.default_rng(1)
+    batch = {"tokens": rng.integers(0, t.vocab_size, (4, t.seq_len + 1), dtype=np.int32)}
+    tokens = batch["tokens"][:, :-1]
     changed = tokens.copy()
     changed[:, -1] = (changed[:, -1] + 1) % t.vocab_size
 
     @jax.jit
     def run(key):
         params = t.init(key)
-        return params, t.apply(params, tokens), t.apply(params, changed)
+        return params, t.loss(params, batch), t.apply(params, tokens), t.apply(params, changed)
 
-    params, out, out_changed = run(jax.random.key(0))
+    params, (loss, aux), out, out_changed = run(jax.random.key(0))
+    # Tied N(0, 0.02) embeddings after a unit-RMS norm give logits of std 0.02 * sqrt(d_model),
+    # so the CE exceeds log(vocab) by about half their variance (< 0.01 here).
+    assert abs(float(loss) - math.log(t.vocab_size)) < 0.1
+    assert set(aux) == {"ce", "accuracy"} and 0 <= aux["accuracy"] <= 1
+    np.testing.assert_array_equal(t.inputs(batch), tokens)
+    assert t.n_tokens_per_example() == t.seq_len
+    with pytest.raises(TypeError):
+        t.make_batch(jax.random.key(0), 4)
+
     layer = params["layers"]["0"]
-    assert layer["mlp"]["gate"].shape == layer["mlp"]["up"].shape == (16, 24)
-    assert layer["mlp"]["down"].shape == (24, 16)
-    assert params["unembed"].shape == (16, 32)
+    assert set(params) == {"embed", "layers", "final_norm"}
+    assert set(layer) == {"attn_norm", "attn", "mlp_norm", "mlp"} and set(layer["mlp"]) == {"up", "down"}
+    assert layer["mlp"]["up"].shape == (16, 24) and layer["mlp"]["down"].shape == (24, 16)
     np.testing.assert_array_equal(layer["attn_norm"], np.ones(16))
-    assert t.site_paths()[4:] == ["layers.0.mlp.gate", "layers.0.mlp.up", "layers.0.mlp.down"]
+    assert t.site_paths() == [f"layers.0.attn.{n}" for n in "qkvo"] + [
+        "layers.0.mlp.up",
+        "layers.0.mlp.down",
+    ]
     np.testing.assert_allclose(out[:, :-1], out_changed[:, :-1], rtol=1e-6, atol=1e-7)
     assert not np.allclose(out[:, -1], out_changed[:, -1])
 
 
-def test_llama_init_matches_per_site_draws():
-    """Grouped (vmapped) init equals drawing each site from its own key, bit for bit."""
-    t = CONFIGS["llama"]()
-    paths = t.site_paths()
-
-    @jax.jit
-    def run(key):
-        site_keys = jax.random.split(jax.random.split(key, 3)[2], len(paths))
-        ref = {p: 0.02 * jax.random.normal(k, t.site_shapes()[p]) for p, k in zip(paths, site_keys)}
-        return t.site_weights(t.init(key)), ref
-
-    got, ref = run(jax.random.key(0))
-    for path in paths:
-        np.testing.assert_array_equal(got[path], ref[path], err_msg=path)
+def test_llama_glu_layout(case):
+    if case.target.kind != "llama_mlp":
+        pytest.skip("LM only")
+    t, params = case.target, case.params
+    layer = params["layers"]["1"]
+    assert layer["mlp"]["gate"].shape == layer["mlp"]["up"].shape == (16, 24)
+    assert params["unembed"].shape == (16, 32)
+    assert t.site_paths()[4:7] == ["layers.0.mlp.gate", "layers.0.mlp.up", "layers.0.mlp.down"]

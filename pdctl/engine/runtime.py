@@ -4,8 +4,8 @@ logging. Everything else is the same program on one process or many."""
 from __future__ import annotations
 
 import logging
-import logging.config
 import os
+import sys
 from dataclasses import dataclass
 
 from pdctl.config import Config
@@ -23,18 +23,35 @@ class DistributedFlags:
     process_id: int | None = None
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever `sys.stderr` is when it emits (CliRunner and pytest swap
+    it; a handler bound to the stream of the moment would later write to a closed file)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging() -> None:
-    # disable_existing_loggers=False: JAX's loggers exist already; disabling them is how
-    # JAX_LOG_COMPILES=1 output silently vanishes.
-    logging.config.dictConfig(
-        {
-            "version": 1,
-            "disable_existing_loggers": False,
-            "formatters": {"plain": {"format": "%(asctime)s %(name)s %(levelname)s %(message)s"}},
-            "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
-            "loggers": {"pdctl": {"level": "INFO", "handlers": ["stderr"], "propagate": False}},
-        }
-    )
+    """pdctl's own logger to stderr. Only that logger is touched: JAX's loggers stay enabled
+    (JAX_LOG_COMPILES=1 shows), and no other handler is reconfigured. Not `dictConfig`: even
+    with disable_existing_loggers=False it closes every existing handler, and absl's handler
+    then closes the stream it holds whenever that is not the current sys.stderr (in-process
+    runs: it closed pytest's capture file)."""
+    logger = logging.getLogger("pdctl")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
 
 
 def _env_says_multihost() -> bool:

@@ -115,7 +115,8 @@ class StageEnv:
                     f"`pdctl {CLI_NAME[req]}` before `pdctl {CLI_NAME[stage]}`"
                 )
         project.writer = runtime.is_writer()
-        project.acquire_lock()  # held until the process exits: one writer per run directory
+        if project.writer:  # held until the process exits: one writer per run directory
+            project.acquire_lock()
         mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
         env = cls(project, stage, mesh, target_from_config(project.config))
         return env

@@ -99,7 +99,7 @@ def run(
     step_fn = jax.jit(
         make_step(target, tx, pc.batch_size, batch_sh, Policy.from_config(cfg.precision)),
         in_shardings=(state_sh, batch_sh if is_text else None),
-        out_shardings=(state_sh, None),
+        out_shardings=(state_sh, sharding.replicated(env.mesh)),
         donate_argnums=(0,),
     )
     lr = schedule(pc.optim, total)

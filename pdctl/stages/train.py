@@ -227,7 +227,7 @@ def run(
     step_fn = jax.jit(
         make_step(target, fns, tx, cfg, total, batch_sh),
         in_shardings=(target_sh, state_sh, batch_sh if is_text else None),
-        out_shardings=(state_sh, None),
+        out_shardings=(state_sh, sharding.replicated(env.mesh)),
         donate_argnums=(1,),
     )
     lr = schedule(tc.optim, total)

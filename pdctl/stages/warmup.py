@@ -11,6 +11,7 @@ import jax
 import optax
 
 from pdctl.config import OptimConfig
+from pdctl.engine import sharding
 from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw
 from pdctl.project import Project
@@ -99,7 +100,7 @@ def run(
     step_fn = jax.jit(
         make_step(env.target, paths, tx),
         in_shardings=(target_sh, state_sh, None),
-        out_shardings=(state_sh, None),
+        out_shardings=(state_sh, sharding.replicated(env.mesh)),
         donate_argnums=(1,),
     )
     return run_loop(

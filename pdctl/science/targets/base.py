@@ -5,6 +5,7 @@ convention `y = x @ W (+ b)`, and its forward pass accepts per-site overrides th
 matmul `x_in @ W`. The decomposition code only ever talks to targets through this interface.
 """
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,11 +92,22 @@ def add_bias(h: jax.Array, b: jax.Array) -> jax.Array:
     return h + lift(b, h)
 
 
+def _flat(shape: tuple[int, ...]) -> tuple[int]:
+    # Init draws are 1-D then reshaped: on XLA:CPU a rank-3 threefry draw compiled ~4x slower
+    # than a flat one of the same size (1.2 s vs 0.25 s), and inits are compiled once per run.
+    return (math.prod(shape),)
+
+
+def normal_init(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
+    return (std * jax.random.normal(key, _flat(shape), jnp.float32)).reshape(shape).astype(dtype)
+
+
 def uniform_fan_in(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
     """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the default init of a torch `nn.Linear` (weight and
     bias), which the reference toy models use; keeping it keeps our toys' training comparable."""
     bound = 1.0 / (fan_in**0.5)
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+    w = jax.random.uniform(key, _flat(shape), jnp.float32, -bound, bound)
+    return w.reshape(shape).astype(dtype)
 
 
 def sparse_features(

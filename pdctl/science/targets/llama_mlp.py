@@ -7,10 +7,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from pdctl.science.targets.base import Overrides, Params, Target, lift
+from pdctl.science.targets.base import Overrides, Params, Target, lift, normal_init
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,32 +71,33 @@ class LlamaMLP(Target):
         return weights
 
     def init(self, key: jax.Array) -> Params:
-        """N(0, 0.02) matrices, unit norm scales. Site i draws from the i-th of `split(key, n)`
-        (after the embedding keys); same-shaped sites draw together under one vmapped sampler,
-        which keeps the RNG bodies in a compiled init to a handful however deep the model."""
+        """N(0, 0.02) matrices, unit norm scales. Same-shaped sites are drawn as one stacked
+        array and sliced: one RNG body per distinct shape keeps the compile of a jitted init
+        small however deep the model (each RNG body costs about as much as a forward pass)."""
         d, V, dt = self.d_model, self.vocab_size, self.param_dtype
         shapes = self.site_shapes()
         k_embed, k_unembed, k_sites = jax.random.split(key, 3)
-        site_keys = jax.random.split(k_sites, len(shapes))
 
         def normal(k: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-            return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+            return normal_init(k, shape, 0.02, dt)
 
-        by_shape: dict[tuple[int, int], list[int]] = {}
-        for i, shape in enumerate(shapes.values()):
-            by_shape.setdefault(shape, []).append(i)
-        drawn: dict[int, jax.Array] = {}
-        for shape, idx in by_shape.items():
-            stacked = jax.vmap(lambda k, shape=shape: normal(k, shape))(site_keys[np.array(idx)])
-            drawn.update({i: stacked[j] for j, i in enumerate(idx)})
+        by_shape: dict[tuple[int, int], list[str]] = {}
+        for path, shape in shapes.items():
+            by_shape.setdefault(shape, []).append(path)
+        drawn: dict[str, jax.Array] = {}
+        for (shape, group), k in zip(
+            by_shape.items(), jax.random.split(k_sites, len(by_shape)), strict=True
+        ):
+            stacked = normal(k, (len(group), *shape))
+            drawn.update({path: stacked[j] for j, path in enumerate(group)})
 
         layers: Params = {}
-        for i, path in enumerate(shapes):
-            _, layer_idx, block, name = path.split(".")
+        for path, w in drawn.items():
+            _, i, block, name = path.split(".")
             layer = layers.setdefault(
-                layer_idx, {"attn_norm": jnp.ones((d,), dt), "mlp_norm": jnp.ones((d,), dt)}
+                i, {"attn_norm": jnp.ones((d,), dt), "mlp_norm": jnp.ones((d,), dt)}
             )
-            layer.setdefault(block, {})[name] = drawn[i]
+            layer.setdefault(block, {})[name] = w
         params: Params = {
             "embed": normal(k_embed, (V, d)),
             "layers": layers,

@@ -15,6 +15,7 @@ from pdctl.science.targets.base import (
     Target,
     add_bias,
     mse,
+    normal_init,
     sparse_features,
     uniform_fan_in,
 )
@@ -49,17 +50,21 @@ class ResidMLP(Target):
     def embedding(self) -> jax.Array:
         """W_E (n_features, d_embed), unit-norm rows, a function of `embed_seed` alone so every
         run (whatever its init seed) decomposes a model over the same feature directions."""
-        w = jax.random.normal(jax.random.key(self.embed_seed), (self.n_features, self.d_embed))
+        shape = (self.n_features, self.d_embed)
+        w = normal_init(jax.random.key(self.embed_seed), shape, 1.0, jnp.float32)
         w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
         return w.astype(self.param_dtype)
 
     def init(self, key: jax.Array) -> Params:
-        D, M, dt = self.d_embed, self.d_mlp, self.param_dtype
+        # One stacked draw per weight kind across layers: few RNG bodies in a compiled init.
+        D, M, L, dt = self.d_embed, self.d_mlp, self.n_layers, self.param_dtype
+        k_in, k_out = jax.random.split(key)
+        w_in_LxDxM = uniform_fan_in(k_in, (L, D, M), D, dt)
+        w_out_LxMxD = uniform_fan_in(k_out, (L, M, D), M, dt)
         layers: Params = {}
-        for i, k in enumerate(jax.random.split(key, self.n_layers)):
-            k_in, k_out = jax.random.split(k)
-            mlp_in: Params = {"W": uniform_fan_in(k_in, (D, M), D, dt)}
-            mlp_out: Params = {"W": uniform_fan_in(k_out, (M, D), M, dt)}
+        for i in range(L):
+            mlp_in: Params = {"W": w_in_LxDxM[i]}
+            mlp_out: Params = {"W": w_out_LxMxD[i]}
             if self.bias:
                 mlp_in["b"] = jnp.zeros((M,), dt)
                 mlp_out["b"] = jnp.zeros((D,), dt)
