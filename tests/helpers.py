@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from pdctl.engine import sharding
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.loop import Loop
+from pdctl.engine.precision import Policy
 from pdctl.engine.tracking import JsonlWriter, NoopTracker
 from pdctl.project import Project, split_state
 from pdctl.stages import pretrain
@@ -182,20 +183,25 @@ class Pretrain:
         make = self._jit("state", lambda: jax.jit(self.make_state, out_shardings=self.state_sh))
         return make(params)
 
-    def step_fn(self, *, donate: bool = True) -> Any:
-        """The jitted step exactly as `pretrain.run` builds it (`donate=False`: the same step
-        without donation)."""
-        return self._jit(
-            f"step-{donate}",
-            lambda: jax.jit(
+    def step_fn(self, *, donate: bool = True, target: Any = None) -> Any:
+        """The jitted step exactly as `pretrain.run` builds it. `donate=False`: the same step
+        without donation; `target`: the same step around another target (not cached)."""
+
+        def make() -> Any:
+            return jax.jit(
                 pretrain.make_step(
-                    self.target, self.tx, self.cfg.pretrain.batch_size, self.batch_sh
+                    target or self.target,
+                    self.tx,
+                    self.cfg.pretrain.batch_size,
+                    self.batch_sh,
+                    Policy.from_config(self.cfg.precision),
                 ),
                 in_shardings=(self.state_sh, self.batch_sh if self.is_text else None),
-                out_shardings=(self.state_sh, None),
+                out_shardings=(self.state_sh, sharding.replicated(self.env.mesh)),
                 donate_argnums=(0,) if donate else (),
-            ),
-        )
+            )
+
+        return make() if target is not None else self._jit(f"step-{donate}", make)
 
     def batch(self, i: int) -> Any:
         """Batch `i`: None for the toys (generated on device from the step), else random tokens

@@ -24,7 +24,6 @@ from pdctl.engine.loop import guard_update, loop_counters
 from pdctl.engine.optim import adamw
 from pdctl.errors import PdctlError
 from pdctl.project import Project
-from pdctl.stages import pretrain
 from pdctl.stages.common import target_from_config
 from pdctl.stages.init_weights import init_decomposition_abstract
 
@@ -453,12 +452,7 @@ class NaNLoss:
 
 def test_pretrain_step_with_a_nan_loss_leaves_the_state_unchanged(pieces) -> None:
     pt = pieces("resid-mlp", "data2_fsdp2")
-    bad_step = jax.jit(
-        pretrain.make_step(NaNLoss(pt.target), pt.tx, pt.cfg.pretrain.batch_size, pt.batch_sh),
-        in_shardings=(pt.state_sh, None),
-        out_shardings=(pt.state_sh, None),
-        donate_argnums=(0,),
-    )
+    bad_step = pt.step_fn(target=NaNLoss(pt.target))
     state = pt.init_state()
     host0 = jax.device_get({"params": state["params"], "opt_state": state["opt_state"]})
     for k in (1, 2):

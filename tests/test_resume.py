@@ -328,7 +328,9 @@ def test_train_until_then_resume_is_bit_exact(base: Path, stopped: Path, tmp_pat
     assert {k.split(".")[0] for k in a} == {"trainable", "opt_state", "sources", "src_opt", "loop"}
     assert a["loop.step"] == TMS_STEPS
     assert_trees_equal(a, b)
-    assert_trees_equal(exported(straight, tmp_path / "a.npz"), exported(resumed, tmp_path / "b.npz"))
+    assert_trees_equal(
+        exported(straight, tmp_path / "a.npz"), exported(resumed, tmp_path / "b.npz")
+    )
 
     # Every logged metric after the resume point (and before it) equals the straight run's;
     # the resumed file holds each step exactly once.
@@ -565,26 +567,57 @@ def test_checkpoint_continues_on_other_device_counts(base: Path, tmp_path_factor
 # ---- SIGTERM ---------------------------------------------------------------------------------
 
 
-def _wait_for_metrics(run: Path, proc: subprocess.Popen, min_step: int, timeout: float = 300):
-    path = run / "metrics" / "train.jsonl"
+def _last_step(path: Path) -> int:
+    lines = path.read_text().splitlines() if path.exists() else []
+    try:
+        return int(json.loads(lines[-1])["step"]) if lines else 0
+    except (json.JSONDecodeError, KeyError):
+        return 0  # a line being written
+
+
+def _poll(proc: subprocess.Popen, cond, what: str, timeout: float = 300) -> bool:
+    """Poll `cond()` every ms; False when the process exits first."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
         if proc.poll() is not None:
-            raise AssertionError(f"pdctl exited early ({proc.returncode}): {proc.stderr.read()}")
-        if path.exists():
-            lines = path.read_text().splitlines()
-            if lines and json.loads(lines[-1]).get("step", 0) >= min_step:
-                return
-        time.sleep(0.005)
-    raise AssertionError("no metrics line in time")
+            return False
+        time.sleep(0.001)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _just_after_a_save(metrics: Path, every: int) -> bool:
+    step = _last_step(metrics)
+    return step > every and step % every in (1, 2)
+
+
+def _stop_save_started(ckpt_dir: Path, every: int) -> bool:
+    """A checkpoint (finished or `<step>.orbax-checkpoint-tmp*`) off the periodic cadence:
+    the save that a SIGTERM stop writes."""
+    if not ckpt_dir.exists():
+        return False
+    for p in ckpt_dir.iterdir():
+        head = p.name.split(".")[0]
+        if head.isdigit() and int(head) % every:
+            return True
+    return False
 
 
 @pytest.mark.parametrize("n_signals", [1, 2], ids=["sigterm", "sigterm-twice"])
 def test_sigterm_stops_cleanly_and_resume_is_bit_exact(
     base: Path, tmp_path: Path, tmp_path_factory, n_signals: int
 ) -> None:
+    """A real `pdctl train`, SIGTERM once it has logged a few steps: exit 3, `interrupted`, a
+    checkpoint at the stopped step, and `pdctl resume` ends bit-identical to a straight run.
+
+    `sigterm-twice` sends the second SIGTERM the moment the stop checkpoint's directory
+    appears, so it lands while that save is being written; it must be ignored (the handlers
+    stay installed until the stop checkpoint and the state are written)."""
+    every = SUB["checkpoint"]["every"]
     reference = tms_reference(tmp_path_factory)
     run = sub_run(base, tmp_path / "run", tmp_path_factory)
+    metrics, ckpt_dir = run / "metrics" / "train.jsonl", run / "checkpoints" / "train"
     proc = subprocess.Popen(
         pdctl_cmd(run, "train"),
         env=subprocess_env(1),
@@ -593,10 +626,12 @@ def test_sigterm_stops_cleanly_and_resume_is_bit_exact(
         text=True,
     )
     try:
-        _wait_for_metrics(run, proc, min_step=3)
+        # Just after a periodic save (step % 5 in {1, 2}): the stop lands off the cadence and
+        # writes a checkpoint of its own.
+        assert _poll(proc, lambda: _just_after_a_save(metrics, every), "metrics")
         proc.send_signal(signal.SIGTERM)
-        if n_signals == 2:  # while the first one's stop checkpoint is being written
-            time.sleep(0.02)
+        if n_signals == 2:
+            _poll(proc, lambda: _stop_save_started(ckpt_dir, every), "the stop save", 120)
             proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -609,11 +644,11 @@ def test_sigterm_stops_cleanly_and_resume_is_bit_exact(
     st = tomllib.loads(text)["state"]["train"]
     stopped_at = st["step"]
     assert st["status"] == "interrupted"
-    assert 3 <= stopped_at < SUB_STEPS
+    assert every < stopped_at < SUB_STEPS
     assert st["checkpoint"] == stopped_at
-    ckpt_dir = run / "checkpoints" / "train"
-    assert Checkpointer(ckpt_dir, keep=2).latest_step() == stopped_at
+    # No half-written save left behind (checked before a Checkpointer would clean it up).
     assert not [p.name for p in ckpt_dir.iterdir() if "tmp" in p.name]
+    assert Checkpointer(ckpt_dir, keep=2).latest_step() == stopped_at
     step, arrays = checkpoint_arrays(run, "train")
     assert step == stopped_at and arrays["loop.step"] == stopped_at
     report = json.loads(ok("--project", run, "status", "--json").stdout)

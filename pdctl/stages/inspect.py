@@ -338,11 +338,19 @@ def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for g in groups.values():
         if g["count"] > 1:
-            g["path"] = g["group"]
+            g["path"] = _pattern(g["paths"])
         else:
             del g["paths"]
         out.append(g)
     return out
+
+
+def _pattern(paths: list[str]) -> str:
+    """Member paths with the segments that differ (the layer/site indices) as '*'."""
+    split = [p.split(".") for p in paths]
+    if len({len(s) for s in split}) != 1:
+        return paths[0]
+    return ".".join(s[0] if len(set(s)) == 1 else "*" for s in zip(*split, strict=True))
 
 
 def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
