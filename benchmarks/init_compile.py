@@ -63,15 +63,19 @@ def child(kind: str, n_sites: int) -> None:
     from pdctl.stages import init_weights
 
     n_layers = n_sites // SITES_PER_LAYER
-    cfg = parse_config({
-        "schema": 1,
-        "target": {"kind": "llama_mlp"},
-        "decomp": {
-            "sites": [{"pattern": "layers.*.*attn.*", "C": 8},
-                      {"pattern": "layers.*.mlp*", "C": 16}],
-            "ci_fn": {"type": "mlp", "hidden": [16]},
-        },
-    })
+    cfg = parse_config(
+        {
+            "schema": 1,
+            "target": {"kind": "llama_mlp"},
+            "decomp": {
+                "sites": [
+                    {"pattern": "layers.*.*attn.*", "C": 8},
+                    {"pattern": "layers.*.mlp*", "C": 16},
+                ],
+                "ci_fn": {"type": "mlp", "hidden": [16]},
+            },
+        }
+    )
     target = LlamaLike(n_layers)
     if kind == "per_item":
         init_weights.grouped_init = engine_init.per_item_init
@@ -83,25 +87,38 @@ def child(kind: str, n_sites: int) -> None:
     wall = time.perf_counter() - t0
     compile_total = sum(compile_s.values())
     sites = init_weights.decomposed_sites(cfg, target)
-    print(json.dumps({
-        "kind": kind, "sites": n_sites, "groups": len(set(sites.values())),
-        "compile_s": compile_total, "run_s": wall - compile_total, "wall_s": wall,
-        "arrays": len(jax.tree.leaves(out)),
-    }))
+    print(
+        json.dumps(
+            {
+                "kind": kind,
+                "sites": n_sites,
+                "groups": len(set(sites.values())),
+                "compile_s": compile_total,
+                "run_s": wall - compile_total,
+                "wall_s": wall,
+                "arrays": len(jax.tree.leaves(out)),
+            }
+        )
+    )
 
 
 def measure(kind: str, n_sites: int, cap: float) -> dict:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=4").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, __file__, "--child", kind, str(n_sites)], env=env,
-                           capture_output=True, text=True, timeout=cap)
+        p = subprocess.run(
+            [sys.executable, __file__, "--child", kind, str(n_sites)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=cap,
+        )
     except subprocess.TimeoutExpired:
-        return {"kind": kind, "sites": n_sites, "capped": True,
-                "wall_s": time.perf_counter() - t0}
+        return {"kind": kind, "sites": n_sites, "capped": True, "wall_s": time.perf_counter() - t0}
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -122,8 +139,10 @@ def main() -> None:
         return
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("init_decomposition (V/U + CI fns + sources), 4 simulated CPU devices, fsdp=4")
-    hdr = (f"{'sites':>6} {'groups':>6} | {'per-item compile':>16} {'run':>6} | "
-           f"{'stacked compile':>15} {'run':>6} | {'compile ratio':>13}")
+    hdr = (
+        f"{'sites':>6} {'groups':>6} | {'per-item compile':>16} {'run':>6} | "
+        f"{'stacked compile':>15} {'run':>6} | {'compile ratio':>13}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for n in a.sites:
@@ -133,9 +152,12 @@ def main() -> None:
             ratio = f">{p['wall_s'] / g['compile_s']:.0f}x"
         else:
             ratio = f"{p['compile_s'] / g['compile_s']:.1f}x"
-        print(f"{n:>6} {g['groups']:>6} | {_fmt(p, 'compile_s'):>16} "
-              f"{'-' if p.get('capped') else _fmt(p, 'run_s'):>6} | "
-              f"{_fmt(g, 'compile_s'):>15} {_fmt(g, 'run_s'):>6} | {ratio:>13}", flush=True)
+        print(
+            f"{n:>6} {g['groups']:>6} | {_fmt(p, 'compile_s'):>16} "
+            f"{'-' if p.get('capped') else _fmt(p, 'run_s'):>6} | "
+            f"{_fmt(g, 'compile_s'):>15} {_fmt(g, 'run_s'):>6} | {ratio:>13}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

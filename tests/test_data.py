@@ -120,4 +120,4 @@ def test_corpus_feeds_the_iterator():
     corpus = synthetic_corpus(0, 5_000)
     batch = next(make_text_iterator(corpus, 64, 8, seed=0))["tokens"]
     assert batch.shape == (8, 65) and batch.dtype == np.int32
-    assert 0 <= batch.min() and batch.max() < 128
+    assert batch.min() >= 0 and batch.max() < 128

@@ -41,26 +41,20 @@ TMS_TINY: dict[str, Any] = {
 }
 
 
-def _env(run: Path, stage: str, mesh) -> StageEnv:
-    proj = Project.load(run / "pdctl.toml")
-    return StageEnv(proj, stage, mesh, target_from_config(proj.config))
-
-
 def _mesh(data: int, fsdp: int):
     return sharding.make_mesh(data, fsdp, jax.devices()[: data * fsdp])
 
 
 class Steps:
-    """The warmup and train steps of one run on one mesh, with fresh sharded state."""
+    """The warmup and train steps of one config on one mesh, built as the stages build them,
+    and fresh sharded states for them (from host values shared by every mesh)."""
 
-    def __init__(self, run: Path, mesh) -> None:
-        self.env = env = _env(run, "train", mesh)
+    def __init__(self, proj: Project, mesh, host_params: Any, host_dec: Any) -> None:
+        self.env = env = StageEnv(proj, "train", mesh, target_from_config(proj.config))
         cfg, target = env.cfg, env.target
         abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
-        self.params = jax.jit(target.init, out_shardings=env.shardings(abstract_params))(
-            stream_key(cfg, STREAM_TARGET)
-        )
-        self.dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
+        self.params = jax.device_put(host_params, env.shardings(abstract_params))
+        self.dec = host_dec
         target_sh = jax.tree.map(lambda x: x.sharding, self.params)
         # warmup, as warmup.run
         abstract_dec = warmup.abstract_decomposition(env)
@@ -69,7 +63,8 @@ class Steps:
         paths = tuple(p for p in target.site_paths() if p in abstract_dec["components"])
         self.warmup_step = jax.jit(
             warmup.make_step(target, paths, w_tx),
-            in_shardings=(target_sh, w_sh, None), out_shardings=(w_sh, None),
+            in_shardings=(target_sh, w_sh, None),
+            out_shardings=(w_sh, None),
             donate_argnums=(1,),
         )
         # train, as train.run
@@ -80,7 +75,8 @@ class Steps:
         batch_sh = sharding.batch_sharding(mesh, 2)
         self.train_step = jax.jit(
             train.make_step(target, fns, t_tx, cfg, total, batch_sh),
-            in_shardings=(target_sh, t_sh, None), out_shardings=(t_sh, None),
+            in_shardings=(target_sh, t_sh, None),
+            out_shardings=(t_sh, None),
             donate_argnums=(1,),
         )
 
@@ -90,6 +86,28 @@ class Steps:
     def fresh_train(self):
         d = self.dec
         return self.train_state(d["components"], d["ci_fns"], d["sources"])
+
+
+@pytest.fixture(scope="module")
+def tms_steps(tmp_path_factory: pytest.TempPathFactory):
+    """`steps(data, fsdp)`: the cached `Steps` of TMS_TINY on that mesh (each step function is
+    compiled once per mesh and shared by the donation and parity tests)."""
+    run = make_run(tmp_path_factory.mktemp("steps"), "tms", **TMS_TINY)
+    proj = Project.load(run / "pdctl.toml")
+    cfg = proj.config
+    target = target_from_config(cfg)
+    host_params = jax.device_get(jax.jit(target.init)(stream_key(cfg, STREAM_TARGET)))
+    mesh1 = _mesh(1, 1)
+    dec, _ = init_decomposition(cfg, target, mesh1, stream_key(cfg, STREAM_DECOMP))
+    host_dec = jax.device_get(dec)
+    cache: dict[tuple[int, int], Steps] = {}
+
+    def steps(data: int, fsdp: int) -> Steps:
+        if (data, fsdp) not in cache:
+            cache[(data, fsdp)] = Steps(proj, _mesh(data, fsdp), host_params, host_dec)
+        return cache[(data, fsdp)]
+
+    return steps
 
 
 def _host(tree: Any) -> Any:
@@ -111,8 +129,7 @@ def _check_donating_calls(step, params, st, n_calls: int = 2) -> list[float]:
         fractions.append(fraction)
         assert fraction >= donation.THRESHOLD, (fraction, missed)
         assert all(x.is_deleted() for x in jax.tree.leaves(st_in))  # really donated
-        for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(params_before),
-                              strict=True):
+        for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(params_before), strict=True):
             assert not leaf.is_deleted()
             np.testing.assert_array_equal(np.asarray(leaf), want)
         assert np.isfinite(float(metrics["loss"]))
@@ -121,10 +138,9 @@ def _check_donating_calls(step, params, st, n_calls: int = 2) -> list[float]:
 
 @pytest.mark.parametrize("n_devices", [1, 4])
 def test_warmup_and_train_steps_donate_the_state_but_not_the_target(
-    tmp_path: Path, n_devices: int
+    tms_steps, n_devices: int
 ) -> None:
-    run = make_run(tmp_path, "tms", **TMS_TINY)
-    steps = Steps(run, _mesh(1, n_devices))
+    steps = tms_steps(1, n_devices)
     st = steps.fresh_train()
     if n_devices == 4:  # the state really is sharded, so donation is per shard
         V = st["trainable"]["components"]["linear1"]["V"]
@@ -137,7 +153,7 @@ def test_warmup_and_train_steps_donate_the_state_but_not_the_target(
 # parity
 
 
-def test_train_losses_match_on_1_and_4_devices(tmp_path: Path) -> None:
+def test_train_losses_match_on_1_and_4_devices(tms_steps) -> None:
     """The same SPD train steps (toy batches generated on device from the step key, PPGD on) on
     1 device, on fsdp=4 and on data=4 give the same losses.
 
@@ -147,11 +163,10 @@ def test_train_losses_match_on_1_and_4_devices(tmp_path: Path) -> None:
     ulps per reduction (float32 eps 1.2e-7) and Adam's normalised updates keep the drift over
     six steps far below 1e-5 relative; a real sharding bug (a wrong spec, a per-shard mean, a
     missing all-reduce) moves the loss by orders of magnitude more."""
-    run = make_run(tmp_path, "tms", **TMS_TINY)
     losses = {}
     terms = {}
     for name, (data, fsdp) in {"1": (1, 1), "fsdp4": (1, 4), "data4": (4, 1)}.items():
-        steps = Steps(run, _mesh(data, fsdp))
+        steps = tms_steps(data, fsdp)
         st = steps.fresh_train()
         out = []
         for _ in range(steps.env.cfg.train.steps):
@@ -159,16 +174,17 @@ def test_train_losses_match_on_1_and_4_devices(tmp_path: Path) -> None:
             out.append(metrics)
         host = jax.device_get(out)
         losses[name] = np.array([m["loss"] for m in host], dtype=np.float64)
-        terms[name] = {k: np.array([m[k] for m in host]) for k in ("stochastic_recon",
-                                                                    "importance_minimality")}
+        terms[name] = {
+            k: np.array([m[k] for m in host]) for k in ("stochastic_recon", "importance_minimality")
+        }
     assert np.all(np.isfinite(losses["1"]))
     assert len(set(np.round(losses["1"], 6))) > 1, "the loss should move over the steps"
     for name in ("fsdp4", "data4"):
-        np.testing.assert_allclose(losses[name], losses["1"], rtol=1e-5, atol=1e-7,
-                                   err_msg=name)
+        np.testing.assert_allclose(losses[name], losses["1"], rtol=1e-5, atol=1e-7, err_msg=name)
         for k, v in terms[name].items():
-            np.testing.assert_allclose(v, terms["1"][k], rtol=1e-5, atol=1e-7,
-                                       err_msg=f"{name} {k}")
+            np.testing.assert_allclose(
+                v, terms["1"][k], rtol=1e-5, atol=1e-7, err_msg=f"{name} {k}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,14 +208,22 @@ def test_cli_new_to_train_on_tiny_tms(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)
     _ok("new", "tiny", "--template", "tms")
     run = tmp_path / "tiny"
-    edit_config(run, {
-        "pretrain": {"steps": 40, "batch_size": 64, "log_every": 20},
-        "checkpoint": {"every": 10},
-        "decomp": {"sites": [{"pattern": "linear1", "C": 8}, {"pattern": "linear2", "C": 8}]},
-        "warmup": {"steps": 10, "log_every": 5},
-        "train": {"steps": 20, "batch_size": 64, "log_every": 5, "eval_every": 10,
-                  "eval_batch_size": 64},
-    })
+    edit_config(
+        run,
+        {
+            "pretrain": {"steps": 40, "batch_size": 64, "log_every": 20},
+            "checkpoint": {"every": 10},
+            "decomp": {"sites": [{"pattern": "linear1", "C": 8}, {"pattern": "linear2", "C": 8}]},
+            "warmup": {"steps": 10, "log_every": 5},
+            "train": {
+                "steps": 20,
+                "batch_size": 64,
+                "log_every": 5,
+                "eval_every": 10,
+                "eval_batch_size": 64,
+            },
+        },
+    )
     p = ("--project", "tiny")
     _ok(*p, "init-weights")
     assert state(run, "init_weights")["status"] == "done"

@@ -38,13 +38,21 @@ def _llama(ci_type: str) -> dict[str, Any]:
     two shape groups of 3 sites each. Per-position sources, (seq_len, C + 1)."""
     return {
         "schema": 1,
-        "target": {"kind": "llama_mlp", "vocab_size": 16, "d_model": 8, "n_layers": 3,
-                   "n_heads": 2, "d_mlp": 16},
+        "target": {
+            "kind": "llama_mlp",
+            "vocab_size": 16,
+            "d_model": 8,
+            "n_layers": 3,
+            "n_heads": 2,
+            "d_mlp": 16,
+        },
         "data": {"seq_len": 4},
         "mesh": {"fsdp_min_param_size": MIN_SIZE},
         "decomp": {
-            "sites": [{"pattern": "layers.*.mlp.up", "C": 8},
-                      {"pattern": "layers.*.mlp.down", "C": 12}],
+            "sites": [
+                {"pattern": "layers.*.mlp.up", "C": 8},
+                {"pattern": "layers.*.mlp.down", "C": 12},
+            ],
             "ci_fn": {"type": ci_type, "hidden": [4]},
         },
         "train": {"ppgd": {"scope": "position"}, "loss": {"output": "kl", "ppgd_recon": 0.5}},
@@ -85,18 +93,24 @@ _REFS: dict[str, Any] = {}
 def _reference(case: str, cfg: Config, target) -> tuple[Any, Any, Any]:
     """The per-site reference init (device independent, so computed once per case)."""
     if case not in _REFS:
-        _REFS[case] = jax.device_get(comps.init_decomposition_reference(
-            KEY, decomposed_sites(cfg, target), cfg.decomp.ci_fn.type,
-            tuple(cfg.decomp.ci_fn.hidden), lambda C: source_shape(cfg, C),
-            jax.numpy.dtype(cfg.precision.param_dtype),
-        ))
+        _REFS[case] = jax.device_get(
+            comps.init_decomposition_reference(
+                KEY,
+                decomposed_sites(cfg, target),
+                cfg.decomp.ci_fn.type,
+                tuple(cfg.decomp.ci_fn.hidden),
+                lambda C: source_shape(cfg, C),
+                jax.numpy.dtype(cfg.precision.param_dtype),
+            )
+        )
     return _REFS[case]
 
 
 def _assert_tree_equal(got: Any, want: Any, what: str) -> None:
     assert jax.tree.structure(got) == jax.tree.structure(want), what
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                            strict=True):
+    for (path, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+    ):
         g = np.asarray(g)
         assert g.dtype == w.dtype and g.shape == w.shape, (what, path)
         np.testing.assert_array_equal(g, w, err_msg=f"{what} {sharding.path_str(path)}")
@@ -113,8 +127,9 @@ def _check_shardings(out: dict[str, Any], cfg: Config, target, mesh) -> None:
     """Every leaf carries the sharding the spec rule gives its path and shape."""
     abstract = init_decomposition_abstract(cfg, target)
     want = sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size)
-    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(out), jax.tree.leaves(want),
-                            strict=True):
+    for (path, x), s in zip(
+        jax.tree_util.tree_leaves_with_path(out), jax.tree.leaves(want), strict=True
+    ):
         assert x.sharding.is_equivalent_to(s, x.ndim), (sharding.path_str(path), x.sharding, s)
         assert set(x.sharding.device_set) == set(mesh.devices.flat)
     n = mesh.shape["fsdp"]

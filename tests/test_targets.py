@@ -18,7 +18,9 @@ from pdctl.science.targets import TMS, LlamaMLP, ResidMLP, Target, build_target
 
 CONFIGS = {
     "tms": lambda: TMS(),
-    "tms_untied_hidden": lambda: TMS(n_features=6, n_hidden=3, n_hidden_layers=2, tied_weights=False),
+    "tms_untied_hidden": lambda: TMS(
+        n_features=6, n_hidden=3, n_hidden_layers=2, tied_weights=False
+    ),
     "resid_mlp": lambda: ResidMLP(n_features=12, d_embed=16, d_mlp=6, n_layers=2),
     "llama_glu_untied": lambda: LlamaMLP(
         vocab_size=32, d_model=16, n_layers=2, n_heads=4, d_mlp=24, seq_len=8, glu=True,
@@ -102,9 +104,15 @@ def test_apply_and_overrides(case):
 
                 return override
 
-            return target.apply(p, x, {path: zeros_at(j, weights[path]) for j, path in enumerate(paths)})
+            return target.apply(
+                p, x, {path: zeros_at(j, weights[path]) for j, path in enumerate(paths)}
+            )
 
-        return target.apply(p, x), target.apply(p, x, same), jax.vmap(zero_site)(jnp.arange(len(paths)))
+        return (
+            target.apply(p, x),
+            target.apply(p, x, same),
+            jax.vmap(zero_site)(jnp.arange(len(paths))),
+        )
 
     ref, same, zeroed = jax.jit(run)(case.params, case.x)
     if target.output_kind == "logits":
@@ -195,7 +203,7 @@ def test_tms_make_batch_deterministic_and_sparse():
     assert not np.array_equal(a["x"], c["x"])
     x = np.asarray(a["x"])
     assert x.shape == (20_000, 5) and x.dtype == np.float32
-    assert 0.0 <= x.min() and x.max() <= 1.0
+    assert x.min() >= 0.0 and x.max() <= 1.0
     # 100k Bernoulli(0.05) draws: the active fraction has std ~7e-4.
     assert abs(np.mean(x > 0) - 0.05) < 0.004
     np.testing.assert_array_equal(a["y"], a["x"])
@@ -235,7 +243,8 @@ def test_resid_mlp_embedding_fixed_unit_norm_and_frozen():
     p0, p1 = init(jax.random.key(0)), init(jax.random.key(1))
     np.testing.assert_allclose(np.linalg.norm(p0["W_E"], axis=-1), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(p0["W_E"], p1["W_E"])
-    np.testing.assert_array_equal(p0["W_E"], t.embedding())
+    # Eager and compiled normalisation may round differently in the last bit.
+    np.testing.assert_allclose(p0["W_E"], t.embedding(), rtol=1e-6, atol=1e-7)
     assert not np.array_equal(p0["W_E"], dataclasses.replace(t, embed_seed=4).embedding())
     assert not np.array_equal(p0["layers"]["0"]["mlp_in"]["W"], p1["layers"]["0"]["mlp_in"]["W"])
     no_bias = jax.eval_shape(dataclasses.replace(t, bias=False).init, jax.random.key(0))
@@ -294,7 +303,10 @@ def test_llama_plain_loss_at_init_layout_and_causality():
 
     layer = params["layers"]["0"]
     assert set(params) == {"embed", "layers", "final_norm"}
-    assert set(layer) == {"attn_norm", "attn", "mlp_norm", "mlp"} and set(layer["mlp"]) == {"up", "down"}
+    assert set(layer) == {"attn_norm", "attn", "mlp_norm", "mlp"} and set(layer["mlp"]) == {
+        "up",
+        "down",
+    }
     assert layer["mlp"]["up"].shape == (16, 24) and layer["mlp"]["down"].shape == (24, 16)
     np.testing.assert_array_equal(layer["attn_norm"], np.ones(16))
     assert t.site_paths() == [f"layers.0.attn.{n}" for n in "qkvo"] + [
@@ -303,5 +315,3 @@ def test_llama_plain_loss_at_init_layout_and_causality():
     ]
     np.testing.assert_allclose(out[:, :-1], out_changed[:, :-1], rtol=1e-6, atol=1e-7)
     assert not np.allclose(out[:, -1], out_changed[:, -1])
-
-

@@ -21,8 +21,9 @@ class Policy:
 
     @classmethod
     def from_config(cls, cfg: PrecisionConfig) -> Policy:
-        return cls(jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype),
-                   jnp.dtype(cfg.output_dtype))
+        return cls(
+            jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype), jnp.dtype(cfg.output_dtype)
+        )
 
     def to_compute(self, tree: Any) -> Any:
         """Cast floating leaves to the compute dtype (a no-op when they already are)."""

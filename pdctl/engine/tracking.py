@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -126,4 +127,8 @@ class JsonlWriter:
                     keep.append(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-        self.path.write_text("".join(line + "\n" for line in keep))
+        # Temp file + rename: a crash mid-rewrite leaves the old file or the new one, never a
+        # truncated history.
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)

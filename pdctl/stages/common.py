@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import shutil
 from collections.abc import Callable
@@ -75,6 +76,13 @@ def target_from_config(cfg: Config) -> Target:
         rope_theta=t.rope_theta,
         param_dtype=dtype,
     )
+
+
+def with_remat(target: Target, remat: str) -> Target:
+    """The target with its blocks rematerialised by `remat` (only models with blocks have it)."""
+    if remat == "none" or not hasattr(target, "remat"):
+        return target
+    return dataclasses.replace(target, remat=remat)
 
 
 def _now() -> str:

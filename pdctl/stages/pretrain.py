@@ -21,6 +21,7 @@ from pdctl.stages.common import (
     resume_point,
     stream_key,
     text_batches,
+    with_remat,
 )
 
 
@@ -72,8 +73,9 @@ def run(
     profile: tuple[int, int] | None = None,
 ) -> LoopResult:
     env = StageEnv.open(project, "pretrain", requires=("init_weights",))
-    cfg, target = env.cfg, env.target
+    cfg = env.cfg
     pc = cfg.pretrain
+    target = with_remat(env.target, pc.remat)
     total = steps or pc.steps
     sharding.check_batch_divides(pc.batch_size, env.mesh, "pretrain.batch_size")
     ckpt_step = resume_point(env, resume=resume, fresh=fresh)

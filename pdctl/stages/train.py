@@ -29,6 +29,7 @@ from pdctl.stages.common import (
     run_loop,
     stream_key,
     text_batches,
+    with_remat,
 )
 from pdctl.stages.warmup import abstract_decomposition
 
@@ -48,8 +49,14 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     policy = Policy.from_config(cfg.precision)
 
     def loss_fn(trainable, target_params, sources, x, key, step_frac):
-        return fns.loss(policy.to_compute(trainable), policy.to_compute(target_params), sources,
-                        policy.to_compute(x), key, step_frac)
+        return fns.loss(
+            policy.to_compute(trainable),
+            policy.to_compute(target_params),
+            sources,
+            policy.to_compute(x),
+            key,
+            step_frac,
+        )
 
     use_ppgd = tc.loss.ppgd_recon > 0
     n_asc, n_warm = tc.ppgd.n_steps, tc.ppgd.warmup_steps
@@ -192,8 +199,9 @@ def run(
     profile: tuple[int, int] | None = None,
 ) -> LoopResult:
     env = StageEnv.open(project, "train", requires=("init_weights", "pretrain", "warmup"))
-    cfg, target = env.cfg, env.target
+    cfg = env.cfg
     tc = cfg.train
+    target = with_remat(env.target, tc.remat)
     total = tc.steps
     sharding.check_batch_divides(tc.batch_size, env.mesh, "train.batch_size")
     ckpt_step = resume_point(env, resume=resume, fresh=fresh)

@@ -103,12 +103,17 @@ def ci_fn_apply(
     return a[..., 0]
 
 
+# `[train] remat` / `[pretrain] remat`: what a rematerialised block may keep from its forward.
+REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
+
+
 def compute_ci(
     components: Mapping[str, Mapping[str, Array]],
     ci_fns: Mapping[str, Mapping[str, Mapping[str, Array]]],
     site_inputs: Mapping[str, Array],
     kind: str,
     sigmoid: str,
+    remat: str = "none",
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """(ci_lower, ci_upper) per site in `site_inputs`, each (..., C) float32.
 
@@ -116,9 +121,12 @@ def compute_ci(
     `calc_causal_importances` defaults to `detach_inputs=False`)."""
     ci_lower: dict[str, Array] = {}
     ci_upper: dict[str, Array] = {}
+    apply = ci_fn_apply
+    if remat != "none":  # recompute the CI MLP's (..., C, hidden) activations in the backward
+        apply = jax.checkpoint(ci_fn_apply, policy=REMAT_POLICIES[remat], static_argnums=(0,))
     for path, x_in in site_inputs.items():
         V = components[path]["V"]
         h = x_in.astype(V.dtype) @ V
-        z = ci_fn_apply(kind, ci_fns[path], x_in, h)
+        z = apply(kind, ci_fns[path], x_in, h)
         ci_lower[path], ci_upper[path] = squash(z, sigmoid)
     return ci_lower, ci_upper

@@ -22,6 +22,7 @@ goodfire-ai/param-decomp, noted inline):
   site masked (goodfire-ai/spd's `StochasticReconLayerwiseLoss`).
 """
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,10 @@ def clean_forward(
 
         return fn
 
+    if getattr(target, "remat", "none") != "none":
+        # Capturing site inputs from inside a rematerialised block would leak its tracers;
+        # this forward is stop-gradient anyway, so it has nothing to rematerialise.
+        target = dataclasses.replace(target, remat="none")
     out = target.apply(params, x, {p: capture(p) for p in paths})
     site_inputs = {p: jax.lax.stop_gradient(captured[p]) for p in paths}
     return jax.lax.stop_gradient(out), site_inputs
@@ -387,6 +392,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         raise ValueError(f"sites {sorted(missing)} are not sites of this target")
     dcfg, lcfg, pcfg = cfg.decomp, cfg.train.loss, cfg.train.ppgd
     kind, sigmoid, delta = dcfg.ci_fn.type, dcfg.sigmoid, dcfg.delta_component
+    remat = cfg.train.remat
     out_kind = lcfg.output
 
     def site_weights(target_params: Any) -> dict[str, Array]:
@@ -395,7 +401,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
 
     def ci(components: Components, ci_fns: Any, target_params: Any, x: Array):
         _, site_inputs = clean_forward(target, target_params, x, paths)
-        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid)
+        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid, remat)
 
     def loss(
         trainable: Mapping[str, Any],
@@ -408,7 +414,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         comps, ci_fns = trainable["components"], trainable["ci_fns"]
         weights = site_weights(target_params)
         clean_out, site_inputs = clean_forward(target, target_params, x, paths)
-        ci_lower, ci_upper = compute_ci(comps, ci_fns, site_inputs, kind, sigmoid)
+        ci_lower, ci_upper = compute_ci(comps, ci_fns, site_inputs, kind, sigmoid, remat)
         fwd = (target, target_params, weights, comps, x, clean_out, ci_lower)
         # Each random term gets its own fold of the key, so switching one term on or off
         # leaves the others' draws unchanged.
@@ -480,7 +486,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         ci_fns = jax.lax.stop_gradient(trainable["ci_fns"])
         weights = site_weights(target_params)
         clean_out, site_inputs = clean_forward(target, target_params, x, paths)
-        ci_lower, _ = compute_ci(comps, ci_fns, site_inputs, kind, sigmoid)
+        ci_lower, _ = compute_ci(comps, ci_fns, site_inputs, kind, sigmoid, remat)
         ci_lower = jax.lax.stop_gradient(ci_lower)
 
         def objective(srcs: Dict) -> Array:

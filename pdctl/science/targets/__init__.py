@@ -15,7 +15,9 @@ def build_target(kind: str, **kwargs: Any) -> Target:
     try:
         cls = TARGETS[kind]
     except KeyError:
-        raise ValueError(f"unknown target kind {kind!r}; expected one of {sorted(TARGETS)}") from None
+        raise ValueError(
+            f"unknown target kind {kind!r}; expected one of {sorted(TARGETS)}"
+        ) from None
     return cls(**kwargs)
 
 

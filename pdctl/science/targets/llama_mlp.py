@@ -11,6 +11,8 @@ import optax
 
 from pdctl.science.targets.base import Overrides, Params, Target, lift, normal_init
 
+REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaMLP(Target):
@@ -34,6 +36,7 @@ class LlamaMLP(Target):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     param_dtype: Any = jnp.float32
+    remat: str = "none"  # none | dots_saveable | full: rematerialise each block in the backward
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -158,11 +161,16 @@ class LlamaMLP(Target):
         """tokens (B, T) int -> logits (B, T, vocab) float32."""
         x_BxTxD = jnp.take(params["embed"], tokens, axis=0)
         for i in range(self.n_layers):
-            layer = params["layers"][str(i)]
-            h = self._rms_norm(x_BxTxD, layer["attn_norm"])
-            x_BxTxD = x_BxTxD + self._attention(h, layer["attn"], f"layers.{i}.attn", overrides)
-            h = self._rms_norm(x_BxTxD, layer["mlp_norm"])
-            x_BxTxD = x_BxTxD + self._mlp(h, layer["mlp"], f"layers.{i}.mlp", overrides)
+
+            def block(x_BxTxD, layer, i=i):
+                h = self._rms_norm(x_BxTxD, layer["attn_norm"])
+                x_BxTxD = x_BxTxD + self._attention(h, layer["attn"], f"layers.{i}.attn", overrides)
+                h = self._rms_norm(x_BxTxD, layer["mlp_norm"])
+                return x_BxTxD + self._mlp(h, layer["mlp"], f"layers.{i}.mlp", overrides)
+
+            if self.remat != "none":
+                block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat])
+            x_BxTxD = block(x_BxTxD, params["layers"][str(i)])
         h = self._rms_norm(x_BxTxD, params["final_norm"])
         if self.tied_embeddings:
             return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)

@@ -94,7 +94,9 @@ class ResidMLP(Target):
             h = self._site(f"layers.{i}.mlp_in", r, layer["mlp_in"]["W"], overrides)
             if self.bias:
                 h = add_bias(h, layer["mlp_in"]["b"])
-            out = self._site(f"layers.{i}.mlp_out", jax.nn.relu(h), layer["mlp_out"]["W"], overrides)
+            out = self._site(
+                f"layers.{i}.mlp_out", jax.nn.relu(h), layer["mlp_out"]["W"], overrides
+            )
             if self.bias:
                 out = add_bias(out, layer["mlp_out"]["b"])
             r = r + out
