@@ -76,9 +76,16 @@ def main() -> None:
             rows.append(_bench(template, run, mesh, args, make_loop, pretrain_on, text_batches))
         empty = _empty_step(mesh, args, make_loop)
     _table(rows)
+    cost_us = empty[1] - empty[0]
     print(
-        f"Loop's own cost per step (an empty step): {empty[1] - empty[0]:+.1f} us "
+        f"Loop's own cost per step (an empty step): {cost_us:+.1f} us "
         f"(direct dispatch {empty[0]:.1f} us/step, in the Loop {empty[1]:.1f} us/step)"
+    )
+    print(
+        "  so loop / direct from that cost alone: "
+        + ", ".join(
+            f"{r['template']} {1 + max(cost_us, 0) / (r['direct_ms'] * 1e3):.4f}" for r in rows
+        )
     )
 
 

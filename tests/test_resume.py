@@ -450,9 +450,10 @@ def test_directly_fed_restored_arrays_are_not_reliably_donated(pieces: TrainPiec
     Restored host buffers that happen to be 64-byte aligned are adopted zero-copy (on several
     CPU devices every shard of a replicated array then shares one host buffer), and such
     buffers are never donated; which arrays that hits depends on allocation addresses, so it
-    varies from restore to restore. For this tiny state the bytes-weighted reuse stayed above
-    the 95% threshold (measured 0.96-0.99) but below 1; for MiB-sized leaves it falls far below
-    (see the next test). Re-materialising (previous test) always gives 1.0."""
+    varies from restore to restore. For this tiny state the bytes-weighted reuse measured
+    0.85-0.99 (so the loop's 95% gate sometimes passes, sometimes prints DONATION FAILED), and
+    never 1; for MiB-sized leaves it falls far lower (0.02-0.85, next test).
+    Re-materialising (previous test) always gives 1.0."""
     fractions = [pieces.donated_fraction(pieces.restore(TMS_UNTIL)) for _ in range(3)]
     assert min(fractions) < 1.0, fractions
 
