@@ -121,12 +121,14 @@ def batch_shards(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_batch_divides(batch_size: int, mesh: Mesh, key: str) -> None:
+def check_batch_divides(batch_size: int, mesh: Mesh, key: str, accum: int = 1) -> None:
+    """Each of the `accum` micro-batches must split evenly over the batch shards."""
     n = batch_shards(mesh)
-    if batch_size % n:
+    if batch_size % (n * accum):
+        extra = f" x grad_accum_steps {accum}" if accum > 1 else ""
         raise PdctlError(
             f"{key}: {batch_size} is not divisible by the {n} devices of the mesh "
-            f"(data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']})"
+            f"(data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}){extra}"
         )
 
 

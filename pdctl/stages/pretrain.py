@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from pdctl.engine import sharding
+from pdctl.engine.accumulate import accumulate, split_micro
 from pdctl.engine.loop import Loop, LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
@@ -25,7 +26,9 @@ from pdctl.stages.common import (
 )
 
 
-def make_step(target, tx, batch_size: int, batch_sharding, policy: Policy | None = None):
+def make_step(
+    target, tx, batch_size: int, batch_sharding, policy: Policy | None = None, accum: int = 1
+):
     """The pure pretrain step: (state, batch) -> (state, metrics)."""
     policy = policy or Policy(jnp.float32, jnp.float32, jnp.float32)
 
@@ -39,7 +42,14 @@ def make_step(target, tx, batch_size: int, batch_sharding, policy: Policy | None
             batch = jax.lax.with_sharding_constraint(
                 target.make_batch(key, batch_size), batch_sharding
             )
-        (loss, aux), grads = jax.value_and_grad(target.loss, has_aux=True)(state["params"], batch)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if accum == 1:
+            (loss, aux), grads = grad_fn(state["params"], batch)
+        else:
+            micro = split_micro(batch, accum, batch_sharding.mesh)
+            (loss, aux), grads = accumulate(
+                lambda mb, i: grad_fn(state["params"], mb), micro, accum
+            )
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads)}
@@ -77,7 +87,9 @@ def run(
     pc = cfg.pretrain
     target = with_remat(env.target, pc.remat)
     total = steps or pc.steps
-    sharding.check_batch_divides(pc.batch_size, env.mesh, "pretrain.batch_size")
+    sharding.check_batch_divides(
+        pc.batch_size, env.mesh, "pretrain.batch_size", pc.grad_accum_steps
+    )
     ckpt_step = resume_point(env, resume=resume, fresh=fresh)
     tx, abstract, state_sh, make_state, abstract_params = build(env, total)
     is_text = target.output_kind == "logits"
@@ -99,7 +111,14 @@ def run(
             env, pc.batch_size, seed=cfg.run.seed, state=data_state, sharding=batch_sh
         )
     step_fn = jax.jit(
-        make_step(target, tx, pc.batch_size, batch_sh, Policy.from_config(cfg.precision)),
+        make_step(
+            target,
+            tx,
+            pc.batch_size,
+            batch_sh,
+            Policy.from_config(cfg.precision),
+            pc.grad_accum_steps,
+        ),
         in_shardings=(state_sh, batch_sh if is_text else None),
         out_shardings=(state_sh, sharding.replicated(env.mesh)),
         donate_argnums=(0,),

@@ -15,12 +15,18 @@ import optax
 
 from pdctl.config import match_sites
 from pdctl.engine import sharding
+from pdctl.engine.accumulate import accumulate, split_micro
 from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
 from pdctl.project import Project
 from pdctl.science.spd import evaluate
-from pdctl.science.spd.losses import make_spd_fns
+from pdctl.science.spd.losses import (
+    importance_minimality_from_sums,
+    importance_sums,
+    make_spd_fns,
+    p_at,
+)
 from pdctl.stages.common import (
     STREAM_TRAIN,
     StageEnv,
@@ -46,9 +52,12 @@ def optimizer(cfg, steps: int) -> optax.GradientTransformation:
 
 def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     tc = cfg.train
+    lcfg = tc.loss
     policy = Policy.from_config(cfg.precision)
+    k_accum = tc.grad_accum_steps
+    mesh = batch_sharding.mesh
 
-    def loss_fn(trainable, target_params, sources, x, key, step_frac):
+    def loss_fn(trainable, target_params, sources, x, key, step_frac, imp_totals=None):
         return fns.loss(
             policy.to_compute(trainable),
             policy.to_compute(target_params),
@@ -56,7 +65,45 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             policy.to_compute(x),
             key,
             step_frac,
+            imp_totals,
         )
+
+    def value_and_grad(trainable, target_params, sources, x, key, step_frac):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if k_accum == 1:
+            return grad_fn(trainable, target_params, sources, x, key, step_frac)
+        micro = split_micro(x, k_accum, mesh)
+        imp_totals, p = None, p_at(lcfg, step_frac)
+        if lcfg.importance_minimality > 0:
+            # Importance minimality sums over the whole accumulated batch: a forward-only first
+            # pass collects S_c over every micro-batch.
+            def sums(xm):
+                _, up = fns.ci(trainable["components"], trainable["ci_fns"], target_params, xm)
+                return importance_sums(up, p, lcfg.eps)
+
+            S = jax.tree.map(lambda a: a.sum(0), jax.lax.map(sums, micro))
+            positions = x.shape[1] if target.output_kind == "logits" else 1
+            n_mb = x.shape[0] // k_accum * positions
+            imp_totals = (S, n_mb)
+        out = accumulate(
+            lambda xm, i: grad_fn(
+                trainable,
+                target_params,
+                sources,
+                xm,
+                jax.random.fold_in(key, i),
+                step_frac,
+                imp_totals,
+            ),
+            micro,
+            k_accum,
+        )
+        if imp_totals is not None:  # report the whole batch's value, not the surrogate's
+            (loss, m), grads = out
+            value = importance_minimality_from_sums(imp_totals[0], n_mb * k_accum, lcfg.beta)
+            loss = loss + lcfg.importance_minimality * (value - m["importance_minimality"])
+            out = (loss, {**m, "importance_minimality": value, "total": loss}), grads
+        return out
 
     use_ppgd = tc.loss.ppgd_recon > 0
     n_asc, n_warm = tc.ppgd.n_steps, tc.ppgd.warmup_steps
@@ -84,7 +131,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             else:
                 sources, src_opt = ascend(n_asc)()
         step_frac = loop["step"].astype(jnp.float32) / total
-        (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (loss, m), grads = value_and_grad(
             trainable, target_params, jax.lax.stop_gradient(sources), x, k_loss, step_frac
         )
         updates, opt_state = tx.update(grads, state["opt_state"], trainable)
@@ -203,7 +250,7 @@ def run(
     tc = cfg.train
     target = with_remat(env.target, tc.remat)
     total = tc.steps
-    sharding.check_batch_divides(tc.batch_size, env.mesh, "train.batch_size")
+    sharding.check_batch_divides(tc.batch_size, env.mesh, "train.batch_size", tc.grad_accum_steps)
     ckpt_step = resume_point(env, resume=resume, fresh=fresh)
     site_C = match_sites(cfg, target.site_paths())
     fns = make_spd_fns(target, site_C, cfg)

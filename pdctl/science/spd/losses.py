@@ -175,19 +175,52 @@ def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     return loss_cfg.p + (loss_cfg.p_final - loss_cfg.p) * progress
 
 
-def importance_minimality_loss(ci_upper: Dict, p: Array | float, eps: float, beta: float) -> Array:
+def importance_sums(ci_upper: Dict, p: Array | float, eps: float) -> dict[str, Array]:
+    """S_c = sum over all leading axes of (ci_upper + eps)^p, per site (C,)."""
+    return {
+        path: jnp.sum(jnp.power(ci.astype(jnp.float32) + eps, p), axis=tuple(range(ci.ndim - 1)))
+        for path, ci in ci_upper.items()
+    }
+
+
+def importance_minimality_loss(
+    ci_upper: Dict,
+    p: Array | float,
+    eps: float,
+    beta: float,
+    totals: tuple[Mapping[str, Array], int] | None = None,
+) -> Array:
     """sum_s sum_c [m_c + beta * m_c * log2(1 + S_c)], S_c = sum over all leading axes of
-    (ci_upper + eps)^p, m_c = S_c / (number of examples x positions)."""
+    (ci_upper + eps)^p, m_c = S_c / (number of examples x positions).
+
+    With gradient accumulation the sums must cover the whole accumulated batch: `totals` =
+    ({site: S_c over all micro-batches}, examples x positions of all of them), computed in a
+    first pass. The term is then the first-order surrogate L'(S_total) * S_c(this micro-batch),
+    whose gradients, summed over the micro-batches, equal the gradient of the loss of the
+    whole batch (its value is not the loss; the step reports that from `totals`)."""
     total = jnp.zeros((), jnp.float32)
-    for ci in ci_upper.values():
-        ci = ci.astype(jnp.float32)
-        S_C = jnp.sum(jnp.power(ci + eps, p), axis=tuple(range(ci.ndim - 1)))
-        n_examples = ci.size // ci.shape[-1]
-        m_C = S_C / n_examples
-        site = jnp.sum(m_C)
-        if beta:
-            site = site + beta * jnp.sum(m_C * jnp.log2(1 + S_C))
+    for path, S_C in importance_sums(ci_upper, p, eps).items():
+        if totals is None:
+            ci = ci_upper[path]
+            n_examples = ci.size // ci.shape[-1]
+            m_C = S_C / n_examples
+            site = jnp.sum(m_C)
+            if beta:
+                site = site + beta * jnp.sum(m_C * jnp.log2(1 + S_C))
+        else:
+            S_tot, n = jax.lax.stop_gradient(totals[0][path]), totals[1]
+            dL_dS = (1 + beta * (jnp.log2(1 + S_tot) + S_tot / ((1 + S_tot) * jnp.log(2.0)))) / n
+            site = jnp.sum(dL_dS * S_C)
         total = total + site
+    return total
+
+
+def importance_minimality_from_sums(S: Mapping[str, Array], n: int, beta: float) -> Array:
+    """The loss value from whole-batch sums (what `importance_minimality_loss` would give)."""
+    total = jnp.zeros((), jnp.float32)
+    for S_C in S.values():
+        m_C = S_C / n
+        total = total + jnp.sum(m_C) + (beta * jnp.sum(m_C * jnp.log2(1 + S_C)) if beta else 0.0)
     return total
 
 
@@ -410,6 +443,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         x: Array,
         key: Array,
         step_frac: Array | float,
+        imp_totals: tuple[Mapping[str, Array], int] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         comps, ci_fns = trainable["components"], trainable["ci_fns"]
         weights = site_weights(target_params)
@@ -421,7 +455,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         compute: dict[str, Callable[[], Array]] = {
             "faithfulness": lambda: faithfulness_loss(weights, comps),
             "importance_minimality": lambda: importance_minimality_loss(
-                ci_upper, p_at(lcfg, step_frac), lcfg.eps, lcfg.beta
+                ci_upper, p_at(lcfg, step_frac), lcfg.eps, lcfg.beta, imp_totals
             ),
             "stochastic_recon": lambda: stochastic_recon_loss(
                 *fwd,
