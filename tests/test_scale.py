@@ -1,0 +1,222 @@
+"""Capacity features: gradient accumulation, rematerialisation, the precision policy.
+
+All at the step-function level on one simulated CPU device, tiny shapes.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdctl.config import match_sites, parse_config
+from pdctl.engine import sharding
+from pdctl.engine.loop import loop_counters
+from pdctl.engine.precision import Policy
+from pdctl.science.spd import components as C
+from pdctl.science.spd.losses import make_spd_fns
+from pdctl.stages import pretrain as PT
+from pdctl.stages import train as TR
+from pdctl.stages.common import target_from_config, with_remat
+from pdctl.stages.init_weights import decomposed_sites, source_shape
+from pdctl.templates import templates_root
+
+MESH1 = None
+
+
+def mesh1():
+    global MESH1
+    if MESH1 is None:
+        MESH1 = sharding.make_mesh(1, 1, jax.devices()[:1])
+    return MESH1
+
+
+def template(name: str, **tables) -> dict:
+    raw = tomllib.loads((templates_root() / name / "pdctl.toml").read_text())
+    for key, upd in tables.items():
+        table = raw
+        *parents, last = key.split(".")
+        for p in parents:
+            table = table.setdefault(p, {})
+        table.setdefault(last, {}).update(upd)
+    return raw
+
+
+TINY_LM = {
+    "target": {"d_model": 32, "d_mlp": 64, "n_layers": 2, "n_heads": 2},
+    "data": {"seq_len": 16},
+}
+
+
+def spd_setup(cfg):
+    """Target params, SPD fns and a fresh train state, without a run directory."""
+    t = target_from_config(cfg)
+    fns = make_spd_fns(t, match_sites(cfg, t.site_paths()), cfg)
+    comps, ci, src = C.init_decomposition_reference(
+        jax.random.PRNGKey(0),
+        decomposed_sites(cfg, t),
+        cfg.decomp.ci_fn.type,
+        tuple(cfg.decomp.ci_fn.hidden),
+        lambda c: source_shape(cfg, c),
+    )
+    tp = t.init(jax.random.PRNGKey(1))
+    tx = TR.optimizer(cfg, 10)
+    trainable = {"components": comps, "ci_fns": ci}
+    state = {
+        "trainable": trainable,
+        "opt_state": tx.init(trainable),
+        "sources": src,
+        "src_opt": fns.init_source_opt(src),
+        "loop": jax.jit(loop_counters)(jax.random.PRNGKey(2)),
+    }
+    return t, fns, tx, tp, state
+
+
+def spd_step(cfg):
+    t, fns, tx, tp, state = spd_setup(cfg)
+    step = jax.jit(TR.make_step(t, fns, tx, cfg, 10, sharding.batch_sharding(mesh1(), 2)))
+    batch = None
+    if t.output_kind == "logits":
+        shape = (cfg.train.batch_size, cfg.data.seq_len + 1)
+        batch = {"tokens": jax.random.randint(jax.random.PRNGKey(3), shape, 0, 256)}
+    return step(tp, state, batch)
+
+
+def test_train_grad_accumulation_equals_big_batch():
+    # Deterministic terms only (no mask sampling), so k micro-batches and one batch see the same
+    # computation; beta > 0 makes importance minimality non-linear in the batch sums, which is
+    # exactly where per-micro-batch sums would differ from the whole batch's.
+    losses = {
+        "stochastic_recon": 0.0,
+        "stochastic_recon_layerwise": 0.0,
+        "ci_masked_recon": 1.0,
+        "beta": 0.5,
+    }
+    out = {}
+    for k in (1, 4):
+        cfg = parse_config(
+            template(
+                "tms", **{"train": {"batch_size": 64, "grad_accum_steps": k}, "train.loss": losses}
+            )
+        )
+        out[k] = spd_step(cfg)
+    (s1, m1), (s4, m4) = out[1], out[4]
+    # Tolerance: the same sums in another order (4 partial sums of 16 instead of one of 64).
+    for key in ("loss", "importance_minimality", "ci_masked_recon", "grad_norm"):
+        np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5)
+    for a, b in zip(
+        jax.tree.leaves(s1["trainable"]), jax.tree.leaves(s4["trainable"]), strict=True
+    ):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+    # One optimizer update per step whatever k is: the Adam count moved by exactly one.
+    counts = [x for x in jax.tree.leaves(s4["opt_state"]) if x.dtype == jnp.int32]
+    assert counts and all(int(c) == 1 for c in counts)
+
+
+def test_train_grad_accumulation_without_batch_sums_differs():
+    """The gate can fail: summing importance minimality per micro-batch (beta > 0) is wrong."""
+    from pdctl.science.spd.losses import importance_minimality_loss
+
+    ci = {"s": jax.random.uniform(jax.random.PRNGKey(0), (64, 5))}
+    whole = importance_minimality_loss(ci, 1.0, 1e-12, 0.5)
+    parts = [importance_minimality_loss({"s": ci["s"][i::4]}, 1.0, 1e-12, 0.5) for i in range(4)]
+    assert abs(float(np.mean(parts)) - float(whole)) > 1e-3
+
+
+def test_pretrain_grad_accumulation_equals_big_batch():
+    raw = template(
+        "resid-mlp",
+        target={"n_features": 16, "d_embed": 32, "d_mlp": 8},
+        pretrain={"batch_size": 64},
+    )
+    cfg = parse_config(raw)
+    t = target_from_config(cfg)
+    bs = sharding.batch_sharding(mesh1(), 2)
+    out = {}
+    for k in (1, 4):
+        tx, _, _, make_state, _ = PT.build(_Env(cfg, t), 10)
+        state = jax.jit(make_state)(t.init(jax.random.PRNGKey(0)))
+        step = jax.jit(PT.make_step(t, tx, 64, bs, Policy.from_config(cfg.precision), k))
+        out[k] = step(state, None)
+    (s1, m1), (s4, m4) = out[1], out[4]
+    np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"]), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+
+
+class _Env:
+    """Just enough of StageEnv for the stages' `build` functions."""
+
+    def __init__(self, cfg, target):
+        self.cfg, self.target, self.mesh = cfg, target, mesh1()
+
+    def shardings(self, abstract):
+        return sharding.tree_shardings(abstract, self.mesh, self.cfg.mesh.fsdp_min_param_size)
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "full"])
+def test_remat_gives_equal_gradients(policy):
+    cfg = parse_config(template("llama-mlp", **TINY_LM))
+    t = target_from_config(cfg)
+    params = t.init(jax.random.PRNGKey(0))
+    batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (4, 17), 0, 256)}
+
+    def grads(target):
+        return jax.jit(jax.grad(lambda p: target.loss(p, batch)[0]))(params)
+
+    g0, g1 = grads(t), grads(with_remat(t, policy))
+    # Recomputation may fuse differently: equal within float32 rounding, not bit for bit.
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_remat_in_spd_train_step_equal_losses():
+    base = template("llama-mlp", **TINY_LM, train={"batch_size": 4})
+    base["train"]["loss"]["ppgd_recon"] = 0.0
+    (s0, m0) = spd_step(parse_config(base))
+    base["train"]["remat"] = "full"
+    (s1, m1) = spd_step(parse_config(base))
+    np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-5)
+    for a, b in zip(
+        jax.tree.leaves(s0["trainable"]), jax.tree.leaves(s1["trainable"]), strict=True
+    ):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+# bfloat16 has 8 mantissa bits (relative rounding 2^-8 ≈ 0.4%); after a few layers of matmuls
+# a relative loss change of a few percent is expected. Stated tolerance: 5%.
+BF16_RTOL = 0.05
+
+
+@pytest.mark.parametrize("name", ["tms", "resid-mlp", "llama-mlp"])
+def test_bfloat16_compute_changes_loss_little(name):
+    extra = (
+        TINY_LM
+        if name == "llama-mlp"
+        else (
+            {"target": {"n_features": 16, "d_embed": 32, "d_mlp": 8}} if name == "resid-mlp" else {}
+        )
+    )
+    losses = {}
+    for compute in ("float32", "bfloat16"):
+        raw = template(name, **extra, precision={"compute_dtype": compute})
+        raw["train"]["batch_size"] = 64 if name != "llama-mlp" else 4
+        raw["train"]["loss"]["ppgd_recon"] = 0.0
+        cfg = parse_config(raw)
+        _, m = spd_step(cfg)
+        t = target_from_config(cfg)
+        params = t.init(jax.random.PRNGKey(0))
+        if name == "llama-mlp":
+            batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (4, 17), 0, 256)}
+        else:
+            batch = t.make_batch(jax.random.PRNGKey(1), 256)
+        policy = Policy.from_config(cfg.precision)
+        pre = jax.jit(lambda p, b, t=t, pol=policy: t.loss(pol.to_compute(p), pol.to_compute(b))[0])
+        losses[compute] = (float(pre(params, batch)), float(m["loss"]))
+    for f32, bf16 in zip(losses["float32"], losses["bfloat16"], strict=True):
+        assert np.isfinite(bf16)
+        assert abs(bf16 - f32) <= BF16_RTOL * abs(f32) + 1e-6, losses
+    assert losses["float32"] != losses["bfloat16"]  # the policy really changed the compute
