@@ -106,33 +106,33 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_exact(
         how = "to the end"
         try:
             if kills < MIN_KILLS:
+
+                def saving(start=start) -> bool:
+                    """This process has started a save (or finished one)."""
+                    return max(_finished_steps(ckpt_dir), default=0) > start or any(
+                        int(n.split(".")[0]) > start for n in _unfinished_saves(ckpt_dir)
+                    )
+
                 if rng.random() < 0.2:
-                    # Anywhere from start-up to the first steps: imports, restore, compile.
+                    # Anywhere in start-up (imports, restore, compile) and the first steps;
+                    # at the latest when its first save starts, so that it never gets away.
                     delay = rng.uniform(0.5, 5.0)
                     how = f"{delay:.2f} s after start"
-                    _wait(proc, lambda d=delay, t=time.monotonic(): time.monotonic() - t > d)
+                    t_spawn = time.monotonic()
+                    _wait(proc, lambda d=delay, t=t_spawn: time.monotonic() - t > d or saving())
                 else:
-                    # After the k-th checkpoint this process completes, 0-300 ms later; k keeps
-                    # enough of the run for the kills still to come.
-                    saves_left = (SUB_STEPS - start) // EVERY
-                    k = rng.randint(0, max(0, saves_left // (MIN_KILLS - kills + 1) - 1))
+                    # 0-300 ms after this process completed its k-th checkpoint (k = 0: after
+                    # its first save started); k leaves enough saves for the kills to come.
+                    saves_ahead = (SUB_STEPS - start) // EVERY
+                    k = rng.randint(0, min(3, max(0, (saves_ahead - 1) // (MIN_KILLS - kills))))
                     delay = rng.uniform(0.0, 0.3)
-                    how = f"{delay * 1e3:.0f} ms after checkpoint {start + k * EVERY}"
-                    if k == 0:  # ... or after this process's first save started
+                    if k == 0:
                         how = f"{delay * 1e3:.0f} ms after its first save started"
-
-                    def progressed(k=k, start=start) -> bool:
-                        if k == 0:
-                            return (
-                                any(
-                                    int(n.split(".")[0]) > start
-                                    for n in _unfinished_saves(ckpt_dir)
-                                )
-                                or max(_finished_steps(ckpt_dir), default=0) > start
-                            )
-                        return max(_finished_steps(ckpt_dir), default=0) >= start + k * EVERY
-
-                    _wait(proc, progressed)
+                        _wait(proc, saving)
+                    else:
+                        target = start + k * EVERY
+                        how = f"{delay * 1e3:.0f} ms after checkpoint {target}"
+                        _wait(proc, lambda t=target: max(_finished_steps(ckpt_dir), default=0) >= t)
                     time.sleep(delay)
                 if proc.poll() is None:
                     proc.kill()
@@ -158,8 +158,8 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_exact(
             )
             assert (ckpt_dir / str(ckpt) / "_CHECKPOINT_METADATA").is_file()
         log.append(
-            f"{cycle:2d} {' '.join(args):13s} from {start:3d}: {how}; state {st.get('status')} "
-            f"step {st.get('step')} checkpoint {ckpt}"
+            f"{cycle:2d} {' '.join(args):13s} (disk at {start:3d}): {how}; "
+            f"state {st.get('status')} step {st.get('step')} checkpoint {ckpt}"
         )
     elapsed = time.monotonic() - t0
     summary = (

@@ -3,9 +3,10 @@
 A jit that Python-unrolls one RNG body per site and returns hundreds of separately sharded
 arrays compiles for minutes at scale. Instead, items with the same static signature (same
 shapes) form a group; one jit initialises every group with `vmap` over the group's keys (one
-stacked output per group and leaf), then a trivial slicing jit fans the stacks out to per-item
-arrays with their own shardings. The fan-out does not donate: one stacked buffer can never
-alias several per-item outputs, so donation would only warn.
+stacked output per group and leaf), then trivial slicing jits (one per group, the item index a
+traced argument) fan the stacks out to per-item arrays with their own shardings, so both
+compiles stay flat in the number of items. The fan-out does not donate: one stacked buffer can
+never alias several per-item outputs, so donation would only warn.
 
 The values equal, bit for bit, calling `init_one(keys[i], *sig_i)` item by item.
 """
@@ -46,7 +47,7 @@ def grouped_init(
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """{name: init_one(keys[i], *sigs[i])}, sharded by `spec_fn(path, shape)` per leaf.
 
-    Returns the per-item trees and the compile seconds of the stacked and the fan-out jit."""
+    Returns the per-item trees and the compile seconds of the stacked and the fan-out jits."""
     groups = _groups(sigs)
     order = list(groups)
     stacked_specs = []
@@ -74,23 +75,28 @@ def grouped_init(
             for sig, ks in zip(order, group_keys, strict=True)
         )
 
-    def fan_out(stacks):
-        out = {}
-        for sig, stack in zip(order, stacks, strict=True):
-            for j, i in enumerate(groups[sig]):
-                out[names[i]] = jax.tree.map(lambda s, j=j: s[j], stack)
-        return out
-
     timings = {}
     t0 = time.perf_counter()
     init_c = jax.jit(stacked, out_shardings=tuple(stacked_specs)).lower(group_keys).compile()
     timings["stacked"] = time.perf_counter() - t0
     stacks = init_c(group_keys)
-    t0 = time.perf_counter()
-    out_sh = {n: item_specs[n] for n in names}
-    fan_c = jax.jit(fan_out, out_shardings=out_sh).lower(stacks).compile()
-    timings["fanout"] = time.perf_counter() - t0
-    return fan_c(stacks), timings
+    # Fan-out: one slicing jit per group (and per item sharding), with the item index as a
+    # traced argument, called once per item. One jit returning every item would have as many
+    # separately sharded outputs as items x leaves, and its compile would grow with the sites.
+    timings["fanout"] = 0.0
+    takes: dict[Any, Any] = {}
+    out: dict[str, Any] = {}
+    for sig, stack in zip(order, stacks, strict=True):
+        for j, i in enumerate(groups[sig]):
+            sh = item_specs[names[i]]
+            k = (sig, jax.tree.structure(sh), tuple(jax.tree.leaves(sh)))
+            if k not in takes:
+                t0 = time.perf_counter()
+                take = jax.jit(lambda s, j: jax.tree.map(lambda x: x[j], s), out_shardings=sh)
+                takes[k] = take.lower(stack, jax.numpy.int32(0)).compile()
+                timings["fanout"] += time.perf_counter() - t0
+            out[names[i]] = takes[k](stack, jax.numpy.int32(j))
+    return {n: out[n] for n in names}, timings
 
 
 def per_item_init(

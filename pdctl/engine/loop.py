@@ -247,6 +247,11 @@ class Loop:
                     self._checkpoint(step, state, last_metrics, t_start, status="running")
             if tracing:
                 jax.profiler.stop_trace()
+        if self.eval_fn and self.eval_every and step >= self.total_steps and not last_eval:
+            # A resume that found the schedule already complete (a crash after the last
+            # checkpoint) still owes the final evaluation.
+            last_eval = self.eval_fn(state)
+            self._log_eval(step, last_eval)
         interrupted = self._signal is not None
         self.checkpointer.wait()
         if self.checkpointer.latest_step() != step:  # a signal, or a zero-step stage
