@@ -107,6 +107,7 @@ class DistributedConfig(Section):
     process_id: int = Field(-1, ge=-1)
     local_device_ids: list[NonNeg] = []
     init_timeout_s: Pos = 300
+    heartbeat_timeout_s: Pos = 100
 
 
 class PrecisionConfig(Section):

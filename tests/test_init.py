@@ -178,24 +178,39 @@ def test_per_item_init_gives_the_same_values_and_shardings(monkeypatch: pytest.M
     _check_shardings(out, cfg, target, mesh)
 
 
-def test_grouped_init_groups_by_signature_and_keeps_site_order():
+def test_grouped_init_groups_by_signature_and_keeps_site_order(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """The engine primitive on its own: items with the same signature share one stacked
     output, every item still gets `init_one(keys[i], *sig_i)` with its own key, and the result
-    keeps the caller's order. Interleaved signatures catch a fan-out that mixes up indices."""
+    keeps the caller's order (interleaved signatures catch a fan-out that mixes up indices).
+    No jit it builds returns more than groups x leaves arrays: the fan-out must not become one
+    jit with a separately sharded output per item and leaf (its compile grows with the sites)."""
 
     def init_one(key, n):
         return {"w": jax.random.normal(key, (4, n)), "k": jax.random.key_data(key)}
 
-    names = [f"s{i}" for i in range(5)]
-    sigs = [(2,), (3,), (2,), (3,), (2,)]
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(0), i))(np.arange(5))
+    n = 8
+    names = [f"s{i}" for i in range(n)]
+    sigs = [(2 + i % 2,) for i in range(n)]  # two groups, interleaved
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(0), i))(np.arange(n))
     mesh = _mesh(4)
 
     def spec_fn(path, shape):
         return P("fsdp", None) if path.endswith(".w") else P()
 
+    outputs_per_jit = []
+    real_jit = jax.jit
+
+    def counting_jit(fun, **kw):
+        outputs_per_jit.append(len(jax.tree.leaves(kw.get("out_shardings"))))
+        return real_jit(fun, **kw)
+
+    monkeypatch.setattr(jax, "jit", counting_jit)
     out, timings = engine_init.grouped_init(init_one, names, sigs, keys, mesh, spec_fn)
+    monkeypatch.undo()
     assert list(out) == names and set(timings) == {"stacked", "fanout"}
+    assert 0 < max(outputs_per_jit) <= 2 * 2, outputs_per_jit  # groups x leaves, not n x leaves
     for i, name in enumerate(names):
         want = jax.jit(init_one, static_argnums=1)(keys[i], *sigs[i])
         np.testing.assert_array_equal(np.asarray(out[name]["k"]), np.asarray(keys[i]))

@@ -86,16 +86,29 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
                 "distributed: a coordinator needs num_processes and process_id "
                 "(--num-processes N --process-id I, or [distributed])"
             )
+        _cpu_collectives()
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=nproc,
             process_id=pid,
             local_device_ids=d.local_device_ids or None,
             initialization_timeout=d.init_timeout_s,
+            heartbeat_timeout_seconds=d.heartbeat_timeout_s,
         )
     elif _env_says_multihost():
-        jax.distributed.initialize(initialization_timeout=d.init_timeout_s)
+        _cpu_collectives()
+        jax.distributed.initialize(
+            initialization_timeout=d.init_timeout_s,
+            heartbeat_timeout_seconds=d.heartbeat_timeout_s,
+        )
     _initialized = True
+
+
+def _cpu_collectives() -> None:
+    """Cross-process collectives on the CPU backend go through gloo (GPU/TPU ignore this)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
 def is_writer() -> bool:
