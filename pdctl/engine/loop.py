@@ -13,6 +13,7 @@ donated; `frozen` (the target parameters of warmup/train) is not.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import time
@@ -42,6 +43,9 @@ class Interrupted(PdctlError):
     """SIGTERM/SIGINT: the stage saved a checkpoint and stopped; `pdctl resume` continues."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+MAX_AHEAD = 8  # steps the host may dispatch ahead of the devices
 
 
 def loop_counters(rng: jax.Array) -> dict[str, jax.Array]:
@@ -209,6 +213,7 @@ class Loop:
             disable=not self.console.is_terminal,
         )
         tracing = False
+        inflight: collections.deque = collections.deque()
         with progress:
             task = progress.add_task(self.stage, total=end, completed=step, info="")
             while step < end and self._signal is None:
@@ -221,6 +226,14 @@ class Loop:
                     before = donation.buffer_bytes_by_ptr(state)
                 with jax.transfer_guard_device_to_host("disallow"):
                     state, metrics = compiled(*self.frozen, state, batch)
+                    # Run at most MAX_AHEAD steps ahead of the devices: waiting (not copying)
+                    # on an older step's scalar keeps the queue bounded, which XLA's CPU
+                    # runtime needs with several simulated devices (unbounded queues of
+                    # collective programs can deadlock its rendezvous) and costs nothing
+                    # while the device is the bottleneck.
+                    inflight.append(metrics["max_bad_run"])
+                    if len(inflight) > MAX_AHEAD:
+                        inflight.popleft().block_until_ready()
                 if check:
                     donation_fraction, missed = donation.reused_fraction(before, state)
                     donation.report(self.stage, donation_fraction, missed, echo=self.echo)
