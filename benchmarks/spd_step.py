@@ -31,6 +31,7 @@ from pdctl.stages.common import (
     StageEnv,
     stream_key,
     target_from_config,
+    with_remat,
 )
 from pdctl.stages.init_weights import init_decomposition
 from pdctl.templates import create_run
@@ -61,7 +62,7 @@ def bench(template: str, n_steps: int) -> dict:
         jax.jit(
             warmup.make_step(target, tuple(dec["components"]), w_tx),
             in_shardings=(target_sh, w_sh, None),
-            out_shardings=(w_sh, None),
+            out_shardings=(w_sh, sharding.replicated(mesh)),
             donate_argnums=(1,),
         )
         .lower(params, w_state, None)
@@ -75,6 +76,7 @@ def bench(template: str, n_steps: int) -> dict:
     out.update(warmup_steps=cfg.warmup.steps, warmup_compile_s=t1 - t0, warmup_run_s=t2 - t1)
 
     # the SPD train step
+    target = with_remat(target, cfg.train.remat)
     fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
     tx, make_state, _, state_sh, _ = train.build(env, fns, cfg.train.steps)
     state = jax.jit(make_state, out_shardings=state_sh)(
@@ -87,7 +89,7 @@ def bench(template: str, n_steps: int) -> dict:
                 target, fns, tx, cfg, cfg.train.steps, sharding.batch_sharding(mesh, 2)
             ),
             in_shardings=(target_sh, state_sh, None),
-            out_shardings=(state_sh, None),
+            out_shardings=(state_sh, sharding.replicated(mesh)),
             donate_argnums=(1,),
         )
         .lower(params, state, None)

@@ -8,6 +8,9 @@ The steps are built as `warmup.run` / `train.run` build them (`make_step`, `buil
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from pdctl.stages.common import (
     StageEnv,
     stream_key,
     target_from_config,
+    with_remat,
 )
 from pdctl.stages.init_weights import init_decomposition
 
@@ -64,10 +68,11 @@ class Steps:
         self.warmup_step = jax.jit(
             warmup.make_step(target, paths, w_tx),
             in_shardings=(target_sh, w_sh, None),
-            out_shardings=(w_sh, None),
+            out_shardings=(w_sh, sharding.replicated(mesh)),
             donate_argnums=(1,),
         )
         # train, as train.run
+        target = with_remat(target, cfg.train.remat)
         fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
         total = cfg.train.steps
         t_tx, t_make, _, t_sh, _ = train.build(env, fns, total)
@@ -76,7 +81,7 @@ class Steps:
         self.train_step = jax.jit(
             train.make_step(target, fns, t_tx, cfg, total, batch_sh),
             in_shardings=(target_sh, t_sh, None),
-            out_shardings=(t_sh, None),
+            out_shardings=(t_sh, sharding.replicated(mesh)),
             donate_argnums=(1,),
         )
 
@@ -268,22 +273,48 @@ def test_cli_new_to_train_on_tiny_tms(tmp_path: Path, monkeypatch: pytest.Monkey
 # ---------------------------------------------------------------------------------------------
 # ground truth
 
-# The TMS 5-2 template shortened for CPU: see the module constant's comment in the report.
-TMS_SHORT: dict[str, Any] = {}
+# The TMS 5-2 template with a shorter, noisier SPD run: 3000 steps at batch 2048 and lr 2e-3
+# (cosine to 0) instead of 10000 at 4096 and 1e-3; everything else (C=20, CI mlp [16],
+# importance minimality 3e-3 with p=1, both recon terms, warmup 200 at lr 0.01) is the template.
+# It recovers seed 0 (the template's seed) in ~3000 x 15 ms on one CPU device; it recovers fewer
+# seeds than the full template (see benchmarks/tms_seeds.py), so the seed is pinned here.
+TMS_SHORT: dict[str, Any] = {
+    "run": {"seed": 0},
+    "train": {"steps": 3000, "batch_size": 2048, "eval_every": 3000, "optim": {"lr": 0.002}},
+}
+
+
+def _pdctl_one_device(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The installed CLI in a fresh process on one CPU device (the configuration whose
+    trajectory was measured; 4 simulated devices reorder float32 sums)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+    return subprocess.run(
+        [sys.executable, "-m", "pdctl", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
 
 
 @pytest.mark.slow
-def test_tms_5_2_recovers_every_feature(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    _ok("new", "gt", "--template", "tms")
-    run = tmp_path / "gt"
-    if TMS_SHORT:
-        edit_config(run, TMS_SHORT)
+def test_tms_5_2_recovers_every_feature(tmp_path: Path) -> None:
+    """Ground truth through the CLI: one component per feature at both sites (0 CI errors on
+    the one-hot inputs of magnitude 0.75), and the components point along the target's
+    feature directions (MMCS >= 0.99)."""
     t0 = time.perf_counter()
+    assert _pdctl_one_device(tmp_path, "new", "gt", "--template", "tms").returncode == 0
+    run = tmp_path / "gt"
+    edit_config(run, TMS_SHORT)
     for stage in ("init-weights", "pretrain", "warmup", "train"):
-        _ok("--project", "gt", stage)
-    ev = state(run, "train")["eval"]
-    assert ev["ci_errors"]["total"] == 0, ev
+        r = _pdctl_one_device(run, stage)
+        assert r.returncode == 0, (stage, r.stdout, r.stderr[-3000:])
+    st = state(run, "train")
+    assert st["status"] == "done" and st["devices"] == 1
+    ev = st["eval"]
+    assert ev["ci_errors"] == {"linear1": 0.0, "linear2": 0.0, "total": 0.0}, ev
     assert min(ev["mmcs"].values()) >= 0.99, ev
     assert ev["alive"] == {"linear1": 5.0, "linear2": 5.0}, ev
-    print(f"TMS 5-2 ground truth through the CLI: {time.perf_counter() - t0:.1f} s")
+    print(f"TMS 5-2 ground truth through the CLI: {time.perf_counter() - t0:.1f} s, eval {ev}")
