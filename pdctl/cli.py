@@ -388,8 +388,16 @@ def inspect_sharding(
     override = insp.parse_mesh(mesh)
     proj = _project(ctx)
     if devices is not None and insp.needs_child(devices, proj.config, override):
-        child = insp.run_child(devices, ctx.obj.project if ctx.obj else None, stage, mesh,
-                               compile_step, as_json, show_all, columns=console.width)
+        child = insp.run_child(
+            devices,
+            ctx.obj.project if ctx.obj else None,
+            stage,
+            mesh,
+            compile_step,
+            as_json,
+            show_all,
+            columns=console.width,
+        )
         sys.stdout.write(child.stdout)
         sys.stderr.write(child.stderr)
         raise typer.Exit(child.returncode)
