@@ -10,7 +10,7 @@ import optax
 
 from pdctl.engine import sharding
 from pdctl.engine.accumulate import accumulate, split_micro
-from pdctl.engine.loop import Loop, LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
 from pdctl.project import Project
@@ -18,8 +18,8 @@ from pdctl.stages.common import (
     STREAM_PRETRAIN,
     STREAM_TARGET,
     StageEnv,
-    peak_flops,
     resume_point,
+    run_loop,
     stream_key,
     text_batches,
     with_remat,
@@ -124,35 +124,17 @@ def run(
         donate_argnums=(0,),
     )
     lr = schedule(pc.optim, total)
-    env_jsonl = env.jsonl()
-    env_jsonl.truncate_after(start)
-    tracker = env.tracker()
-    try:
-        result = Loop(
-            stage="pretrain",
-            step_fn=step_fn,
-            state=state,
-            total_steps=total,
-            start_step=start,
-            until=until,
-            checkpointer=env.checkpointer(),
-            on_state=env.on_state,
-            jsonl=env_jsonl,
-            tracker=tracker,
-            log_every=pc.log_every,
-            checkpoint_every=cfg.checkpoint.every,
-            batches=batches,
-            batches_state=batches.state if batches is not None else None,
-            max_bad_steps=pc.max_bad_steps,
-            examples_per_step=pc.batch_size,
-            tokens_per_step=pc.batch_size * target.n_tokens_per_example() if is_text else 0,
-            lr_fn=lambda s: {"lr": float(lr(s))},
-            peak_flops=peak_flops(cfg),
-            profile=profile,
-            profile_dir=project.profiles_dir / "pretrain",
-        ).run()
-    finally:
-        tracker.finish()
-        if batches is not None:
-            batches.close()
-    return result
+    return run_loop(
+        env,
+        step_fn=step_fn,
+        state=state,
+        total=total,
+        start=start,
+        until=until,
+        log_every=pc.log_every,
+        max_bad_steps=pc.max_bad_steps,
+        batches=batches,
+        examples_per_step=pc.batch_size,
+        lr_fn=lambda s: {"lr": float(lr(s))},
+        profile=profile,
+    )
