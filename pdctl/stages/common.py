@@ -39,43 +39,15 @@ def stream_key(cfg: Config, stream: int) -> jax.Array:
 
 
 def target_from_config(cfg: Config) -> Target:
+    """The target of `[target]`: its own keys, plus what it reads from other tables."""
     t = cfg.target
-    dtype = DTYPES[cfg.precision.param_dtype]
-    if t.kind == "tms":
-        return build_target(
-            "tms",
-            n_features=t.n_features,
-            n_hidden=t.n_hidden,
-            n_hidden_layers=t.n_hidden_layers,
-            tied_weights=t.tied_weights,
-            bias=t.bias,
-            feature_probability=cfg.data.feature_probability,
-            param_dtype=dtype,
-        )
-    if t.kind == "resid_mlp":
-        return build_target(
-            "resid_mlp",
-            n_features=t.n_features,
-            d_embed=t.d_embed,
-            d_mlp=t.d_mlp,
-            n_layers=t.n_layers,
-            feature_probability=cfg.data.feature_probability,
-            embed_seed=t.embed_seed,
-            param_dtype=dtype,
-        )
-    return build_target(
-        "llama_mlp",
-        vocab_size=t.vocab_size,
-        d_model=t.d_model,
-        n_layers=t.n_layers,
-        n_heads=t.n_heads,
-        d_mlp=t.d_mlp,
-        seq_len=cfg.data.seq_len,
-        glu=t.glu,
-        tied_embeddings=t.tied_embeddings,
-        rope_theta=t.rope_theta,
-        param_dtype=dtype,
-    )
+    fields = t.model_dump(exclude={"kind"})
+    fields["param_dtype"] = DTYPES[cfg.precision.param_dtype]
+    if t.kind in ("tms", "resid_mlp"):
+        fields["feature_probability"] = cfg.data.feature_probability
+    else:
+        fields["seq_len"] = cfg.data.seq_len
+    return build_target(t.kind, **fields)
 
 
 def with_remat(target: Target, remat: str) -> Target:
