@@ -1,16 +1,25 @@
-"""Text data for the LM target: a seeded synthetic corpus, byte files, and a resumable grain
-pipeline of (seq_len + 1)-token windows split across processes.
+"""Text data for the LM targets: a seeded synthetic corpus, byte files, real text tokenized with
+a Hugging Face `tokenizer.json`, and a resumable grain pipeline of (seq_len + 1)-token windows
+split across processes.
 
 Host side only (numpy + grain): batches are numpy arrays that the training loop puts on devices.
 """
 
 import bisect
+import hashlib
 import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grain
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # The synthetic grammar. Nouns and verbs come in singular/plural pairs so that a model has an
 # agreement to learn between a subject and its verb several bytes later; word lists are drawn
@@ -123,6 +132,386 @@ def load_text(path: str | Path, seq_len: int | None = None) -> np.ndarray:
             + ("" if seq_len is None else f" (one sequence of seq_len={seq_len} plus 1)")
         )
     return tokens
+
+
+# Real text: documents in .txt / .jsonl / .parquet files, tokenized with a Hugging Face
+# tokenizer.json and packed into one int32 stream with an EOS token after every document.
+
+CORPUS_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# Tried in order when neither the caller nor the files beside tokenizer.json name an EOS token:
+# the end-of-document tokens of GPT-2 and Qwen, Llama 1-2 and Mistral, Llama 3, Gemma, ChatML.
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
+# One encode_batch call gets this many documents or characters, whichever comes first: enough to
+# keep the tokenizer's threads busy, little enough that the Python id lists stay small.
+_ENCODE_DOCS = 1024
+_ENCODE_CHARS = 8 << 20
+_PARQUET_ROWS = 4096  # rows per record batch read from a parquet file: bounds the text in memory
+_CACHE_VERSION = 1  # part of the cache key: bump it when the packing rule below changes
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else type(error).__name__
+
+
+def corpus_files(path: str | Path) -> list[Path]:
+    """The corpus files at `path`: the file itself (a .txt, .jsonl or .parquet), or every such
+    file under the directory, at any depth, in path order. Other files, and anything under a
+    hidden name (a part starting with "."), are ignored; finding none is a ValueError."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        if path.suffix.lower() not in CORPUS_SUFFIXES:
+            raise ValueError(f"{path}: not a .txt, .jsonl or .parquet file")
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such file or directory")
+    files = [
+        p
+        for p in path.rglob("*")
+        if p.suffix.lower() in CORPUS_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        and p.is_file()
+    ]
+    if not files:
+        raise ValueError(f"{path}: no .txt, .jsonl or .parquet files in this directory")
+    return sorted(files, key=lambda p: p.relative_to(path).parts)
+
+
+def _txt_document(file: Path) -> str:
+    try:
+        return file.read_bytes().decode("utf-8-sig")  # a leading byte-order mark is not text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text (bad byte at offset {e.start})") from None
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _jsonl_documents(file: Path, field: str) -> Iterator[str]:
+    # Binary lines split on b"\n" only, so line numbers match an editor's; blank lines are skipped.
+    with open(file, "rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")
+            if not line.strip():
+                continue
+            where = f"{file}:{number}"
+            try:
+                record = json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise ValueError(f"{where}: not valid JSON ({_one_line(e)})") from None
+            if not isinstance(record, dict):
+                kind = _json_kind(record)
+                raise ValueError(f"{where}: expected an object with field {field!r}, got {kind}")
+            if field not in record:
+                raise ValueError(f"{where}: no field {field!r}")
+            text = record[field]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{where}: field {field!r} is {_json_kind(text)}, expected a string"
+                )
+            yield text
+
+
+def _parquet_documents(file: Path, field: str) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(file)
+        schema = reader.schema_arrow
+        if field not in schema.names:
+            raise ValueError(f"{file}: no column {field!r} (columns: {', '.join(schema.names)})")
+        kind = schema.field(field).type
+        is_view = getattr(pa.types, "is_string_view", lambda _: False)
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
+            raise ValueError(f"{file}: column {field!r} has type {kind}, expected strings")
+        row = 0
+        # Record batches stream through the row groups, so memory holds one batch of text.
+        for batch in reader.iter_batches(batch_size=_PARQUET_ROWS, columns=[field]):
+            for text in batch.column(0).to_pylist():
+                if text is None:
+                    where = f"{file}: row {row} (from 0)"
+                    raise ValueError(f"{where}: {field!r} is null, expected a string")
+                yield text
+                row += 1
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{file}: cannot read parquet ({_one_line(e)})") from None
+
+
+def _documents(files: list[Path], field: str) -> Iterator[str]:
+    for file in files:
+        suffix = file.suffix.lower()
+        if suffix == ".txt":
+            yield _txt_document(file)
+        elif suffix == ".jsonl":
+            yield from _jsonl_documents(file, field)
+        else:
+            yield from _parquet_documents(file, field)
+
+
+def _tokenizer_file(tokenizer_path: str | Path) -> Path:
+    file = Path(tokenizer_path).expanduser()
+    if not file.exists():
+        raise ValueError(f"{file}: no such tokenizer.json or model folder")
+    if file.is_dir():
+        file = file / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(f"{file}: no such file")
+    return file
+
+
+def _load_tokenizer(file: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust side raises a bare Exception
+        raise ValueError(f"{file}: not a readable tokenizer.json ({_one_line(e)})") from None
+    # A tokenizer.json saved with truncation or padding on would cut or pad every document;
+    # transformers switches both off for a plain `tokenizer(text)` call, and so do we.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_bytes())
+    except ValueError as e:
+        raise ValueError(f"{file}: not valid JSON ({_one_line(e)})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _checked_eos(eos_id: int, tokenizer, where: str) -> int:
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if (
+        isinstance(eos_id, bool)
+        or not isinstance(eos_id, int | np.integer)
+        or not (0 <= eos_id < size)
+    ):
+        raise ValueError(
+            f"{where}: eos_id {eos_id!r} is not a token id of a {size}-token vocabulary"
+        )
+    return int(eos_id)
+
+
+def _find_eos_id(file: Path, tokenizer) -> int:
+    folder = file.parent
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        token = _read_json(folder / name).get("eos_token")
+        if isinstance(token, dict):  # a serialised AddedToken
+            token = token.get("content")
+        if isinstance(token, str) and token:
+            eos_id = tokenizer.token_to_id(token)
+            if eos_id is None:
+                raise ValueError(f"{folder / name}: eos_token {token!r} is not in {file}")
+            return eos_id
+    for name in ("generation_config.json", "config.json"):
+        eos_id = _read_json(folder / name).get("eos_token_id")
+        if isinstance(eos_id, list) and eos_id:  # several stop tokens: the first is the EOS
+            eos_id = eos_id[0]
+        if isinstance(eos_id, int) and not isinstance(eos_id, bool):
+            return _checked_eos(eos_id, tokenizer, str(folder / name))
+    for token in _EOS_CANDIDATES:
+        eos_id = tokenizer.token_to_id(token)
+        if eos_id is not None:
+            return eos_id
+    raise ValueError(
+        f"{file}: no EOS token found (no eos_token beside it, none of "
+        f"{' '.join(_EOS_CANDIDATES)} in its vocabulary); give eos_id explicitly"
+    )
+
+
+def find_eos_id(tokenizer_path: str | Path) -> int:
+    """The id that `load_corpus` puts after every document when no `eos_id` is given.
+
+    `tokenizer_path` is a tokenizer.json or the folder holding it. Looked up in order: `eos_token`
+    in tokenizer_config.json, then in special_tokens_map.json, then `eos_token_id` in
+    generation_config.json, then in config.json (the first of a list), all beside the
+    tokenizer.json; failing those, the first of <|endoftext|>, </s>, <|end_of_text|>, <eos>,
+    <|im_end|>, <|eot_id|> in the vocabulary. None found is a ValueError.
+    """
+    file = _tokenizer_file(tokenizer_path)
+    return _find_eos_id(file, _load_tokenizer(file))
+
+
+def _encode(tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
+    ids: list[int] = []
+    # add_special_tokens=True applies the tokenizer's own post-processor, as transformers'
+    # `tokenizer(text)` does: a template that adds BOS keeps adding it, one without adds nothing.
+    for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=True):
+        doc = encoding.ids
+        ids.extend(doc)
+        if not doc or doc[-1] != eos_id:  # a template that already ends documents with EOS
+            ids.append(eos_id)
+    return np.array(ids, dtype=np.int32)
+
+
+def _tokenize(files: list[Path], tokenizer, field: str, eos_id: int) -> tuple[list, int]:
+    """The packed stream in chunks, and how many documents it holds."""
+    chunks: list[np.ndarray | None] = []
+    batch: list[str] = []
+    chars = n_docs = 0
+    for text in _documents(files, field):
+        if not text:
+            continue
+        batch.append(text)
+        chars += len(text)
+        n_docs += 1
+        if len(batch) >= _ENCODE_DOCS or chars >= _ENCODE_CHARS:
+            chunks.append(_encode(tokenizer, batch, eos_id))
+            batch, chars = [], 0
+    if batch:
+        chunks.append(_encode(tokenizer, batch, eos_id))
+    return chunks, n_docs
+
+
+def _fill(out: np.ndarray, chunks: list) -> None:
+    """Copy the chunks into `out` one after another, dropping each once copied, so the stream
+    is held about once rather than twice."""
+    offset = 0
+    for i, chunk in enumerate(chunks):
+        out[offset : offset + chunk.size] = chunk
+        offset += chunk.size
+        chunks[i] = None
+
+
+def _cache_key(files: list[Path], tokenizer_file: Path, field: str, eos_id: int) -> str:
+    import tokenizers
+
+    key = {
+        "version": _CACHE_VERSION,
+        "tokenizers": tokenizers.__version__,
+        "tokenizer_sha256": hashlib.sha256(tokenizer_file.read_bytes()).hexdigest(),
+        "text_field": field,
+        "eos_id": eos_id,
+        "files": [[str(f.resolve()), (st := f.stat()).st_size, st.st_mtime_ns] for f in files],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _read_cache(file: Path) -> np.ndarray | None:
+    try:
+        tokens = np.load(file, mmap_mode="r")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable token cache %s (%s)", file, _one_line(e))
+        return None
+    if tokens.dtype != np.int32 or tokens.ndim != 1 or tokens.size == 0:
+        log.warning("ignoring token cache %s: %s %s", file, tokens.dtype, tokens.shape)
+        return None
+    return np.asarray(tokens)
+
+
+def _write_cache(file: Path, chunks: list, n_tokens: int) -> None:
+    """Write the stream as a .npy under a temporary name, fsync, then rename: a reader sees
+    the whole file or none, and concurrent writers of the same key just replace each other."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.stem}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int32, shape=(n_tokens,))
+        _fill(out, chunks)
+        out.flush()
+        del out
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_length(tokens: np.ndarray, path: Path, seq_len: int | None) -> np.ndarray:
+    need = 1 if seq_len is None else seq_len + 1
+    if tokens.size < need:
+        raise ValueError(
+            f"{path}: {tokens.size} tokens of text, need at least {need}"
+            + ("" if seq_len is None else f" (one sequence of seq_len={seq_len} plus 1)")
+        )
+    return tokens
+
+
+def load_corpus(
+    path: str | Path,
+    *,
+    tokenizer_path: str | Path | None = None,
+    text_field: str = "text",
+    eos_id: int | None = None,
+    cache_dir: str | Path | None = None,
+    seq_len: int | None = None,
+) -> np.ndarray:
+    """The token stream of the corpus at `path`, for `make_text_iterator`.
+
+    Without `tokenizer_path`: the bytes of the file at `path` as uint8, exactly `load_text`.
+
+    With `tokenizer_path` (a tokenizer.json, or the model folder holding one): int32 ids of
+    every document of `corpus_files(path)` in order, each followed by `eos_id` (default
+    `find_eos_id(tokenizer_path)`). A .txt file is one document (UTF-8); a .jsonl file has one
+    document per line in its string field `text_field` (blank lines skipped); a .parquet file
+    one per row of its string column `text_field`. Empty documents are skipped. Each document is
+    encoded on its own with the tokenizer's post-processor (special tokens only where its own
+    template adds them, e.g. a Llama BOS), giving the ids of transformers'
+    `PreTrainedTokenizerFast(tokenizer_file=...)(text)["input_ids"]`; EOS is not doubled after
+    a document whose encoding already ends with it.
+
+    With `cache_dir`, the stream is kept there as `tokens-<key>.npy`, the key hashing the files'
+    paths, sizes and mtimes, the tokenizer.json bytes, `text_field`, the EOS id and the
+    tokenizers version; a hit (or a fresh write) comes back as a read-only memory map.
+
+    Every problem with the user's files is a one-line ValueError naming the file (and line or
+    row), including fewer than `seq_len + 1` tokens when `seq_len` is given.
+    """
+    path = Path(path).expanduser()
+    if tokenizer_path is None:
+        if path.is_dir():
+            raise ValueError(f"{path}: a directory corpus needs a tokenizer (bytes: one file)")
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        return load_text(path, seq_len)
+    files = corpus_files(path)
+    tokenizer_file = _tokenizer_file(tokenizer_path)
+    tokenizer = _load_tokenizer(tokenizer_file)
+    if eos_id is None:
+        eos_id = _find_eos_id(tokenizer_file, tokenizer)
+    else:
+        eos_id = _checked_eos(eos_id, tokenizer, str(tokenizer_file))
+    cache = None
+    if cache_dir is not None:
+        # Keyed before reading, so a file edited while it is tokenized misses next time.
+        key = _cache_key(files, tokenizer_file, text_field, eos_id)
+        cache = Path(cache_dir).expanduser() / f"tokens-{key}.npy"
+        tokens = _read_cache(cache)
+        if tokens is not None:
+            log.info("token cache hit: %s (%d tokens)", cache, tokens.size)
+            return _check_length(tokens, path, seq_len)
+    start = time.perf_counter()
+    chunks, n_docs = _tokenize(files, tokenizer, text_field, eos_id)
+    n_tokens = sum(chunk.size for chunk in chunks)
+    if n_tokens == 0:
+        raise ValueError(f"{path}: no text in {len(files)} file(s)")
+    if cache is not None:
+        _write_cache(cache, chunks, n_tokens)
+        tokens = np.asarray(np.load(cache, mmap_mode="r"))
+    else:
+        tokens = np.empty(n_tokens, dtype=np.int32)
+        _fill(tokens, chunks)
+    seconds = time.perf_counter() - start
+    where = "" if cache is None else f", cached as {cache}"
+    msg = "tokenized %d documents in %d files: %d tokens in %.1f s%s"
+    log.info(msg, n_docs, len(files), n_tokens, seconds, where)
+    return _check_length(tokens, path, seq_len)
 
 
 class _LocalWindows:
