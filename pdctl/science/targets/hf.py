@@ -1,0 +1,592 @@
+"""Hugging Face causal LMs (Llama, Qwen2, GPT-2) as pdctl targets, read from a local directory.
+
+`read_hf_config` turns a model directory's `config.json` into an `HfSpec` (everything the forward
+needs, hashable); `HFCausalLM` is the forward pass over a params pytree whose nested dict keys are
+the Hugging Face module names, so a leaf's dotted path is the name of its tensor in the
+checkpoint (`model.layers.3.mlp.down_proj.weight`). Site paths are the module paths of every
+attention and MLP projection. Site weights are stored as (d_in, d_out) for `y = x @ W (+ b)`:
+torch `nn.Linear` weights are transposed on load, GPT-2's `Conv1D` weights already are (d_in,
+d_out). Everything else keeps its checkpoint layout (embeddings and `lm_head` are (vocab, d)).
+The weights themselves are read by `pdctl.science.targets.hf_load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pdctl.errors import PdctlError
+from pdctl.science.targets.base import Overrides, Params, Target, add_bias, lift, normal_init
+from pdctl.science.targets.llama_mlp import REMAT_POLICIES
+
+LLAMA, QWEN2, GPT2 = "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
+SUPPORTED = (LLAMA, QWEN2, GPT2)
+_BY_MODEL_TYPE = {"llama": LLAMA, "qwen2": QWEN2, "gpt2": GPT2}
+# Activation names as transformers' ACT2FN spells them.
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+ROPE_TYPES = ("default", "linear", "llama3")
+WEIGHTS_HELP = "model.safetensors, or *.safetensors with model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HfSpec:
+    """What the forward pass needs from `config.json`; tuples only, so a target stays hashable."""
+
+    architecture: str  # one of SUPPORTED
+    config_path: str  # the config.json it was read from (for messages)
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int  # < n_heads: grouped-query attention
+    head_dim: int
+    d_mlp: int
+    act: str  # one of ACTIVATIONS
+    norm_eps: float
+    tie_word_embeddings: bool
+    max_positions: int  # GPT-2: size of the learned position table (a hard limit)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float = 10000.0
+    # (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_scaling: tuple[str, float, float, float, int] = ("default", 1.0, 1.0, 1.0, 0)
+    attn_scale_weights: bool = True  # GPT-2 scale_attn_weights
+    attn_scale_by_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx
+    checkpoint_dtype: str | None = None  # config's torch_dtype / dtype, informational
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_gpt2(self) -> bool:
+        return self.architecture == GPT2
+
+
+def _err(msg: str) -> PdctlError:
+    return PdctlError(f"target.path: {msg}")
+
+
+def has_weights(model_dir: Path) -> bool:
+    return (model_dir / "model.safetensors").is_file() or any(model_dir.glob("*.safetensors"))
+
+
+def read_hf_config(model_dir: str | Path) -> HfSpec:
+    """The spec of the model in `model_dir`; a missing file or an unsupported model or feature
+    is a one-line PdctlError naming what was found and what is supported."""
+    d = Path(model_dir).expanduser()
+    if not d.is_dir():
+        raise _err(f"{d} is not a directory (expected a Hugging Face model directory)")
+    path = d / "config.json"
+    if not path.is_file():
+        raise _err(f"no config.json in {d} (expected config.json and {WEIGHTS_HELP})")
+    if not has_weights(d):
+        raise _err(f"no weights in {d} (expected {WEIGHTS_HELP})")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _err(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(cfg, dict):
+        raise _err(f"{path} is not a JSON object")
+    archs = cfg.get("architectures") or []
+    if not archs and cfg.get("model_type") in _BY_MODEL_TYPE:
+        archs = [_BY_MODEL_TYPE[cfg["model_type"]]]
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
+    if arch not in SUPPORTED:
+        found = f"architecture {arch!r}" if arch else "no 'architectures'"
+        raise _err(f"{found} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
+    return _gpt2_spec(cfg, path) if arch == GPT2 else _llama_spec(cfg, path, arch)
+
+
+def _get(cfg: dict, path: Path, key: str, typ: type, default: Any = ...) -> Any:
+    if key not in cfg or cfg[key] is None:
+        if default is ...:
+            raise _err(f"{path} has no {key!r}")
+        return default
+    v = cfg[key]
+    ok = isinstance(v, typ) and not (typ in (int, float) and isinstance(v, bool))
+    if typ is float and isinstance(v, int) and not isinstance(v, bool):
+        v, ok = float(v), True
+    if not ok:
+        raise _err(f"{path}: {key!r} must be {typ.__name__}, got {v!r}")
+    return v
+
+
+def _common(cfg: dict, path: Path) -> dict[str, Any]:
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return {
+        "config_path": str(path),
+        "checkpoint_dtype": dtype if isinstance(dtype, str) else None,
+        "eos_token_ids": tuple(int(i) for i in eos_ids),
+    }
+
+
+def _activation(cfg: dict, path: Path, key: str, default: str) -> str:
+    act = _get(cfg, path, key, str, default)
+    if act not in ACTIVATIONS:
+        raise _err(
+            f"{key} {act!r} in {path} is not supported (supported: {', '.join(ACTIVATIONS)})"
+        )
+    return act
+
+
+def _rope(cfg: dict, path: Path) -> tuple[float, tuple[str, float, float, float, int]]:
+    """rope_theta and scaling from either layout: transformers 5 (`rope_parameters`) or 4
+    (top-level `rope_theta` plus `rope_scaling`)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise _err(f"{path}: rope_parameters must be an object, got {params!r}")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise _err(
+            f"rope scaling {kind!r} in {path} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise _err(f"partial_rotary_factor in {path} is not supported (supported: 1.0)")
+    if kind == "default":
+        return theta, ("default", 1.0, 1.0, 1.0, 0)
+    try:
+        factor = float(params["factor"])
+        if kind == "linear":
+            return theta, ("linear", factor, 1.0, 1.0, 0)
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        orig = int(params["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise _err(f"rope scaling {kind!r} in {path} lacks a valid {e}") from None
+    return theta, ("llama3", factor, low, high, orig)
+
+
+def _llama_spec(cfg: dict, path: Path, arch: str) -> HfSpec:
+    d = _get(cfg, path, "hidden_size", int)
+    n_heads = _get(cfg, path, "num_attention_heads", int)
+    n_kv = _get(cfg, path, "num_key_value_heads", int, n_heads)
+    head_dim = _get(cfg, path, "head_dim", int, d // n_heads)
+    n_layers = _get(cfg, path, "num_hidden_layers", int)
+    if n_heads % n_kv:
+        raise _err(f"{path}: num_attention_heads {n_heads} is not a multiple of "
+                   f"num_key_value_heads {n_kv}")  # fmt: skip
+    if head_dim % 2:
+        raise _err(f"{path}: head_dim {head_dim} is odd (RoPE rotates pairs of dimensions)")
+    if arch == QWEN2:
+        types = cfg.get("layer_types")
+        if isinstance(types, list):
+            sliding = "sliding_attention" in types
+        else:
+            sliding = (
+                bool(cfg.get("use_sliding_window"))
+                and cfg.get("sliding_window") is not None
+                and int(cfg.get("max_window_layers", 0)) < n_layers
+            )
+        if sliding:
+            raise _err(
+                f"sliding-window attention in {path} is not supported (supported: full "
+                "attention in every layer, use_sliding_window = false)"
+            )
+        biases = {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
+    else:
+        attn_bias = _get(cfg, path, "attention_bias", bool, False)
+        biases = {
+            "qkv_bias": attn_bias,
+            "o_bias": attn_bias,
+            "mlp_bias": _get(cfg, path, "mlp_bias", bool, False),
+        }
+    theta, scaling = _rope(cfg, path)
+    return HfSpec(
+        architecture=arch,
+        vocab_size=_get(cfg, path, "vocab_size", int),
+        d_model=d,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        d_mlp=_get(cfg, path, "intermediate_size", int),
+        act=_activation(cfg, path, "hidden_act", "silu"),
+        norm_eps=_get(cfg, path, "rms_norm_eps", float, 1e-6),
+        tie_word_embeddings=_get(cfg, path, "tie_word_embeddings", bool, False),
+        max_positions=_get(cfg, path, "max_position_embeddings", int, 2048),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        **biases,
+        **_common(cfg, path),
+    )
+
+
+def _gpt2_spec(cfg: dict, path: Path) -> HfSpec:
+    d = _get(cfg, path, "n_embd", int)
+    n_heads = _get(cfg, path, "n_head", int)
+    if d % n_heads:
+        raise _err(f"{path}: n_embd {d} is not a multiple of n_head {n_heads}")
+    if cfg.get("add_cross_attention"):
+        raise _err(f"add_cross_attention in {path} is not supported (supported: false)")
+    return HfSpec(
+        architecture=GPT2,
+        vocab_size=_get(cfg, path, "vocab_size", int),
+        d_model=d,
+        n_layers=_get(cfg, path, "n_layer", int),
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        head_dim=d // n_heads,
+        d_mlp=_get(cfg, path, "n_inner", int, 4 * d),
+        act=_activation(cfg, path, "activation_function", "gelu_new"),
+        norm_eps=_get(cfg, path, "layer_norm_epsilon", float, 1e-5),
+        tie_word_embeddings=_get(cfg, path, "tie_word_embeddings", bool, True),
+        max_positions=_get(cfg, path, "n_positions", int, 1024),
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        attn_scale_weights=_get(cfg, path, "scale_attn_weights", bool, True),
+        attn_scale_by_layer=_get(cfg, path, "scale_attn_by_inverse_layer_idx", bool, False),
+        **_common(cfg, path),
+    )
+
+
+def _act(name: str, x: jax.Array) -> jax.Array:
+    if name in ("silu", "swish"):
+        return jax.nn.silu(x)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.relu(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where one params leaf comes from: the checkpoint tensor `name` of `stored_shape`, which
+    is the leaf transposed when `transposed` (torch nn.Linear keeps weights as (d_out, d_in))."""
+
+    name: str
+    stored_shape: tuple[int, ...]
+    transposed: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFCausalLM(Target):
+    """A Hugging Face causal LM. Sites, per layer in forward order:
+    Llama / Qwen2: `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `model.layers.{i}.mlp.{gate,up,
+    down}_proj`; GPT-2: `transformer.h.{i}.attn.c_attn` (fused q|k|v), `transformer.h.{i}.attn.
+    c_proj`, `transformer.h.{i}.mlp.c_fc`, `transformer.h.{i}.mlp.c_proj`. The site's matrix is
+    the leaf `<site>.weight`, its bias (if any) `<site>.bias`, added after the site output.
+    """
+
+    kind = "hf"
+    output_kind = "logits"
+
+    spec: HfSpec
+    seq_len: int = 128
+    param_dtype: Any = jnp.float32
+    remat: str = "none"  # none | dots_saveable | full: rematerialise each block in the backward
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+        if self.remat not in ("none", *REMAT_POLICIES):
+            raise ValueError(f"remat must be one of none, {', '.join(REMAT_POLICIES)}")
+        if self.spec.is_gpt2 and self.seq_len > self.spec.max_positions:
+            raise PdctlError(
+                f"data.seq_len: {self.seq_len} exceeds the {self.spec.max_positions} learned "
+                f"positions (n_positions) of the GPT-2 model in {self.spec.config_path}"
+            )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, **kwargs: Any) -> HFCausalLM:
+        return cls(spec=read_hf_config(model_dir), **kwargs)
+
+    # Layout.
+
+    def _prefix(self) -> str:
+        return "transformer.h" if self.spec.is_gpt2 else "model.layers"
+
+    def _layer_sites(self) -> list[tuple[str, tuple[int, int], bool]]:
+        """(name within the layer, (d_in, d_out), has bias) in forward order."""
+        s = self.spec
+        d, m = s.d_model, s.d_mlp
+        if s.is_gpt2:
+            return [
+                ("attn.c_attn", (d, 3 * d), True),
+                ("attn.c_proj", (d, d), True),
+                ("mlp.c_fc", (d, m), True),
+                ("mlp.c_proj", (m, d), True),
+            ]
+        q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        return [
+            ("self_attn.q_proj", (d, q), s.qkv_bias),
+            ("self_attn.k_proj", (d, kv), s.qkv_bias),
+            ("self_attn.v_proj", (d, kv), s.qkv_bias),
+            ("self_attn.o_proj", (q, d), s.o_bias),
+            ("mlp.gate_proj", (d, m), s.mlp_bias),
+            ("mlp.up_proj", (d, m), s.mlp_bias),
+            ("mlp.down_proj", (m, d), s.mlp_bias),
+        ]
+
+    def site_shapes(self) -> dict[str, tuple[int, int]]:
+        return {
+            f"{self._prefix()}.{i}.{name}": shape
+            for i in range(self.spec.n_layers)
+            for name, shape, _ in self._layer_sites()
+        }
+
+    def site_weights(self, params: Params) -> dict[str, jax.Array]:
+        return {path: _node(params, path)["weight"] for path in self.site_shapes()}
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Dotted leaf path (= checkpoint tensor name) -> shape as pdctl stores it."""
+        s = self.spec
+        d, V = s.d_model, s.vocab_size
+        shapes: dict[str, tuple[int, ...]] = {}
+        if s.is_gpt2:
+            shapes["transformer.wte.weight"] = (V, d)
+            shapes["transformer.wpe.weight"] = (s.max_positions, d)
+            norms, final = ("ln_1", "ln_2"), "transformer.ln_f"
+        else:
+            shapes["model.embed_tokens.weight"] = (V, d)
+            norms, final = ("input_layernorm", "post_attention_layernorm"), "model.norm"
+        for i in range(s.n_layers):
+            layer = f"{self._prefix()}.{i}"
+            for norm in norms:
+                shapes[f"{layer}.{norm}.weight"] = (d,)
+                if s.is_gpt2:
+                    shapes[f"{layer}.{norm}.bias"] = (d,)
+            for name, (a, b), bias in self._layer_sites():
+                shapes[f"{layer}.{name}.weight"] = (a, b)
+                if bias:
+                    shapes[f"{layer}.{name}.bias"] = (b,)
+        shapes[f"{final}.weight"] = (d,)
+        if s.is_gpt2:
+            shapes[f"{final}.bias"] = (d,)
+        if not s.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, d)
+        return shapes
+
+    def checkpoint_layout(self) -> dict[str, Tensor]:
+        """Dotted leaf path -> the checkpoint tensor it is read from."""
+        sites = set(self.site_shapes())
+        out = {}
+        for path, shape in self.param_shapes().items():
+            # nn.Linear stores (d_out, d_in); GPT-2's Conv1D already stores (d_in, d_out).
+            transposed = not self.spec.is_gpt2 and path.endswith(".weight") and path[:-7] in sites
+            out[path] = Tensor(path, shape[::-1] if transposed else shape, transposed)
+        return out
+
+    # Init.
+
+    def init(self, key: jax.Array) -> Params:
+        """N(0, 0.02) matrices, zero biases, unit norm scales (for shapes, tests and toy runs;
+        real weights come from `hf_load`). Same-shaped matrices are drawn as one stacked array
+        and sliced: one RNG body per distinct shape keeps the jitted init's compile small."""
+        dt = self.param_dtype
+        flat: dict[str, jax.Array] = {}
+        by_shape: dict[tuple[int, ...], list[str]] = {}
+        for path, shape in self.param_shapes().items():
+            if len(shape) == 2:
+                by_shape.setdefault(shape, []).append(path)
+            elif path.endswith(".bias"):
+                flat[path] = jnp.zeros(shape, dt)
+            else:
+                flat[path] = jnp.ones(shape, dt)
+        keys = jax.random.split(key, len(by_shape))
+        for (shape, group), k in zip(by_shape.items(), keys, strict=True):
+            stacked = normal_init(k, (len(group), *shape), 0.02, dt)
+            flat.update({path: stacked[j] for j, path in enumerate(group)})
+        return unflatten({p: flat[p] for p in self.param_shapes()})
+
+    # Forward.
+
+    def _norm(self, x: jax.Array, p: Params) -> jax.Array:
+        """RMSNorm (Llama, Qwen2) or LayerNorm (GPT-2), statistics in float32 as transformers."""
+        x32 = x.astype(jnp.float32)
+        eps = self.spec.norm_eps
+        if self.spec.is_gpt2:
+            mean = jnp.mean(x32, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+            y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+            y = y * lift(p["weight"].astype(jnp.float32), y) + lift(
+                p["bias"].astype(jnp.float32), y
+            )
+            return y.astype(x.dtype)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return lift(p["weight"], x) * y.astype(x.dtype)
+
+    def _inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies, float32 as transformers computes them (with llama3 or
+        linear scaling applied)."""
+        H, theta = self.spec.head_dim, self.spec.rope_theta
+        exps = np.arange(0, H, 2, dtype=np.int64).astype(np.float32) / np.float32(H)
+        inv = (1.0 / (np.float32(theta) ** exps)).astype(np.float32)
+        kind, factor, low, high, orig = self.spec.rope_scaling
+        if kind == "linear":
+            return (inv / np.float32(factor)).astype(np.float32)
+        if kind == "llama3":
+            wavelen = 2 * math.pi / inv
+            low_wl, high_wl = orig / low, orig / high
+            scaled = np.where(wavelen > low_wl, inv / factor, inv)
+            smooth = (orig / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+            return np.where(medium, smoothed, scaled).astype(np.float32)
+        return inv
+
+    def _rope(self, x_BxTxNxH: jax.Array) -> jax.Array:
+        T, H = x_BxTxNxH.shape[1], x_BxTxNxH.shape[3]
+        angle_TxH2 = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.asarray(self._inv_freq())[None]
+        cos = jnp.cos(angle_TxH2)[None, :, None, :]
+        sin = jnp.sin(angle_TxH2)[None, :, None, :]
+        x32 = x_BxTxNxH.astype(jnp.float32)
+        x1, x2 = x32[..., : H // 2], x32[..., H // 2 :]
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return rotated.astype(x_BxTxNxH.dtype)
+
+    def _proj(self, path: str, x: jax.Array, p: Params, overrides: Overrides | None) -> jax.Array:
+        h = self._site(path, x, p["weight"], overrides)
+        return add_bias(h, p["bias"]) if "bias" in p else h
+
+    def _attend(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, scale: float) -> jax.Array:
+        """Causal softmax attention; each of the K kv heads serves N/K query heads (query head
+        n uses kv head n // (N/K), as transformers' repeat_kv). Scores in float32."""
+        B, T, N, H = q_BxTxNxH.shape
+        K = k_BxTxKxH.shape[2]
+        q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
+        scores = jnp.einsum(
+            "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH, preferred_element_type=jnp.float32
+        )
+        scores = scores * jnp.float32(scale)
+        causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
+        scores = jnp.where(causal_TxT[None, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_BxTxKxH.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxTxKxH)
+        return out.reshape(B, T, N * H)
+
+    def _llama_block(self, x, layer: Params, i: int, overrides: Overrides | None) -> jax.Array:
+        s = self.spec
+        B, T, _ = x.shape
+        pre = f"model.layers.{i}"
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        h = self._norm(x, layer["input_layernorm"])
+
+        def heads(name: str, n: int) -> jax.Array:
+            out = self._proj(f"{pre}.self_attn.{name}", h, attn[name], overrides)
+            return out.reshape(B, T, n, s.head_dim)
+
+        q = self._rope(heads("q_proj", s.n_heads))
+        k = self._rope(heads("k_proj", s.n_kv_heads))
+        v = heads("v_proj", s.n_kv_heads)
+        o = self._attend(q, k, v, s.head_dim**-0.5)
+        x = x + self._proj(f"{pre}.self_attn.o_proj", o, attn["o_proj"], overrides)
+        h = self._norm(x, layer["post_attention_layernorm"])
+        gate = self._proj(f"{pre}.mlp.gate_proj", h, mlp["gate_proj"], overrides)
+        up = self._proj(f"{pre}.mlp.up_proj", h, mlp["up_proj"], overrides)
+        hidden = _act(s.act, gate) * up
+        return x + self._proj(f"{pre}.mlp.down_proj", hidden, mlp["down_proj"], overrides)
+
+    def _gpt2_block(self, x, layer: Params, i: int, overrides: Overrides | None) -> jax.Array:
+        s = self.spec
+        B, T, d = x.shape
+        pre = f"transformer.h.{i}"
+        attn, mlp = layer["attn"], layer["mlp"]
+        h = self._norm(x, layer["ln_1"])
+        qkv = self._proj(f"{pre}.attn.c_attn", h, attn["c_attn"], overrides)
+        q, k, v = (
+            qkv[..., j * d : (j + 1) * d].reshape(B, T, s.n_heads, s.head_dim) for j in range(3)
+        )
+        scale = s.head_dim**-0.5 if s.attn_scale_weights else 1.0
+        if s.attn_scale_by_layer:
+            scale /= float(i + 1)
+        o = self._attend(q, k, v, scale)
+        x = x + self._proj(f"{pre}.attn.c_proj", o, attn["c_proj"], overrides)
+        h = self._norm(x, layer["ln_2"])
+        hidden = _act(s.act, self._proj(f"{pre}.mlp.c_fc", h, mlp["c_fc"], overrides))
+        return x + self._proj(f"{pre}.mlp.c_proj", hidden, mlp["c_proj"], overrides)
+
+    def apply(
+        self, params: Params, tokens: jax.Array, overrides: Overrides | None = None
+    ) -> jax.Array:
+        """tokens (B, T) int -> logits (B, T, vocab) float32."""
+        s = self.spec
+        n_tok = tokens.shape[1]
+        if s.is_gpt2:
+            if n_tok > s.max_positions:
+                raise ValueError(f"{n_tok} tokens exceed GPT-2's {s.max_positions} positions")
+            root, block_fn, final = params["transformer"], self._gpt2_block, "ln_f"
+            embed = root["wte"]["weight"]
+            x_BxTxD = jnp.take(embed, tokens, axis=0)
+            x_BxTxD = x_BxTxD + lift(root["wpe"]["weight"][:n_tok], x_BxTxD)
+            layers = root["h"]
+        else:
+            root, block_fn, final = params["model"], self._llama_block, "norm"
+            embed = root["embed_tokens"]["weight"]
+            x_BxTxD = jnp.take(embed, tokens, axis=0)
+            layers = root["layers"]
+        for i in range(s.n_layers):
+
+            def block(x, layer, i=i):
+                return block_fn(x, layer, i, overrides)
+
+            if self.remat != "none":
+                block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat])
+            x_BxTxD = block(x_BxTxD, layers[str(i)])
+        h = self._norm(x_BxTxD, root[final])
+        unembed_VxD = embed if s.tie_word_embeddings else params["lm_head"]["weight"]
+        return jnp.einsum("btd,vd->btv", h, unembed_VxD, preferred_element_type=jnp.float32)
+
+    # Training interface (as LlamaMLP: next-token cross-entropy on packed text).
+
+    def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        raise TypeError("hf reads text batches from pdctl.science.data, not make_batch")
+
+    def inputs(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+        return batch["tokens"][:, :-1]
+
+    def loss(
+        self, params: Params, batch: Mapping[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        tokens = batch["tokens"]
+        logits_BxTxV = self.apply(params, tokens[:, :-1])
+        labels_BxT = tokens[:, 1:]
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, labels_BxT))
+        accuracy = jnp.mean((jnp.argmax(logits_BxTxV, axis=-1) == labels_BxT).astype(jnp.float32))
+        return ce, {"ce": ce, "accuracy": accuracy}
+
+    def trainable_mask(self, params: Params) -> Any:
+        # Every leaf: an imported model is not pretrained by pdctl, and if it were, all of it
+        # (positions and norms included) would be trainable as in transformers.
+        return jax.tree.map(lambda _: True, params)
+
+    def n_tokens_per_example(self) -> int:
+        return self.seq_len
+
+    def flops_per_example(self) -> float:
+        """Forward FLOPs for one sequence of seq_len tokens: site matmuls, the unembedding and
+        the attention score/value products over the full (not causally halved) T x T."""
+        s, T = self.spec, self.seq_len
+        per_token = sum(2 * a * b for a, b in self.site_shapes().values())
+        per_token += 2 * s.d_model * s.vocab_size
+        per_token += s.n_layers * 2 * 2 * T * s.n_heads * s.head_dim
+        return float(T * per_token)
+
+
+def _node(params: Params, path: str) -> Any:
+    node: Any = params
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def unflatten(flat: Mapping[str, Any]) -> Params:
+    """{'a.b.c': x} -> {'a': {'b': {'c': x}}}, keeping insertion order."""
+    out: Params = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
