@@ -454,3 +454,22 @@ def test_gpt2_seq_len_beyond_positions_is_a_config_error(tmp_path):
     spec = _spec_of(cfg, tmp_path)
     with pytest.raises(PdctlError, match=r"data\.seq_len: 32 exceeds the 16 learned positions"):
         HFCausalLM(spec=spec, seq_len=32)
+
+
+def test_remat_keeps_loss_and_grads():
+    cfg = {**LLAMA_CFG, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 1}  # fmt: skip
+    spec = _spec_of(cfg)
+    tokens = jnp.asarray(_tokens(64, seq=SEQ + 1), jnp.int32)
+    params = jax.jit(HFCausalLM(spec=spec, seq_len=SEQ).init)(jax.random.key(1))
+    out = {}
+    for remat in ("none", "full"):
+        target = HFCausalLM(spec=spec, seq_len=SEQ, remat=remat)
+        grad_fn = jax.jit(jax.value_and_grad(lambda p, t=target: t.loss(p, {"tokens": tokens})[0]))
+        out[remat] = grad_fn(params)
+    np.testing.assert_allclose(float(out["full"][0]), float(out["none"][0]), rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6),
+        out["full"][1],
+        out["none"][1],
+    )
