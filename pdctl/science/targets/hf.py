@@ -122,11 +122,13 @@ def _get(cfg: dict, path: Path, key: str, typ: type, default: Any = ...) -> Any:
 def _common(cfg: dict, path: Path) -> dict[str, Any]:
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    eos_ids = eos if isinstance(eos, list) else [eos]
     return {
         "config_path": str(path),
         "checkpoint_dtype": dtype if isinstance(dtype, str) else None,
-        "eos_token_ids": tuple(int(i) for i in eos_ids),
+        "eos_token_ids": tuple(
+            i for i in eos_ids if isinstance(i, int) and not isinstance(i, bool)
+        ),
     }
 
 
@@ -145,7 +147,10 @@ def _rope(cfg: dict, path: Path) -> tuple[float, tuple[str, float, float, float,
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise _err(f"{path}: rope_parameters must be an object, got {params!r}")
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not isinstance(theta, int | float) or isinstance(theta, bool):
+        raise _err(f"{path}: rope_theta must be a number, got {theta!r}")
+    theta = float(theta)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise _err(
