@@ -21,9 +21,11 @@ STAGES = ("init_weights", "pretrain", "warmup", "train")
 
 Pos = Annotated[int, Field(gt=0)]
 NonNeg = Annotated[int, Field(ge=0)]
-PosF = Annotated[float, Field(gt=0)]
-NonNegF = Annotated[float, Field(ge=0)]
-Frac = Annotated[float, Field(ge=0, le=1)]
+# Floats are finite: `lr = inf` or `nan` is a mistake, never a setting.
+PosF = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegF = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Frac = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Prob = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -53,6 +55,7 @@ class ResidMlpTarget(Section):
     d_mlp: Pos = 50
     n_layers: Pos = 1
     embed_seed: NonNeg = 0
+    bias: bool = False  # MLP biases; the canonical ResidMLP-1 has none
 
 
 class LlamaTarget(Section):
@@ -184,6 +187,9 @@ class WarmupConfig(Section):
     max_bad_steps: Pos = 10
 
 
+Routing = Literal["uniform_k", "static_p"]
+
+
 class LossConfig(Section):
     faithfulness: NonNegF = 0.0
     importance_minimality: NonNegF = 3e-3
@@ -195,7 +201,11 @@ class LossConfig(Section):
     eps: NonNegF = 1e-12
     stochastic_recon: NonNegF = 1.0
     stochastic_recon_layerwise: NonNegF = 1.0
+    stochastic_recon_subset: NonNegF = 0.0
+    subset_routing: Routing = "uniform_k"
+    subset_p: Prob = 0.5
     ppgd_recon: NonNegF = 0.0
+    pgd_recon: NonNegF = 0.0
     ci_masked_recon: NonNegF = 0.0
     unmasked_recon: NonNegF = 0.0
     output: Literal["mse", "kl"] = "mse"
@@ -207,12 +217,55 @@ class LossConfig(Section):
         return self
 
 
+# Keys and values of [train.ppgd] that earlier pdctl versions read with another meaning.
+_PPGD_REMOVED = {
+    "n_steps": "removed: PPGD now takes ONE source step per train step, from the gradient of "
+    "that step's PPGD loss; use `n_warmup_steps` for extra ascent steps on each batch",
+    "warmup_steps": "removed: use `n_warmup_steps` (extra ascent steps on EVERY train step)",
+}
+_PPGD_RENAMED_SCOPES = {"batch": "shared", "position": "per_position"}
+
+
 class PpgdConfig(Section):
-    scope: Literal["batch", "position"] = "batch"
+    """Persistent adversarial sources (the reference's PersistentPGDReconLoss)."""
+
+    scope: Literal["shared", "per_position", "per_batch_per_position"] = "shared"
     optimizer: Literal["adam", "sign"] = "adam"
     lr: PosF = 0.01
-    n_steps: Pos = 1
-    warmup_steps: NonNeg = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_frac: Frac = 0.0
+    final_lr_frac: Frac = 0.0
+    b1: Frac = 0.9
+    b2: Frac = 0.999
+    eps: NonNegF = 1e-8
+    n_warmup_steps: NonNeg = 0
+    sigmoid: bool = False
+    routing: Literal["all", "uniform_k", "static_p"] = "all"
+    routing_p: Prob = 0.5
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in _PPGD_REMOVED.items():
+                if key in data:
+                    raise ValueError(f"`{key}` {why}")
+            new = _PPGD_RENAMED_SCOPES.get(data.get("scope"))  # type: ignore[arg-type]
+            if new:
+                raise ValueError(f"scope {data['scope']!r} is now called {new!r}")
+        return data
+
+
+class PgdConfig(Section):
+    """Non-persistent PGD sources (the reference's PGDReconLoss): re-initialised on every step,
+    `n_steps` sign-ascent steps of size `step_size`, then the loss with the final sources."""
+
+    init: Literal["random", "ones", "zeroes"] = "random"
+    step_size: PosF = 0.1
+    n_steps: NonNeg = 1
+    scope: Literal["per_example", "shared"] = "per_example"
+    routing: Literal["all", "uniform_k", "static_p"] = "all"
+    routing_p: Prob = 0.5
 
 
 class TrainConfig(Section):
@@ -228,6 +281,7 @@ class TrainConfig(Section):
     ci_optim: OptimConfig | None = None
     loss: LossConfig = LossConfig()
     ppgd: PpgdConfig = PpgdConfig()
+    pgd: PgdConfig = PgdConfig()
 
 
 class Config(Section):
@@ -273,7 +327,9 @@ def stage_dependencies(stage: str) -> tuple[str, ...]:
 def fingerprint(cfg: Config, stage: str) -> str:
     """A stable hash of the config tables `stage` depends on (defaults included, key order free)."""
     dumped = cfg.model_dump(mode="json", by_alias=True)
-    tables = {k: dumped[k] for k in stage_dependencies(stage)}
+    tables: dict[str, Any] = {k: dumped[k] for k in stage_dependencies(stage)}
+    # init-weights also creates the PPGD sources, whose shape comes from [train] keys.
+    tables["ppgd_sources"] = ppgd_source_layout(cfg)
     blob = json.dumps(tables, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -337,19 +393,57 @@ def parse_config(raw: dict[str, Any]) -> Config:
 
 
 def _check_cross_fields(cfg: Config) -> None:
+    if not cfg.decomp.sites:
+        raise PdctlError(
+            'decomp.sites: empty; list the weights to decompose, e.g. sites = [{ pattern = "linear1"'
+            ", C = 20 }] (`pdctl inspect-sharding --stage init_weights` lists a target's sites)"
+        )
     seen: set[str] = set()
     for i, site in enumerate(cfg.decomp.sites):
         if site.pattern in seen:
             raise PdctlError(f"decomp.sites.{i}.pattern: {site.pattern!r} is listed twice")
         seen.add(site.pattern)
-    if cfg.target.kind != "llama_mlp" and cfg.train.ppgd.scope == "position":
+    if not is_sequence_model(cfg) and cfg.train.ppgd.scope == "per_position":
         raise PdctlError(
-            "train.ppgd.scope: 'position' needs a sequence model (target.kind = llama_mlp)"
+            "train.ppgd.scope: 'per_position' needs a sequence model (a language-model target); "
+            "use 'shared' or 'per_batch_per_position'"
         )
-    if cfg.target.kind != "llama_mlp" and cfg.train.loss.output == "kl":
+    if not is_sequence_model(cfg) and cfg.train.loss.output == "kl":
         raise PdctlError(
-            "train.loss.output: 'kl' needs logits (target.kind = llama_mlp); use 'mse'"
+            "train.loss.output: 'kl' needs logits (a language-model target); use 'mse'"
         )
+    tc = cfg.train
+    if tc.ppgd.scope == "per_batch_per_position" and tc.batch_size % tc.grad_accum_steps:
+        raise PdctlError(
+            f"train.grad_accum_steps: {tc.grad_accum_steps} does not divide train.batch_size "
+            f"{tc.batch_size} (per-batch PPGD sources are sized by the micro-batch)"
+        )
+
+
+SEQUENCE_TARGETS = ("llama_mlp",)
+
+
+def is_sequence_model(cfg: Config) -> bool:
+    """Targets whose inputs are token sequences (batch, positions) and whose output is logits."""
+    return cfg.target.kind in SEQUENCE_TARGETS
+
+
+def ppgd_source_layout(cfg: Config) -> dict[str, Any]:
+    """What the shape of the persistent PPGD sources depends on (init-weights creates them).
+
+    Leading axes by scope: shared () ; per_position (seq_len,); per_batch_per_position
+    (micro-batch,) for toys or (micro-batch, seq_len) for LMs. Trailing axis: C (+1 with the delta
+    component)."""
+    tc = cfg.train
+    seq = is_sequence_model(cfg)
+    if tc.ppgd.scope == "shared":
+        lead: tuple[int, ...] = ()
+    elif tc.ppgd.scope == "per_position":
+        lead = (cfg.data.seq_len,)
+    else:
+        micro = tc.batch_size // tc.grad_accum_steps
+        lead = (micro, cfg.data.seq_len) if seq else (micro,)
+    return {"leading": list(lead), "sigmoid": tc.ppgd.sigmoid}
 
 
 def match_sites(cfg: Config, site_paths: list[str]) -> dict[str, int]:

@@ -5,24 +5,42 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from pdctl.config import OptimConfig
 
 
-def schedule(cfg: OptimConfig, steps: int) -> optax.Schedule:
-    warmup = round(cfg.warmup_frac * steps)
-    decay = max(steps - warmup, 1)
-    end = cfg.lr * cfg.final_lr_frac
-    if cfg.schedule == "constant":
-        main = optax.constant_schedule(cfg.lr)
-    elif cfg.schedule == "linear":
-        main = optax.linear_schedule(cfg.lr, end, decay)
-    else:
-        main = optax.cosine_decay_schedule(cfg.lr, decay, alpha=cfg.final_lr_frac)
-    if warmup == 0:
-        return main
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), main], [warmup])
+def schedule(cfg: Any, steps: int) -> optax.Schedule:
+    """The learning rate at each step, as the reference's `get_scheduled_value`: a linear warmup
+    from 0 over the first `int(warmup_frac * steps)` steps, then constant, or a linear / cosine
+    decay from `lr` that reaches `final_lr_frac * lr` exactly at the last step.
+
+    `cfg` is anything with `lr`, `schedule`, `warmup_frac` and `final_lr_frac` (the optimizers'
+    tables and `[train.ppgd]`)."""
+    warmup = int(cfg.warmup_frac * steps)
+    decay = steps - warmup
+    peak, final = float(cfg.lr), float(cfg.final_lr_frac)
+    kind = cfg.schedule
+    if kind not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown schedule {kind!r}")
+
+    def lr(step: Any) -> jax.Array:
+        s = jnp.asarray(step, jnp.float32)
+        if kind == "constant" or decay <= 1:
+            main = jnp.full_like(s, peak)
+        else:
+            progress = jnp.clip((s - warmup) / (decay - 1), 0.0, 1.0)
+            if kind == "linear":
+                mult = final + (1 - final) * (1 - progress)
+            else:
+                mult = final + (1 - final) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+            main = peak * mult
+        if warmup == 0:
+            return main
+        return jnp.where(s < warmup, peak * s / warmup, main)
+
+    return lr
 
 
 def adamw(cfg: OptimConfig, steps: int, trainable: Any = None) -> optax.GradientTransformation:

@@ -117,6 +117,12 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def leading_batch_shardings(abstract: Any, mesh: Mesh) -> Any:
+    """Arrays whose leading axis is the (micro-)batch, sharded like the batch they go with (the
+    per-example PPGD sources and their optimizer moments)."""
+    return jax.tree.map(lambda x: batch_sharding(mesh, len(x.shape)), abstract)
+
+
 def batch_shards(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 

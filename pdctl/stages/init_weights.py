@@ -14,9 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from pdctl.config import Config, match_sites
+from pdctl.config import Config, match_sites, ppgd_source_layout
 from pdctl.engine import sharding
 from pdctl.engine.init import grouped_init
+from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.spd import components as comps
 from pdctl.science.targets import Target
@@ -24,14 +25,26 @@ from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, StageEnv, stream_k
 
 
 def source_shape(cfg: Config, C: int) -> tuple[int, ...]:
+    """One site's persistent PPGD source: leading axes by scope, then C (+1 delta)."""
     n = C + 1 if cfg.decomp.delta_component else C
-    return (cfg.data.seq_len, n) if cfg.train.ppgd.scope == "position" else (n,)
+    return (*ppgd_source_layout(cfg)["leading"], n)
 
 
 def decomposed_sites(cfg: Config, target: Target) -> dict[str, tuple[int, int, int]]:
-    """{path: (d_in, d_out, C)} of the configured sites, in the target's forward order."""
+    """{path: (d_in, d_out, C)} of the configured sites, in the target's forward order.
+
+    Sites whose matrices the target ties (TMS linear2 = linear1.T) get tied components, so both
+    need the same C."""
     shapes = target.site_shapes()
-    return {p: (*shapes[p], C) for p, C in match_sites(cfg, target.site_paths()).items()}
+    sites = {p: (*shapes[p], C) for p, C in match_sites(cfg, target.site_paths()).items()}
+    for tied, src in comps.component_ties(target.tied_sites(), sites).items():
+        if sites[tied][2] != sites[src][2]:
+            raise PdctlError(
+                f"decomp.sites: {tied} is {src} transposed in this {target.kind} target, so "
+                f"their components are tied and need the same C (got {sites[tied][2]} and "
+                f"{sites[src][2]})"
+            )
+    return sites
 
 
 def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str, Any], dict]:
@@ -45,6 +58,9 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
     hidden = tuple(cfg.decomp.ci_fn.hidden)
     kind = cfg.decomp.ci_fn.type
     out, compile_s = {}, {}
+    # Every site's components are drawn (so the keys, and the values of untied sites, do not
+    # depend on the tying); a tied site's are then dropped: they are its source's transposes.
+    ties = comps.component_ties(target.tied_sites(), sites)
     out["components"], t = grouped_init(
         partial(_components, dtype=dtype),
         names,
@@ -53,6 +69,7 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
         mesh,
         spec_fn,
     )
+    out["components"] = {p: v for p, v in out["components"].items() if p not in ties}
     compile_s.update({f"components_{k}": v for k, v in t.items()})
     out["ci_fns"], t = grouped_init(
         comps.init_ci_fn,
@@ -66,7 +83,7 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
     out["sources"], t = grouped_init(
         comps.init_source,
         names,
-        [(source_shape(cfg, sites[n][2]),) for n in names],
+        [(source_shape(cfg, sites[n][2]), cfg.train.ppgd.sigmoid) for n in names],
         src_keys,
         mesh,
         spec_fn,
@@ -133,15 +150,20 @@ def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:
     hidden = tuple(cfg.decomp.ci_fn.hidden)
     key = jax.random.PRNGKey(0)
 
+    ties = comps.component_ties(target.tied_sites(), sites)
+
     def build(key):
         return {
-            "components": {p: _components(key, *s, dtype=dtype) for p, s in sites.items()},
+            "components": {
+                p: _components(key, *s, dtype=dtype) for p, s in sites.items() if p not in ties
+            },
             "ci_fns": {
                 p: comps.init_ci_fn(key, cfg.decomp.ci_fn.type, s[0], s[2], hidden)
                 for p, s in sites.items()
             },
             "sources": {
-                p: comps.init_source(key, source_shape(cfg, s[2])) for p, s in sites.items()
+                p: comps.init_source(key, source_shape(cfg, s[2]), cfg.train.ppgd.sigmoid)
+                for p, s in sites.items()
             },
         }
 

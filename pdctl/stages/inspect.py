@@ -186,8 +186,8 @@ def plan(cfg: Config, stage: str, mesh) -> Plan:
     frozen = Arg("target", abstract_params, target_specs, False, "target")
     if stage == "warmup":
         tx, _, abstract, _ = warmup.build(env, dec["components"], cfg.warmup.steps)
-        paths = tuple(p for p in target.site_paths() if p in dec["components"])
-        step = warmup.make_step(target, paths, tx)
+        paths, ties = warmup.site_layout(env)
+        step = warmup.make_step(target, paths, tx, ties)
         state_specs = _specs(abstract, cfg, mesh)
         args = [frozen, Arg("state", abstract, state_specs, True), Arg("batch", None, None, False)]
         return Plan(stage, cfg, mesh, args, step, state_specs, notes)
@@ -195,12 +195,12 @@ def plan(cfg: Config, stage: str, mesh) -> Plan:
 
     tc = cfg.train
     fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
-    tx, _, abstract, _, _ = train.build(env, fns, tc.steps)
+    tx, _, abstract, state_sh, _ = train.build(env, fns, tc.steps)
     batch, batch_specs = _batch_abstract(cfg, target, tc.batch_size, mesh, "train.batch_size")
     step = train.make_step(
         target, fns, tx, cfg, tc.steps, NamedSharding(mesh, P(sharding.BATCH_AXES, None))
     )
-    state_specs = _specs(abstract, cfg, mesh)
+    state_specs = jax.tree.map(lambda s: s.spec, state_sh)
     args = [frozen, Arg("state", abstract, state_specs, True)]
     args.append(Arg("batch", batch, batch_specs, False, "batch"))
     return Plan(stage, cfg, mesh, args, step, state_specs, notes)

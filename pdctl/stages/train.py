@@ -1,7 +1,5 @@
-"""`pdctl train`: Stochastic Parameter Decomposition training, one jitted step.
-
-Clean target forward → CI → PPGD source ascent (components and CI detached) → all configured
-losses → gradient clipping → AdamW on components and CI functions (separate optimizers when
+"""`pdctl train`: Stochastic Parameter Decomposition training, one jitted step (see `make_step`
+for its order), AdamW on components and CI functions (separate optimizers when
 `[train.ci_optim]` is set). The step donates everything but the frozen target parameters."""
 
 from __future__ import annotations
@@ -51,46 +49,55 @@ def optimizer(cfg, steps: int) -> optax.GradientTransformation:
 
 
 def make_step(target, fns, tx, cfg, total: int, batch_sharding):
-    tc = cfg.train
-    lcfg = tc.loss
+    """The SPD step, in the reference's order (goodfire-ai/spd `run_spd.py` with
+    `persistent_pgd.py`):
+
+    clean target forward (stop-gradient; shared by everything below) -> CI ->
+    `n_warmup_steps` extra PPGD ascent steps on this batch (components and CI held constant) ->
+    every loss term, the PPGD term with the sources as they now are -> one backward giving the
+    parameters' gradients and the sources' (d total / d sources = coeff * dL_ppgd / d sources)
+    -> AdamW update of the parameters (per site; tied sites folded back) -> ONE source ascent
+    step with that step's source learning rate. A non-finite step changes nothing but the
+    counters (`guard_update`)."""
+    tc, lcfg, pcfg = cfg.train, cfg.train.loss, cfg.train.ppgd
     policy = Policy.from_config(cfg.precision)
     k_accum = tc.grad_accum_steps
     mesh = batch_sharding.mesh
+    use_ppgd = lcfg.ppgd_recon > 0
+    source_lr = schedule(pcfg, total)
 
-    def loss_fn(trainable, target_params, sources, x, key, step_frac, imp_totals=None):
+    def loss_fn(trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None):
         return fns.loss(
-            policy.to_compute(trainable),
-            policy.to_compute(target_params),
-            sources,
-            policy.to_compute(x),
-            key,
-            step_frac,
+            policy.to_compute(trainable), target_params, sources, clean, x, key, step_frac,
             imp_totals,
-        )
+        )  # fmt: skip
 
-    def value_and_grad(trainable, target_params, sources, x, key, step_frac):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+
+    def value_and_grads(trainable, sources, target_params, clean, x, key, step_frac):
         if k_accum == 1:
-            return grad_fn(trainable, target_params, sources, x, key, step_frac)
-        micro = split_micro(x, k_accum, mesh)
+            return grad_fn(trainable, sources, target_params, clean, x, key, step_frac)
+        micro = split_micro({"x": x, "clean": clean}, k_accum, mesh)
         imp_totals, p = None, p_at(lcfg, step_frac)
         if lcfg.importance_minimality > 0:
             # Importance minimality sums over the whole accumulated batch: a forward-only first
             # pass collects S_c over every micro-batch.
-            def sums(xm):
-                _, up = fns.ci(trainable["components"], trainable["ci_fns"], target_params, xm)
+            def sums(c):
+                comps, ci_fns = trainable["components"], trainable["ci_fns"]
+                _, up = fns.ci(comps, ci_fns, c.site_inputs, key)
                 return importance_sums(up, p, lcfg.eps)
 
-            S = jax.tree.map(lambda a: a.sum(0), jax.lax.map(sums, micro))
+            S = jax.tree.map(lambda a: a.sum(0), jax.lax.map(sums, micro["clean"]))
             positions = x.shape[1] if target.output_kind == "logits" else 1
             n_mb = x.shape[0] // k_accum * positions
             imp_totals = (S, n_mb)
         out = accumulate(
-            lambda xm, i: grad_fn(
+            lambda mb, i: grad_fn(
                 trainable,
-                target_params,
                 sources,
-                xm,
+                target_params,
+                mb["clean"],
+                mb["x"],
                 jax.random.fold_in(key, i),
                 step_frac,
                 imp_totals,
@@ -105,9 +112,6 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             out = (loss, {**m, "importance_minimality": value, "total": loss}), grads
         return out
 
-    use_ppgd = tc.loss.ppgd_recon > 0
-    n_asc, n_warm = tc.ppgd.n_steps, tc.ppgd.warmup_steps
-
     def step(target_params: Any, state: dict[str, Any], batch: Any):
         loop = state["loop"]
         key = jax.random.fold_in(loop["rng"], loop["step"])
@@ -116,36 +120,48 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             batch = jax.lax.with_sharding_constraint(
                 target.make_batch(k_data, tc.batch_size), batch_sharding
             )
-        x = target.inputs(batch)
-        trainable = state["trainable"]
-        sources, src_opt, metrics = state["sources"], state["src_opt"], {}
-        if use_ppgd:
+        x = policy.to_compute(target.inputs(batch))
+        params = policy.to_compute(target_params)
+        clean = fns.clean(params, x)
+        free = state["trainable"]
+        trainable = {"components": fns.expand(free["components"]), "ci_fns": free["ci_fns"]}
+        sources, src_opt = state["sources"], state["src_opt"]
+        lr_src = source_lr(loop["step"])
+        if use_ppgd and pcfg.n_warmup_steps:
+            const = jax.lax.stop_gradient(policy.to_compute(trainable))
+            comps = const["components"]
+            ci_lower, _ = fns.ci(comps, const["ci_fns"], clean.site_inputs, fns.ci_key(k_loss))
 
-            def ascend(n):
-                return lambda: fns.ppgd_ascent(
-                    sources, src_opt, trainable, target_params, x, k_src, n
-                )[:2]
+            def ascend(carry, i):
+                srcs, opt = carry
+                g = jax.grad(
+                    lambda s: fns.ppgd_loss(
+                        comps, ci_lower, params, s, clean, x, jax.random.fold_in(k_src, i)
+                    )
+                )(srcs)
+                return fns.source_step(srcs, g, opt, lr_src), None
 
-            if n_warm > n_asc:  # extra ascent steps on the first step warm the sources up
-                sources, src_opt = jax.lax.cond(loop["step"] == 0, ascend(n_warm), ascend(n_asc))
-            else:
-                sources, src_opt = ascend(n_asc)()
+            (sources, src_opt), _ = jax.lax.scan(
+                ascend, (sources, src_opt), jnp.arange(pcfg.n_warmup_steps)
+            )
         step_frac = loop["step"].astype(jnp.float32) / total
-        (loss, m), grads = value_and_grad(
-            trainable, target_params, jax.lax.stop_gradient(sources), x, k_loss, step_frac
+        (loss, m), (g_tr, g_src) = value_and_grads(
+            trainable, sources, params, clean, x, k_loss, step_frac
         )
-        updates, opt_state = tx.update(grads, state["opt_state"], trainable)
-        trainable = optax.apply_updates(trainable, updates)
-        metrics.update(m)
-        metrics["loss"] = loss
-        metrics["grad_norm"] = optax.global_norm(grads)
+        updates, opt_state = tx.update(g_tr, state["opt_state"], trainable)
+        updates = {"components": fns.fold(updates["components"]), "ci_fns": updates["ci_fns"]}
+        metrics = {**m, "loss": loss, "grad_norm": optax.global_norm(g_tr)}
+        if use_ppgd:
+            g_ppgd = jax.tree.map(lambda g: g / lcfg.ppgd_recon, g_src)
+            sources, src_opt = fns.source_step(sources, g_ppgd, src_opt, lr_src)
+            metrics["ppgd_lr"] = jnp.asarray(lr_src, jnp.float32)
         new = {
-            "trainable": trainable,
+            "trainable": optax.apply_updates(free, updates),
             "opt_state": opt_state,
             "sources": sources,
             "src_opt": src_opt,
         }
-        return guard_update(state, new, all_finite(loss, grads), metrics)
+        return guard_update(state, new, all_finite(loss, g_tr, g_src), metrics)
 
     return step
 
@@ -160,7 +176,8 @@ def build(env: StageEnv, fns, total: int):
         trainable = {"components": components, "ci_fns": ci_fns}
         return {
             "trainable": trainable,
-            "opt_state": tx.init(trainable),
+            # one moment set per site, tied sites included (see make_step)
+            "opt_state": tx.init({"components": fns.expand(components), "ci_fns": ci_fns}),
             "sources": sources,
             "src_opt": fns.init_source_opt(sources),
             "loop": loop_counters(rng),
@@ -169,7 +186,16 @@ def build(env: StageEnv, fns, total: int):
     abstract = jax.eval_shape(
         make_state, abstract_dec["components"], abstract_dec["ci_fns"], abstract_dec["sources"]
     )
-    return tx, make_state, abstract, env.shardings(abstract), abstract_dec
+    shardings = env.shardings(abstract)
+    if cfg.train.ppgd.scope == "per_batch_per_position":
+        # one source per example (and position): shard them like the batch they mask
+        shardings["sources"] = sharding.leading_batch_shardings(abstract["sources"], env.mesh)
+        for k in ("m", "v"):
+            if k in abstract["src_opt"]:
+                shardings["src_opt"][k] = sharding.leading_batch_shardings(
+                    abstract["src_opt"][k], env.mesh
+                )
+    return tx, make_state, abstract, shardings, abstract_dec
 
 
 def make_eval(env: StageEnv, target_params, fns):
@@ -188,9 +214,10 @@ def make_eval(env: StageEnv, target_params, fns):
         it.close()
     else:
         eval_batch = jax.jit(lambda k: target.make_batch(k, cfg.train.eval_batch_size))(eval_key)
+    expand = jax.jit(fns.expand)
 
     def eval_fn(state) -> dict[str, Any]:
-        comps = state["trainable"]["components"]
+        comps = expand(state["trainable"]["components"])
         ci_fns = state["trainable"]["ci_fns"]
         out: dict[str, Any] = {}
         stats = evaluate.ci_stats(
@@ -204,35 +231,23 @@ def make_eval(env: StageEnv, target_params, fns):
                 out[k.replace("/", "_")] = v
         else:
             toy = evaluate.toy_eval(target, target_params, comps, ci_fns, cfg)
-            out["recovered"] = recovered_features(target, target_params, comps, ci_fns, cfg)
+            out["recovered"] = toy["recovered"]
             out["ci_errors"] = {k[9:]: v for k, v in toy.items() if k.startswith("ci_error/")}
             out["mmcs"] = {k[5:]: v for k, v in toy.items() if k.startswith("mmcs/")}
             out["ml2r"] = {k[5:]: v for k, v in toy.items() if k.startswith("ml2r/")}
-        return _finite(out)
+        return _floats(out)
 
     return eval_fn
 
 
-def recovered_features(target, target_params, comps, ci_fns, cfg, tol: float = 0.1) -> int:
-    """Features that every (one-component-per-feature) site gives exactly one component with
-    CI >= 1 - tol and no other component above tol, on the one-hot inputs of SPD.md."""
-    mats = evaluate.toy_ci_matrices(target, target_params, comps, ci_fns, cfg)
-    ok = None
-    for p, m in mats.items():
-        if target.kind == "resid_mlp" and p.endswith("mlp_out"):
-            continue
-        above = (m > tol).sum(axis=1)
-        good = (above == 1) & (m.max(axis=1) >= 1 - tol)
-        ok = good if ok is None else ok & good
-    return int(ok.sum()) if ok is not None else 0
-
-
-def _finite(d: dict[str, Any]) -> dict[str, Any]:
+def _floats(d: dict[str, Any]) -> dict[str, Any]:
+    """Plain floats, nested; non-finite values stay NaN/inf so that the loop sees a diverged
+    evaluation (and fails the stage) instead of a silently shorter report."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out[k] = _finite(v)
-        elif isinstance(v, float | int | np.floating) and np.isfinite(v):
+            out[k] = _floats(v)
+        elif isinstance(v, float | int | np.floating | np.integer):
             out[k] = float(v)
     return out
 

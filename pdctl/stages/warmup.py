@@ -15,6 +15,7 @@ from pdctl.engine import sharding
 from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw
 from pdctl.project import Project
+from pdctl.science.spd.components import component_ties, expand_tied, fold_tied
 from pdctl.science.spd.losses import faithfulness_loss
 from pdctl.stages.common import (
     STREAM_WARMUP,
@@ -33,15 +34,23 @@ def optimizer(env: StageEnv, steps: int) -> optax.GradientTransformation:
     )
 
 
-def make_step(target, paths: tuple[str, ...], tx):
+def make_step(target, paths: tuple[str, ...], tx, ties: dict[str, str] | None = None):
+    """The warmup step over the component parameters (tied sites folded away, see
+    `components.expand_tied`). The loss and the optimizer see every site: faithfulness sums
+    over all of them, and AdamW keeps one moment set per site (a tied site's update is folded
+    back onto its source's parameters), as the reference's two tied Parameters sharing storage.
+    """
+    ties = ties or {}
+
     def loss_fn(components, target_params):
         w = target.site_weights(target_params)
         return faithfulness_loss({p: jax.lax.stop_gradient(w[p]) for p in paths}, components)
 
     def step(target_params: Any, state: dict[str, Any], batch: None):
-        loss, grads = jax.value_and_grad(loss_fn)(state["components"], target_params)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["components"])
-        comps = optax.apply_updates(state["components"], updates)
+        per_site = expand_tied(state["components"], ties, paths)
+        loss, grads = jax.value_and_grad(loss_fn)(per_site, target_params)
+        updates, opt_state = tx.update(grads, state["opt_state"], per_site)
+        comps = optax.apply_updates(state["components"], fold_tied(updates, ties))
         metrics = {"loss": loss, "faithfulness": loss, "grad_norm": optax.global_norm(grads)}
         new = {"components": comps, "opt_state": opt_state}
         return guard_update(state, new, all_finite(loss, grads), metrics)
@@ -52,16 +61,26 @@ def make_step(target, paths: tuple[str, ...], tx):
 def build(env: StageEnv, abstract_components: Any, steps: int):
     tx = optimizer(env, steps)
     rng = stream_key(env.cfg, STREAM_WARMUP)
+    paths, ties = site_layout(env)
 
     def make_state(components):
         return {
             "components": components,
-            "opt_state": tx.init(components),
+            "opt_state": tx.init(expand_tied(components, ties, paths)),
             "loop": loop_counters(rng),
         }
 
     abstract = jax.eval_shape(make_state, abstract_components)
     return tx, make_state, abstract, env.shardings(abstract)
+
+
+def site_layout(env: StageEnv) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(decomposed site paths in forward order, {tied site: source site})."""
+    from pdctl.stages.init_weights import decomposed_sites
+
+    sites = decomposed_sites(env.cfg, env.target)
+    paths = tuple(p for p in env.target.site_paths() if p in sites)
+    return paths, component_ties(env.target.tied_sites(), sites)
 
 
 def abstract_decomposition(env: StageEnv) -> dict[str, Any]:
@@ -86,7 +105,7 @@ def run(
     abstract_dec = abstract_decomposition(env)
     tx, make_state, abstract, state_sh = build(env, abstract_dec["components"], steps)
     target_params = pretrained_target(env)
-    paths = tuple(p for p in env.target.site_paths() if p in abstract_dec["components"])
+    paths, ties = site_layout(env)
     if ckpt_step is None:
         env.begin(fresh=True, steps=steps)
         items, _ = env.restore_items("init_weights", {"components": abstract_dec["components"]})
@@ -98,7 +117,7 @@ def run(
         start = int(meta["step"])
     target_sh = jax.tree.map(lambda x: x.sharding, target_params)
     step_fn = jax.jit(
-        make_step(env.target, paths, tx),
+        make_step(env.target, paths, tx, ties),
         in_shardings=(target_sh, state_sh, None),
         out_shardings=(state_sh, sharding.replicated(env.mesh)),
         donate_argnums=(1,),

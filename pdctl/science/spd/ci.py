@@ -114,19 +114,33 @@ def compute_ci(
     kind: str,
     sigmoid: str,
     remat: str = "none",
+    sampling: str = "continuous",
+    key: Array | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """(ci_lower, ci_upper) per site in `site_inputs`, each (..., C) float32.
 
     For `mlp` the CI input h = x @ V is not detached from V (as in goodfire-ai/spd, whose
-    `calc_causal_importances` defaults to `detach_inputs=False`)."""
+    `calc_causal_importances` defaults to `detach_inputs=False`). With binomial sampling the
+    lower-leaky squashing sees `1.05 z - 0.05 u`, u ~ U[0, 1) per element (site i draws from
+    `fold_in(key, i)`), as the reference's `_apply_sigmoid_to_ci_outputs`; the upper-leaky one
+    always sees z."""
     ci_lower: dict[str, Array] = {}
     ci_upper: dict[str, Array] = {}
     apply = ci_fn_apply
     if remat != "none":  # recompute the CI MLP's (..., C, hidden) activations in the backward
         apply = jax.checkpoint(ci_fn_apply, policy=REMAT_POLICIES[remat], static_argnums=(0,))
-    for path, x_in in site_inputs.items():
+    if sampling == "binomial" and key is None:
+        raise ValueError("binomial sampling needs a key for the lower-leaky input noise")
+    for i, (path, x_in) in enumerate(site_inputs.items()):
         V = components[path]["V"]
         h = x_in.astype(V.dtype) @ V
         z = apply(kind, ci_fns[path], x_in, h)
-        ci_lower[path], ci_upper[path] = squash(z, sigmoid)
+        if sampling == "continuous":
+            ci_lower[path], ci_upper[path] = squash(z, sigmoid)
+        elif sampling == "binomial":
+            u = jax.random.uniform(jax.random.fold_in(key, i), z.shape, z.dtype)
+            ci_lower[path] = squash(1.05 * z - 0.05 * u, sigmoid)[0]
+            ci_upper[path] = squash(z, sigmoid)[1]
+        else:
+            raise ValueError(f"unknown sampling {sampling!r}")
     return ci_lower, ci_upper

@@ -12,6 +12,7 @@ bits as `init_decomposition_reference`, the per-site loop below.
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +75,11 @@ def init_ci_fn(key: Array, kind: str, d_in: int, C: int, hidden: Sequence[int]) 
     return params
 
 
-def init_source(key: Array, shape: tuple[int, ...]) -> Array:
-    """PPGD source, U[0, 1) per entry, float32."""
+def init_source(key: Array, shape: tuple[int, ...], sigmoid: bool = False) -> Array:
+    """PPGD source, float32: U[0, 1) per entry, or N(0, 1) with the sigmoid parametrisation
+    (the masks then see sigmoid(s)), as the reference's `PersistentPGDState`."""
+    if sigmoid:
+        return jax.random.normal(key, shape, jnp.float32)
     return jax.random.uniform(key, shape, jnp.float32)
 
 
@@ -111,6 +115,7 @@ def init_decomposition_reference(
     hidden: Sequence[int],
     source_shape: Callable[[int], tuple[int, ...]],
     dtype: jnp.dtype = jnp.float32,
+    sigmoid_sources: bool = False,
 ) -> tuple[Components, dict[str, CiParams], dict[str, Array]]:
     """The straightforward per-site init: `sites` is {path: (d_in, d_out, C)} in forward order,
     `source_shape(C)` the shape of that site's source (e.g. `lambda C: (C + 1,)`).
@@ -125,7 +130,16 @@ def init_decomposition_reference(
             comp_keys[i],
             ci_keys[i],
             src_keys[i],
-            (d_in, d_out, C, ci_kind, tuple(hidden), tuple(source_shape(C)), dtype),
+            (
+                d_in,
+                d_out,
+                C,
+                ci_kind,
+                tuple(hidden),
+                tuple(source_shape(C)),
+                dtype,
+                sigmoid_sources,
+            ),
         )
     return components, ci_fns, sources
 
@@ -137,11 +151,11 @@ def _init_site_jit(
     # One site's three per-site functions under one jit, only to save compiles and op-by-op
     # dispatch: the values are the same bits eagerly, under jit and under vmap (see
     # `_scaled_normal`).
-    d_in, d_out, C, ci_kind, hidden, src_shape, dtype = spec
+    d_in, d_out, C, ci_kind, hidden, src_shape, dtype, sigmoid = spec
     return (
         init_site_components(comp_key, d_in, d_out, C, dtype),
         init_ci_fn(ci_key, ci_kind, d_in, C, hidden),
-        init_source(src_key, src_shape),
+        init_source(src_key, src_shape, sigmoid),
     )
 
 
@@ -153,11 +167,18 @@ def expand_left(a: Array, ndim: int) -> Array:
 
 
 def masked_site_fn(
-    W: Array, V: Array, U: Array, mask_C: Array, delta_mask: Array | None
+    W: Array,
+    V: Array,
+    U: Array,
+    mask_C: Array,
+    delta_mask: Array | None,
+    route: Array | None = None,
 ) -> Callable[[Array], Array]:
     """The override for one site: `x -> ((x @ V) * m) @ U [+ m_delta * (x @ (W - V @ U))]`.
 
-    Computed in the components' dtype; the target casts the result back to its own."""
+    With a routing mask (bool, the leading axes of x), only routed examples/positions take the
+    components; the others keep the target's own `x @ W`. Computed in the components' dtype;
+    the target casts the result back to its own."""
 
     def fn(x_in: Array) -> Array:
         x = x_in.astype(V.dtype)
@@ -167,6 +188,8 @@ def masked_site_fn(
             delta_W = W.astype(V.dtype) - V @ U
             dm = expand_left(jnp.asarray(delta_mask)[..., None], out.ndim).astype(V.dtype)
             out = out + dm * (x @ delta_W)
+        if route is not None:
+            out = jnp.where(expand_left(route[..., None], out.ndim), out, x @ W.astype(V.dtype))
         return out
 
     return fn
@@ -177,6 +200,7 @@ def masked_overrides(
     components: Mapping[str, Mapping[str, Array]],
     masks: Mapping[str, Array],
     delta_masks: Mapping[str, Array] | None,
+    routes: Mapping[str, Array] | None = None,
 ) -> dict[str, Callable[[Array], Array]]:
     """Overrides for the sites in `masks` (other sites keep the target's own `x @ W`)."""
     return {
@@ -186,6 +210,43 @@ def masked_overrides(
             components[path]["U"],
             mask,
             None if delta_masks is None else delta_masks[path],
+            None if routes is None else routes[path],
         )
         for path, mask in masks.items()
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# tied components
+#
+# When a target uses one matrix twice (TMS: linear2 = linear1.T), the reference ties the two
+# sites' components: V_linear2 = U_linear1.T, U_linear2 = V_linear1.T. Only the source site's
+# V/U are parameters; `expand_tied` derives the tied site's, and `fold_tied` (its transpose, a
+# linear map) brings per-site updates back onto the one parameter set.
+
+
+def component_ties(tied_sites: Mapping[str, str], site_C: Mapping[str, int]) -> dict[str, str]:
+    """{tied site: source site} for the target's tied matrices when both are decomposed."""
+    return {t: s for t, s in tied_sites.items() if t in site_C and s in site_C}
+
+
+def expand_tied(free: Mapping[str, Any], ties: Mapping[str, str], paths: Sequence[str]) -> Any:
+    """All sites' components in `paths` order, the tied ones as transposes of their source."""
+    out = {}
+    for p in paths:
+        if p in ties:
+            src = free[ties[p]]
+            out[p] = {"V": src["U"].T, "U": src["V"].T}
+        else:
+            out[p] = free[p]
+    return out
+
+
+def fold_tied(per_site: Mapping[str, Any], ties: Mapping[str, str]) -> dict[str, Any]:
+    """The transpose of `expand_tied`: per-site values (gradients, updates) of the tied sites
+    are transposed back and added to their source's."""
+    out = {p: dict(v) for p, v in per_site.items() if p not in ties}
+    for t, s in ties.items():
+        out[s]["V"] = out[s]["V"] + per_site[t]["U"].T
+        out[s]["U"] = out[s]["U"] + per_site[t]["V"].T
+    return out

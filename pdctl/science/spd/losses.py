@@ -1,38 +1,48 @@
 """The SPD loss terms (each its own small pure function) and the functions the train stage calls.
 
-Conventions (see /work/shared/SPD.md; where it is silent we follow goodfire-ai/spd and
-goodfire-ai/param-decomp, noted inline):
+Conventions (SPD.md; where it is silent we follow goodfire-ai/spd, noted inline):
 - Output distance D: `mse` = mean of squared differences over every element; `kl` =
   KL(target || masked) summed over the vocabulary, averaged over all leading axes (batch and
   positions). Recon terms average D over their forwards (samples, sites), which equals the
-  references' sum/count accumulators because every forward has the same shape.
+  reference's sum/count accumulators because every forward has the same shape.
 - Importance minimality: per site and component `S_c = sum over all leading axes of
   (ci_upper + eps)^p`, `m_c = S_c / n`, with n = the number of examples times positions (every
-  leading axis), as `_importance_minimality_loss_update` in goodfire-ai/spd and `imp_min_terms`
-  (B*T) in param-decomp's SPEC. Loss = sum_s sum_c [m_c + beta * m_c * log2(1 + S_c)]. The sums
-  run over the whole (global) batch: under jit with a sharded batch GSPMD reduces them before the
-  log.
-- Masks: `m = ci + (1 - ci) * r`, r ~ U[0,1) (continuous) or r ~ Bernoulli(1/2) (binomial); the
-  delta mask is U[0,1) per example/position in both modes (as goodfire-ai/spd's
-  `calc_stochastic_component_mask_info`). PPGD masks: `m = ci + (1 - ci) * s[..., :C]`, delta
-  mask = the raw last source entry (never interpolated with ci).
-- CI-masked and unmasked recon run without the delta component (as goodfire-ai/spd's
-  `CIMaskedReconLoss` / `UnmaskedReconLoss`).
+  leading axis), as the reference's `_importance_minimality_loss_update`. Loss = sum_s sum_c
+  [m_c + beta * m_c * log2(1 + S_c)]. The sums run over the whole (global) batch: under jit with
+  a sharded batch GSPMD reduces them before the log.
+- Masks: see `masks.py`. CI-masked and unmasked recon run without the delta component (as the
+  reference's `CIMaskedReconLoss` / `UnmaskedReconLoss`).
 - Layerwise recon draws one set of masks per sample and runs one forward per site with only that
-  site masked (goodfire-ai/spd's `StochasticReconLayerwiseLoss`).
+  site masked (`StochasticReconLayerwiseLoss`); subset recon draws masks and a routing per sample
+  and masks every routed site at once (`StochasticReconSubsetLoss`).
+- PPGD (persistent sources, `PersistentPGDReconLoss`): the term uses the sources as they are at
+  this step; the train step takes their gradient from this same term, after the main loss, and
+  moves them by ONE ascent step (see `pdctl.stages.train`).
+- PGD (`PGDReconLoss`): sources re-initialised on every step (random / ones / zeroes, per example
+  or shared), `n_steps` sign-ascent steps of `step_size` with everything else held fixed and
+  the routing drawn once, then the term with the final sources (held constant).
+- Components are always the expanded per-site set (tied sites included, see
+  `components.expand_tied`); the train step folds their gradients back onto the parameters.
 """
 
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pdctl.config import Config, LossConfig
+from pdctl.science.spd import sources as src_mod
 from pdctl.science.spd.ci import compute_ci
-from pdctl.science.spd.components import expand_left, masked_overrides
+from pdctl.science.spd.components import (
+    component_ties,
+    expand_tied,
+    fold_tied,
+    masked_overrides,
+)
+from pdctl.science.spd.masks import routing_masks, source_masks, stochastic_masks
 
 Array = jax.Array
 Dict = Mapping[str, Array]
@@ -42,9 +52,15 @@ Components = Mapping[str, Mapping[str, Array]]
 # target forwards
 
 
-def clean_forward(
-    target: Any, params: Any, x: Array, paths: list[str] | tuple[str, ...]
-) -> tuple[Array, dict[str, Array]]:
+class Clean(NamedTuple):
+    """One stop-gradient forward of the frozen target: its output and every site's input.
+    Shared by the CI functions, the PPGD ascent and every loss term of a step."""
+
+    out: Array
+    site_inputs: dict[str, Array]
+
+
+def clean_forward(target: Any, params: Any, x: Array, paths: tuple[str, ...] | list[str]) -> Clean:
     """The frozen target's output and the inputs of the sites in `paths`, stop-gradient.
 
     Site inputs are captured by overrides that store `x_in` and return `x_in @ W` (pure overall:
@@ -67,7 +83,7 @@ def clean_forward(
         target = dataclasses.replace(target, remat="none")
     out = target.apply(params, x, {p: capture(p) for p in paths})
     site_inputs = {p: jax.lax.stop_gradient(captured[p]) for p in paths}
-    return jax.lax.stop_gradient(out), site_inputs
+    return Clean(jax.lax.stop_gradient(out), site_inputs)
 
 
 def masked_forward(
@@ -78,9 +94,11 @@ def masked_forward(
     x: Array,
     masks: Dict,
     delta_masks: Dict | None,
+    routes: Dict | None = None,
 ) -> Array:
     """Target forward with the sites in `masks` replaced by their masked components."""
-    return target.apply(params, x, masked_overrides(weights, components, masks, delta_masks))
+    overrides = masked_overrides(weights, components, masks, delta_masks, routes)
+    return target.apply(params, x, overrides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,43 +125,29 @@ def output_distance(kind: str, pred: Array, target: Array) -> Array:
     raise ValueError(f"unknown output distance {kind!r}")
 
 
-# ---------------------------------------------------------------------------------------------
-# masks
+@dataclass(frozen=True)
+class Recon:
+    """What every reconstruction term needs; calling it with masks gives D(masked model, target)."""
 
+    target: Any
+    params: Any
+    weights: Dict
+    components: Components
+    x: Array
+    clean_out: Array
+    delta: bool
+    out_kind: str
 
-def stochastic_masks(
-    key: Array, ci_lower: Dict, sampling: str, delta: bool
-) -> tuple[dict[str, Array], dict[str, Array] | None]:
-    """One draw of stochastic masks for every site in `ci_lower` (site i uses fold_in(key, i))."""
-    masks: dict[str, Array] = {}
-    delta_masks: dict[str, Array] | None = {} if delta else None
-    for i, (path, ci) in enumerate(ci_lower.items()):
-        k_r, k_d = jax.random.split(jax.random.fold_in(key, i))
-        if sampling == "continuous":
-            r = jax.random.uniform(k_r, ci.shape, ci.dtype)
-        elif sampling == "binomial":
-            r = jax.random.bernoulli(k_r, 0.5, ci.shape).astype(ci.dtype)
-        else:
-            raise ValueError(f"unknown sampling {sampling!r}")
-        masks[path] = ci + (1 - ci) * r
-        if delta_masks is not None:
-            delta_masks[path] = jax.random.uniform(k_d, ci.shape[:-1], ci.dtype)
-    return masks, delta_masks
+    def __call__(self, masks: Dict, delta_masks: Dict | None, routes: Dict | None = None) -> Array:
+        out = masked_forward(
+            self.target, self.params, self.weights, self.components, self.x, masks, delta_masks,
+            routes,
+        )  # fmt: skip
+        return output_distance(self.out_kind, out, self.clean_out)
 
-
-def source_masks(
-    ci_lower: Dict, sources: Dict, delta: bool
-) -> tuple[dict[str, Array], dict[str, Array] | None]:
-    """PPGD masks from sources of shape (C[+1],) or (T, C[+1]) broadcast over the batch."""
-    masks: dict[str, Array] = {}
-    delta_masks: dict[str, Array] | None = {} if delta else None
-    for path, ci in ci_lower.items():
-        C = ci.shape[-1]
-        s = expand_left(sources[path], ci.ndim).astype(ci.dtype)
-        masks[path] = ci + (1 - ci) * s[..., :C]
-        if delta_masks is not None:
-            delta_masks[path] = jnp.broadcast_to(s[..., C], ci.shape[:-1])
-    return masks, delta_masks
+    def detached(self) -> "Recon":
+        """The same with the components held constant (the adversary's objective)."""
+        return dataclasses.replace(self, components=jax.lax.stop_gradient(self.components))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,101 +229,105 @@ def importance_minimality_from_sums(S: Mapping[str, Array], n: int, beta: float)
 
 
 def stochastic_recon_loss(
-    target: Any,
-    params: Any,
-    weights: Dict,
-    components: Components,
-    x: Array,
-    clean_out: Array,
+    recon: Recon,
     ci_lower: Dict,
     key: Array,
     n_samples: int,
     sampling: str,
-    delta: bool,
-    out_kind: str,
+    routing: str = "all",
+    routing_p: float = 0.5,
 ) -> Array:
-    """Mean over `n_samples` draws of D(f(x | all sites masked), f(x))."""
+    """Mean over `n_samples` draws of D(f(x | every (routed) site masked), f(x)). With routing
+    "all" this is the stochastic recon term; with "uniform_k" / "static_p" the subset one."""
     total = jnp.zeros((), jnp.float32)
+    paths = tuple(ci_lower)
+    lead = next(iter(ci_lower.values())).shape[:-1]
     for s in range(n_samples):
-        masks, dmasks = stochastic_masks(jax.random.fold_in(key, s), ci_lower, sampling, delta)
-        out = masked_forward(target, params, weights, components, x, masks, dmasks)
-        total = total + output_distance(out_kind, out, clean_out)
+        k_mask, k_route = jax.random.split(jax.random.fold_in(key, s))
+        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta)
+        routes = routing_masks(k_route, paths, lead, routing, routing_p)
+        total = total + recon(masks, dmasks, routes)
     return total / n_samples
 
 
 def stochastic_recon_layerwise_loss(
-    target: Any,
-    params: Any,
-    weights: Dict,
-    components: Components,
-    x: Array,
-    clean_out: Array,
-    ci_lower: Dict,
-    key: Array,
-    n_samples: int,
-    sampling: str,
-    delta: bool,
-    out_kind: str,
+    recon: Recon, ci_lower: Dict, key: Array, n_samples: int, sampling: str
 ) -> Array:
     """Mean over samples and sites of D(f(x | only that site masked), f(x))."""
     total = jnp.zeros((), jnp.float32)
     for s in range(n_samples):
-        masks, dmasks = stochastic_masks(jax.random.fold_in(key, s), ci_lower, sampling, delta)
+        k_mask, _ = jax.random.split(jax.random.fold_in(key, s))
+        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta)
         for path in masks:
-            one = {path: masks[path]}
             one_d = None if dmasks is None else {path: dmasks[path]}
-            out = masked_forward(target, params, weights, components, x, one, one_d)
-            total = total + output_distance(out_kind, out, clean_out)
+            total = total + recon({path: masks[path]}, one_d)
     return total / (n_samples * len(ci_lower))
 
 
 def ppgd_recon_loss(
-    target: Any,
-    params: Any,
-    weights: Dict,
-    components: Components,
-    x: Array,
-    clean_out: Array,
-    ci_lower: Dict,
-    sources: Dict,
-    delta: bool,
-    out_kind: str,
+    recon: Recon, ci_lower: Dict, sources: Dict, routes: Dict | None = None
 ) -> Array:
-    """D of the forward with every site masked by its adversarial source."""
-    masks, dmasks = source_masks(ci_lower, sources, delta)
-    out = masked_forward(target, params, weights, components, x, masks, dmasks)
-    return output_distance(out_kind, out, clean_out)
+    """D of the forward with every (routed) site masked by its adversarial source (sources in
+    [0, 1], i.e. after the sigmoid parametrisation if any)."""
+    masks, dmasks = source_masks(ci_lower, sources, recon.delta)
+    return recon(masks, dmasks, routes)
 
 
-def ci_masked_recon_loss(
-    target: Any,
-    params: Any,
-    weights: Dict,
-    components: Components,
-    x: Array,
-    clean_out: Array,
+def pgd_sources(key: Array, ci_lower: Dict, delta: bool, init: str, scope: str) -> dict[str, Array]:
+    """Fresh PGD sources: per example (the leading axes of ci) or shared, C (+1) entries."""
+    out = {}
+    for i, (path, ci) in enumerate(ci_lower.items()):
+        n = ci.shape[-1] + (1 if delta else 0)
+        shape = (*ci.shape[:-1], n) if scope == "per_example" else (n,)
+        if init == "random":
+            out[path] = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32)
+        elif init == "ones":
+            out[path] = jnp.ones(shape, jnp.float32)
+        elif init == "zeroes":
+            out[path] = jnp.zeros(shape, jnp.float32)
+        else:
+            raise ValueError(f"unknown PGD init {init!r}")
+    return out
+
+
+def pgd_recon_loss(
+    recon: Recon,
     ci_lower: Dict,
-    out_kind: str,
+    key: Array,
+    *,
+    init: str,
+    step_size: float,
+    n_steps: int,
+    scope: str,
+    routing: str = "all",
+    routing_p: float = 0.5,
 ) -> Array:
+    """Non-persistent PGD: fresh sources, `n_steps` steps `s <- clip(s + step_size *
+    sign(dD/ds), 0, 1)` with CI and components held fixed and one routing draw, then D with
+    the final sources held constant (gradients flow to CI and components only)."""
+    k_init, k_route = jax.random.split(key)
+    lead = next(iter(ci_lower.values())).shape[:-1]
+    routes = routing_masks(k_route, tuple(ci_lower), lead, routing, routing_p)
+    srcs = pgd_sources(k_init, ci_lower, recon.delta, init, scope)
+    fixed, ci_fixed = recon.detached(), jax.lax.stop_gradient(dict(ci_lower))
+
+    def body(s, _):
+        g = jax.grad(lambda s_: ppgd_recon_loss(fixed, ci_fixed, s_, routes))(s)
+        return {p: jnp.clip(s[p] + step_size * jnp.sign(g[p]), 0.0, 1.0) for p in s}, None
+
+    if n_steps:
+        srcs, _ = jax.lax.scan(body, srcs, None, length=n_steps)
+    return ppgd_recon_loss(recon, ci_lower, jax.lax.stop_gradient(srcs), routes)
+
+
+def ci_masked_recon_loss(recon: Recon, ci_lower: Dict) -> Array:
     """D with mask = ci_lower at every site, no delta component."""
-    out = masked_forward(target, params, weights, components, x, dict(ci_lower), None)
-    return output_distance(out_kind, out, clean_out)
+    return recon(dict(ci_lower), None)
 
 
-def unmasked_recon_loss(
-    target: Any,
-    params: Any,
-    weights: Dict,
-    components: Components,
-    x: Array,
-    clean_out: Array,
-    ci_lower: Dict,
-    out_kind: str,
-) -> Array:
+def unmasked_recon_loss(recon: Recon, ci_lower: Dict) -> Array:
     """D with mask = 1 at every site, no delta component."""
-    masks = {p: jnp.ones_like(ci) for p, ci in ci_lower.items()}
-    out = masked_forward(target, params, weights, components, x, masks, None)
-    return output_distance(out_kind, out, clean_out)
+    return recon({p: jnp.ones_like(ci) for p, ci in ci_lower.items()}, None)
 
 
 def l0_per_site(ci_lower: Dict, threshold: float) -> dict[str, Array]:
@@ -331,91 +339,51 @@ def l0_per_site(ci_lower: Dict, threshold: float) -> dict[str, Array]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the adversary's optimizer
-
-ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-8  # goodfire-ai/spd's AdamPGDConfig defaults
-
-
-def init_source_opt_state(sources: Dict, optimizer: str) -> dict[str, Any]:
-    """{"count", "m", "v"} for Adam, {"count"} for sign steps (a plain dict, so it checkpoints
-    and shards like the sources themselves)."""
-    state: dict[str, Any] = {"count": jnp.zeros((), jnp.float32)}
-    if optimizer == "adam":
-        state["m"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
-        state["v"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
-    elif optimizer != "sign":
-        raise ValueError(f"unknown source optimizer {optimizer!r}")
-    return state
-
-
-def source_ascent_step(
-    sources: Dict,
-    grads: Dict,
-    opt_state: Mapping[str, Any],
-    optimizer: str,
-    lr: Array | float,
-) -> tuple[dict[str, Array], dict[str, Any]]:
-    """One ASCENT step on the sources (Adam with bias correction, or lr * sign(grad)), then
-    projection onto [0, 1]. Written out rather than taken from optax so that it also runs under
-    `jax_numpy_dtype_promotion="strict"` (optax's bias correction mixes int and float)."""
-    count = opt_state["count"] + 1
-    new_state: dict[str, Any] = {"count": count}
-    if optimizer == "adam":
-        m = {p: ADAM_B1 * opt_state["m"][p] + (1 - ADAM_B1) * g for p, g in grads.items()}
-        v = {p: ADAM_B2 * opt_state["v"][p] + (1 - ADAM_B2) * g * g for p, g in grads.items()}
-        c1 = 1 - jnp.power(ADAM_B1, count)
-        c2 = 1 - jnp.power(ADAM_B2, count)
-        direction = {p: (m[p] / c1) / (jnp.sqrt(v[p] / c2) + ADAM_EPS) for p in grads}
-        new_state["m"], new_state["v"] = m, v
-    elif optimizer == "sign":
-        direction = {p: jnp.sign(g) for p, g in grads.items()}
-    else:
-        raise ValueError(f"unknown source optimizer {optimizer!r}")
-    new = {p: jnp.clip(sources[p] + lr * direction[p], 0.0, 1.0) for p in sources}
-    return new, new_state
-
-
-# ---------------------------------------------------------------------------------------------
-# entry points for the train stage
+# entry points for the stages
 
 TERMS = (
     "faithfulness",
     "importance_minimality",
     "stochastic_recon",
     "stochastic_recon_layerwise",
+    "stochastic_recon_subset",
     "ppgd_recon",
+    "pgd_recon",
     "ci_masked_recon",
     "unmasked_recon",
 )
+_CI_KEY = len(TERMS)  # fold of the loss key that the CI noise (binomial sampling) uses
 
 
 @dataclass(frozen=True)
 class SpdFns:
-    """Closures over (target, sites, config); all pure and jit-able.
+    """Closures over (target, sites, config); all pure and jit-able. `components` arguments are
+    the expanded per-site set (`expand`), `free` the parameters (tied sites folded away).
 
-    - `loss(trainable, target_params, sources, x, key, step_frac) -> (total, metrics)`;
-      `trainable = {"components": ..., "ci_fns": ...}`, x = `target.inputs(batch)`. Sources are
-      NOT stop-gradient'ed here: d total / d sources = ppgd_recon coeff * d L_ppgd / d sources,
-      should the step want the final source ascent from the main backward.
-    - `faithfulness_loss(components, target_params) -> scalar` (warmup stage).
-    - `ppgd_ascent(sources, src_opt_state, trainable, target_params, x, key, n_steps, lr=None)
-      -> (sources, src_opt_state, metrics)`: n_steps (static) ascent steps on L_ppgd w.r.t. the
-      sources with components and CI detached. `key` is unused (the adversary is deterministic)
-      and kept for a stable signature. `lr` overrides `train.ppgd.lr` (e.g. a schedule value).
-    - `source_step(sources, grads, src_opt_state, lr=None) -> (sources, src_opt_state)`: one
-      ascent step (Adam or sign) followed by clipping to [0, 1].
-    - `init_source_opt(sources)`: the source optimizer state, a dict: {"count", "m", "v"} for
-      Adam (betas 0.9 / 0.999, eps 1e-8), {"count"} for sign steps.
-    - `ci(components, ci_fns, target_params, x) -> (ci_lower, ci_upper)`.
+    - `clean(target_params, x) -> Clean`: the one stop-gradient target forward of a step.
+    - `ci(components, ci_fns, site_inputs, key) -> (ci_lower, ci_upper)`; `ci_key(loss_key)` is
+      the key `loss` uses for it (binomial sampling draws noise from it).
+    - `loss(trainable, target_params, sources, clean, x, key, step_frac, imp_totals=None) ->
+      (total, metrics)` with `trainable = {"components": expanded, "ci_fns": ...}` and the raw
+      persistent sources. d total / d sources = ppgd_recon coeff * dL_ppgd / d sources.
+    - `ppgd_loss(components, ci_lower, target_params, sources, clean, x, key)`: the PPGD term
+      alone (the adversary's objective; the step holds components and CI constant for it).
+    - `source_step(sources, grads, opt_state, lr) -> (sources, opt_state)`: one ascent step.
+    - `init_source_opt(sources)`, `faithfulness_loss(components, target_params)`.
     """
 
     paths: tuple[str, ...]
+    ties: dict[str, str]
+    expand: Callable[[Any], dict[str, Any]]
+    fold: Callable[[Any], dict[str, Any]]
+    clean: Callable[[Any, Array], Clean]
+    ci: Callable[..., tuple[dict[str, Array], dict[str, Array]]]
+    ci_key: Callable[[Array], Array]
     loss: Callable[..., tuple[Array, dict[str, Array]]]
-    faithfulness_loss: Callable[[Components, Any], Array]
-    ppgd_ascent: Callable[..., tuple[dict[str, Array], Any, dict[str, Array]]]
+    ppgd_loss: Callable[..., Array]
     source_step: Callable[..., tuple[dict[str, Array], Any]]
     init_source_opt: Callable[[Dict], Any]
-    ci: Callable[..., tuple[dict[str, Array], dict[str, Array]]]
+    faithfulness_loss: Callable[[Components, Any], Array]
 
 
 def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
@@ -423,8 +391,11 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
     missing = set(site_C) - set(paths)
     if missing:
         raise ValueError(f"sites {sorted(missing)} are not sites of this target")
-    dcfg, lcfg, pcfg = cfg.decomp, cfg.train.loss, cfg.train.ppgd
-    kind, sigmoid, delta = dcfg.ci_fn.type, dcfg.sigmoid, dcfg.delta_component
+    ties = component_ties(target.tied_sites(), site_C)
+    dcfg, lcfg, pcfg, gcfg = cfg.decomp, cfg.train.loss, cfg.train.ppgd, cfg.train.pgd
+    kind, sigmoid, delta, sampling = (
+        dcfg.ci_fn.type, dcfg.sigmoid, dcfg.delta_component, dcfg.sampling,
+    )  # fmt: skip
     remat = cfg.train.remat
     out_kind = lcfg.output
 
@@ -432,57 +403,75 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         w = target.site_weights(target_params)
         return {p: jax.lax.stop_gradient(w[p]) for p in paths}
 
-    def ci(components: Components, ci_fns: Any, target_params: Any, x: Array):
-        _, site_inputs = clean_forward(target, target_params, x, paths)
-        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid, remat)
+    def clean(target_params: Any, x: Array) -> Clean:
+        return clean_forward(target, target_params, x, paths)
+
+    def ci(components: Components, ci_fns: Any, site_inputs: Dict, key: Array | None = None):
+        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid, remat, sampling, key)
+
+    def ci_key(key: Array) -> Array:
+        return jax.random.fold_in(key, _CI_KEY)
+
+    def recon_of(components: Components, target_params: Any, c: Clean, x: Array) -> Recon:
+        return Recon(
+            target, target_params, site_weights(target_params), components, x, c.out, delta,
+            out_kind,
+        )  # fmt: skip
+
+    def ppgd_term(recon: Recon, ci_lower: Dict, sources: Dict, key: Array) -> Array:
+        lead = next(iter(ci_lower.values())).shape[:-1]
+        routes = routing_masks(key, paths, lead, pcfg.routing, pcfg.routing_p)
+        return ppgd_recon_loss(recon, ci_lower, src_mod.effective(sources, pcfg.sigmoid), routes)
 
     def loss(
         trainable: Mapping[str, Any],
         target_params: Any,
         sources: Dict,
+        c: Clean,
         x: Array,
         key: Array,
         step_frac: Array | float,
         imp_totals: tuple[Mapping[str, Array], int] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         comps, ci_fns = trainable["components"], trainable["ci_fns"]
-        weights = site_weights(target_params)
-        clean_out, site_inputs = clean_forward(target, target_params, x, paths)
-        ci_lower, ci_upper = compute_ci(comps, ci_fns, site_inputs, kind, sigmoid, remat)
-        fwd = (target, target_params, weights, comps, x, clean_out, ci_lower)
-        # Each random term gets its own fold of the key, so switching one term on or off
-        # leaves the others' draws unchanged.
-        compute: dict[str, Callable[[], Array]] = {
-            "faithfulness": lambda: faithfulness_loss(weights, comps),
-            "importance_minimality": lambda: importance_minimality_loss(
+        recon = recon_of(comps, target_params, c, x)
+        ci_lower, ci_upper = ci(comps, ci_fns, c.site_inputs, ci_key(key))
+        n = dcfg.n_mask_samples
+        # Each term draws from its own fold of the key, so switching one term on or off leaves
+        # the others' draws unchanged.
+        compute: dict[str, Callable[[Array], Array]] = {
+            "faithfulness": lambda k: faithfulness_loss(recon.weights, comps),
+            "importance_minimality": lambda k: importance_minimality_loss(
                 ci_upper, p_at(lcfg, step_frac), lcfg.eps, lcfg.beta, imp_totals
             ),
-            "stochastic_recon": lambda: stochastic_recon_loss(
-                *fwd,
-                jax.random.fold_in(key, 0),
-                dcfg.n_mask_samples,
-                dcfg.sampling,
-                delta,
-                out_kind,
+            "stochastic_recon": lambda k: stochastic_recon_loss(recon, ci_lower, k, n, sampling),
+            "stochastic_recon_layerwise": lambda k: stochastic_recon_layerwise_loss(
+                recon, ci_lower, k, n, sampling
             ),
-            "stochastic_recon_layerwise": lambda: stochastic_recon_layerwise_loss(
-                *fwd,
-                jax.random.fold_in(key, 1),
-                dcfg.n_mask_samples,
-                dcfg.sampling,
-                delta,
-                out_kind,
+            "stochastic_recon_subset": lambda k: stochastic_recon_loss(
+                recon, ci_lower, k, n, sampling, lcfg.subset_routing, lcfg.subset_p
             ),
-            "ppgd_recon": lambda: ppgd_recon_loss(*fwd, sources, delta, out_kind),
-            "ci_masked_recon": lambda: ci_masked_recon_loss(*fwd, out_kind),
-            "unmasked_recon": lambda: unmasked_recon_loss(*fwd, out_kind),
+            "ppgd_recon": lambda k: ppgd_term(recon, ci_lower, sources, k),
+            "pgd_recon": lambda k: pgd_recon_loss(
+                recon,
+                ci_lower,
+                k,
+                init=gcfg.init,
+                step_size=gcfg.step_size,
+                n_steps=gcfg.n_steps,
+                scope=gcfg.scope,
+                routing=gcfg.routing,
+                routing_p=gcfg.routing_p,
+            ),
+            "ci_masked_recon": lambda k: ci_masked_recon_loss(recon, ci_lower),
+            "unmasked_recon": lambda k: unmasked_recon_loss(recon, ci_lower),
         }
         total = jnp.zeros((), jnp.float32)
         metrics: dict[str, Array] = {}
-        for name in TERMS:
+        for i, name in enumerate(TERMS):
             coeff = getattr(lcfg, name)
             if coeff > 0:
-                value = compute[name]().astype(jnp.float32)
+                value = compute[name](jax.random.fold_in(key, i)).astype(jnp.float32)
                 metrics[name] = value
                 total = total + coeff * value
         metrics["total"] = total
@@ -490,71 +479,46 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
             metrics[f"l0/{p}"] = v
         return total, metrics
 
+    def ppgd_loss(
+        components: Components,
+        ci_lower: Dict,
+        target_params: Any,
+        sources: Dict,
+        c: Clean,
+        x: Array,
+        key: Array,
+    ) -> Array:
+        return ppgd_term(recon_of(components, target_params, c, x), ci_lower, sources, key)
+
+    def source_step(
+        sources: Dict, grads: Dict, opt_state: Mapping[str, Any], lr: Array | float
+    ) -> tuple[dict[str, Array], dict[str, Any]]:
+        return src_mod.ascent_step(
+            sources,
+            grads,
+            opt_state,
+            optimizer=pcfg.optimizer,
+            lr=lr,
+            b1=pcfg.b1,
+            b2=pcfg.b2,
+            eps=pcfg.eps,
+            sigmoid=pcfg.sigmoid,
+        )
+
     def faithfulness(components: Components, target_params: Any) -> Array:
         return faithfulness_loss(site_weights(target_params), components)
 
-    def init_source_opt(sources: Dict) -> dict[str, Any]:
-        return init_source_opt_state(sources, pcfg.optimizer)
-
-    def source_step(
-        sources: Dict, grads: Dict, opt_state: Mapping[str, Any], lr: Array | float | None = None
-    ) -> tuple[dict[str, Array], dict[str, Any]]:
-        return source_ascent_step(
-            sources, grads, opt_state, pcfg.optimizer, pcfg.lr if lr is None else lr
-        )
-
-    def ppgd_ascent(
-        sources: Dict,
-        src_opt_state: Any,
-        trainable: Mapping[str, Any],
-        target_params: Any,
-        x: Array,
-        key: Array,
-        n_steps: int,
-        lr: Array | float | None = None,
-    ) -> tuple[dict[str, Array], Any, dict[str, Array]]:
-        del key
-        if n_steps == 0:
-            return dict(sources), src_opt_state, {}
-        comps = jax.lax.stop_gradient(trainable["components"])
-        ci_fns = jax.lax.stop_gradient(trainable["ci_fns"])
-        weights = site_weights(target_params)
-        clean_out, site_inputs = clean_forward(target, target_params, x, paths)
-        ci_lower, _ = compute_ci(comps, ci_fns, site_inputs, kind, sigmoid, remat)
-        ci_lower = jax.lax.stop_gradient(ci_lower)
-
-        def objective(srcs: Dict) -> Array:
-            return ppgd_recon_loss(
-                target,
-                target_params,
-                weights,
-                comps,
-                x,
-                clean_out,
-                ci_lower,
-                srcs,
-                delta,
-                out_kind,
-            )
-
-        def body(carry, _):
-            srcs, opt = carry
-            value, grads = jax.value_and_grad(objective)(srcs)
-            srcs, opt = source_step(srcs, grads, opt, lr)
-            return (srcs, opt), value
-
-        (new_sources, new_opt), values = jax.lax.scan(
-            body, (dict(sources), src_opt_state), None, length=n_steps
-        )
-        metrics = {"ppgd/loss_first": values[0], "ppgd/loss_last": values[-1]}
-        return new_sources, new_opt, metrics
-
     return SpdFns(
         paths=paths,
-        loss=loss,
-        faithfulness_loss=faithfulness,
-        ppgd_ascent=ppgd_ascent,
-        source_step=source_step,
-        init_source_opt=init_source_opt,
+        ties=ties,
+        expand=lambda free: expand_tied(free, ties, paths),
+        fold=lambda per_site: fold_tied(per_site, ties),
+        clean=clean,
         ci=ci,
+        ci_key=ci_key,
+        loss=loss,
+        ppgd_loss=ppgd_loss,
+        source_step=source_step,
+        init_source_opt=lambda sources: src_mod.init_opt(sources, pcfg.optimizer),
+        faithfulness_loss=faithfulness,
     )

@@ -38,6 +38,11 @@ class Target:
     def site_paths(self) -> list[str]:
         return list(self.site_shapes())
 
+    def tied_sites(self) -> dict[str, str]:
+        """{site: other site} where `site`'s matrix IS the transpose of the other's (one
+        parameter, used twice). A decomposition of both ties their components the same way."""
+        return {}
+
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
         """path -> W (d_in, d_out), in forward order.
 

@@ -23,8 +23,9 @@ class TMS(Target):
     """Sites: `linear1` (n_features, n_hidden), `hidden_layers.{i}` (n_hidden, n_hidden),
     `linear2` (n_hidden, n_features).
 
-    When tied, params hold only W1 and `linear2` is W1.T (it is still a separate site, so the
-    decomposition may split it differently from `linear1`). Hidden layers start as the identity
+    When tied, params hold only W1 and `linear2` is W1.T: it is still a site of its own (its
+    own CI function and sources), but `tied_sites` tells the decomposition to tie its components
+    to `linear1`'s transposes, as the reference does. Hidden layers start as the identity
     and are frozen in `trainable_mask`, as in the reference "-id" toys, so they stay a known
     identity that a decomposition must recover.
     """
@@ -70,6 +71,9 @@ class TMS(Target):
         shapes.update({f"hidden_layers.{i}": (H, H) for i in range(self.n_hidden_layers)})
         shapes["linear2"] = (H, F)
         return shapes
+
+    def tied_sites(self) -> dict[str, str]:
+        return {"linear2": "linear1"} if self.tied_weights else {}
 
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
         weights = {"linear1": params["linear1"]["W"]}

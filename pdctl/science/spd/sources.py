@@ -1,0 +1,73 @@
+"""The adversary's sources and their optimizer.
+
+Persistent sources (PPGD) are train state: `{site: array}` with trailing axis C (+1 for the
+delta component) and leading axes by scope (see `pdctl.config.ppgd_source_layout`). With the
+sigmoid parametrisation they are unconstrained and the masks see `sigmoid(s)`; otherwise they
+live in [0, 1] and are clipped after every step. Each step is an ASCENT step on the
+reconstruction loss: Adam (bias-corrected, betas and eps configurable) or `lr * sign(grad)`.
+
+Written out rather than taken from optax: the update must run under
+`jax_numpy_dtype_promotion="strict"` (optax's bias correction mixes int and float) and the
+moments are a plain dict that checkpoints and shards like the sources themselves.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Dict = Mapping[str, Array]
+OPTIMIZERS = ("adam", "sign")
+
+
+def effective(sources: Dict, sigmoid: bool) -> dict[str, Array]:
+    """The sources as the masks see them, in [0, 1]."""
+    if sigmoid:
+        return {p: jax.nn.sigmoid(s) for p, s in sources.items()}
+    return dict(sources)
+
+
+def init_opt(sources: Dict, optimizer: str) -> dict[str, Any]:
+    """{"count", "m", "v"} for Adam, {"count"} for sign steps."""
+    state: dict[str, Any] = {"count": jnp.zeros((), jnp.float32)}
+    if optimizer == "adam":
+        state["m"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
+        state["v"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
+    elif optimizer != "sign":
+        raise ValueError(f"unknown source optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    return state
+
+
+def ascent_step(
+    sources: Dict,
+    grads: Dict,
+    opt_state: Mapping[str, Any],
+    *,
+    optimizer: str,
+    lr: Array | float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    sigmoid: bool = False,
+) -> tuple[dict[str, Array], dict[str, Any]]:
+    """One ascent step on every site's sources, then (without the sigmoid parametrisation) the
+    projection onto [0, 1]."""
+    count = opt_state["count"] + 1
+    new_state: dict[str, Any] = {"count": count}
+    if optimizer == "adam":
+        m = {p: b1 * opt_state["m"][p] + (1 - b1) * g for p, g in grads.items()}
+        v = {p: b2 * opt_state["v"][p] + (1 - b2) * g * g for p, g in grads.items()}
+        c1 = 1 - jnp.power(jnp.float32(b1), count)
+        c2 = 1 - jnp.power(jnp.float32(b2), count)
+        direction = {p: (m[p] / c1) / (jnp.sqrt(v[p] / c2) + eps) for p in grads}
+        new_state["m"], new_state["v"] = m, v
+    elif optimizer == "sign":
+        direction = {p: jnp.sign(g) for p, g in grads.items()}
+    else:
+        raise ValueError(f"unknown source optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    new = {p: sources[p] + lr * direction[p] for p in sources}
+    if not sigmoid:
+        new = {p: jnp.clip(s, 0.0, 1.0) for p, s in new.items()}
+    return new, new_state
