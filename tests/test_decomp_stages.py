@@ -64,9 +64,9 @@ class Steps:
         abstract_dec = warmup.abstract_decomposition(env)
         w_tx, w_make, _, w_sh = warmup.build(env, abstract_dec["components"], cfg.warmup.steps)
         self.warmup_state = jax.jit(w_make, out_shardings=w_sh)
-        paths = tuple(p for p in target.site_paths() if p in abstract_dec["components"])
+        paths, ties = warmup.site_layout(env)
         self.warmup_step = jax.jit(
-            warmup.make_step(target, paths, w_tx),
+            warmup.make_step(target, paths, w_tx, ties),
             in_shardings=(target_sh, w_sh, None),
             out_shardings=(w_sh, sharding.replicated(mesh)),
             donate_argnums=(1,),

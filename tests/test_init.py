@@ -33,9 +33,10 @@ from pdctl.stages.init_weights import (
 MIN_SIZE = 16  # small enough that CI weights and sources shard too, not only V/U
 
 
-def _llama(ci_type: str) -> dict[str, Any]:
+def _llama(ci_type: str, sigmoid: bool = False) -> dict[str, Any]:
     """3 layers: `layers.*.mlp.up` (8 -> 16, C=8) and `layers.*.mlp.down` (16 -> 8, C=12):
-    two shape groups of 3 sites each. Per-position sources, (seq_len, C + 1)."""
+    two shape groups of 3 sites each. Per-position sources, (seq_len, C + 1), N(0, 1) with the
+    sigmoid parametrisation."""
     return {
         "schema": 1,
         "target": {
@@ -55,13 +56,18 @@ def _llama(ci_type: str) -> dict[str, Any]:
             ],
             "ci_fn": {"type": ci_type, "hidden": [4]},
         },
-        "train": {"ppgd": {"scope": "position"}, "loss": {"output": "kl", "ppgd_recon": 0.5}},
+        "train": {
+            "ppgd": {"scope": "per_position", "sigmoid": sigmoid},
+            "loss": {"output": "kl", "ppgd_recon": 0.5},
+        },
     }
 
 
 def _tms_hidden(ci_type: str) -> dict[str, Any]:
     """TMS 8-4 with two identity hidden layers: `hidden_layers.{0,1}` (4 -> 4, C=4) form a
-    group of 2; `linear1` (8 -> 4) and `linear2` (4 -> 8) have C=8. Per-batch sources."""
+    group of 2; `linear1` (8 -> 4) and `linear2` (4 -> 8) have C=8, and linear2's components
+    are tied to linear1's (tied weights), so only linear1's are created. Per-example sources,
+    (batch, C + 1)."""
     return {
         "schema": 1,
         "target": {"kind": "tms", "n_features": 8, "n_hidden": 4, "n_hidden_layers": 2},
@@ -70,13 +76,14 @@ def _tms_hidden(ci_type: str) -> dict[str, Any]:
             "sites": [{"pattern": "linear*", "C": 8}, {"pattern": "hidden_layers.*", "C": 4}],
             "ci_fn": {"type": ci_type, "hidden": [4, 3]},
         },
+        "train": {"batch_size": 16, "ppgd": {"scope": "per_batch_per_position"}},
     }
 
 
 CASES = {
     "llama-mlp": _llama("mlp"),
     "tms-hidden-vector_mlp": _tms_hidden("vector_mlp"),
-    "llama-shared_mlp": _llama("shared_mlp"),
+    "llama-shared_mlp": _llama("shared_mlp", sigmoid=True),
 }
 KEY = jax.random.PRNGKey(7)
 
@@ -91,9 +98,11 @@ _REFS: dict[str, Any] = {}
 
 
 def _reference(case: str, cfg: Config, target) -> tuple[Any, Any, Any]:
-    """The per-site reference init (device independent, so computed once per case)."""
+    """The per-site reference init (device independent, so computed once per case), without
+    the components of tied sites (their source's transposes, never stored)."""
     if case not in _REFS:
-        _REFS[case] = jax.device_get(
+        ties = comps.component_ties(target.tied_sites(), decomposed_sites(cfg, target))
+        ref_comps, ref_ci, ref_src = jax.device_get(
             comps.init_decomposition_reference(
                 KEY,
                 decomposed_sites(cfg, target),
@@ -101,8 +110,11 @@ def _reference(case: str, cfg: Config, target) -> tuple[Any, Any, Any]:
                 tuple(cfg.decomp.ci_fn.hidden),
                 lambda C: source_shape(cfg, C),
                 jax.numpy.dtype(cfg.precision.param_dtype),
+                cfg.train.ppgd.sigmoid,
             )
         )
+        ref_comps = {p: v for p, v in ref_comps.items() if p not in ties}
+        _REFS[case] = ref_comps, ref_ci, ref_src
     return _REFS[case]
 
 
@@ -154,6 +166,9 @@ def test_stacked_init_is_bit_identical_to_the_per_site_reference(case: str, n_de
     mesh = _mesh(n_devices)
     out, compile_s = init_decomposition(cfg, target, mesh, KEY)
     assert set(out) == {"components", "ci_fns", "sources"}
+    if case.startswith("tms"):
+        assert "linear2" not in out["components"] and "linear2" in out["ci_fns"]
+        assert out["sources"]["linear2"].shape == (16, 9)
     assert {k.rsplit("_", 1)[-1] for k in compile_s} == {"stacked", "fanout"}
     ref_comps, ref_ci, ref_src = _reference(case, cfg, target)
     _assert_tree_equal(out["components"], ref_comps, "components")

@@ -6,6 +6,7 @@ All at the step-function level on one simulated CPU device, tiny shapes.
 from __future__ import annotations
 
 import tomllib
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +15,12 @@ import pytest
 
 from pdctl.config import match_sites, parse_config
 from pdctl.engine import sharding
-from pdctl.engine.loop import loop_counters
 from pdctl.engine.precision import Policy
 from pdctl.science.spd import components as C
 from pdctl.science.spd.losses import make_spd_fns
 from pdctl.stages import pretrain as PT
 from pdctl.stages import train as TR
-from pdctl.stages.common import target_from_config, with_remat
+from pdctl.stages.common import StageEnv, target_from_config, with_remat
 from pdctl.stages.init_weights import decomposed_sites, source_shape
 from pdctl.templates import templates_root
 
@@ -52,7 +52,8 @@ TINY_LM = {
 
 
 def spd_setup(cfg):
-    """Target params, SPD fns and a fresh train state, without a run directory."""
+    """Target params, SPD fns and a fresh train state (`train.build`'s), without a run
+    directory."""
     t = target_from_config(cfg)
     fns = make_spd_fns(t, match_sites(cfg, t.site_paths()), cfg)
     comps, ci, src = C.init_decomposition_reference(
@@ -62,17 +63,11 @@ def spd_setup(cfg):
         tuple(cfg.decomp.ci_fn.hidden),
         lambda c: source_shape(cfg, c),
     )
+    free = {p: v for p, v in comps.items() if p not in fns.ties}
     tp = t.init(jax.random.PRNGKey(1))
-    tx = TR.optimizer(cfg, 10)
-    trainable = {"components": comps, "ci_fns": ci}
-    state = {
-        "trainable": trainable,
-        "opt_state": tx.init(trainable),
-        "sources": src,
-        "src_opt": fns.init_source_opt(src),
-        "loop": jax.jit(loop_counters)(jax.random.PRNGKey(2)),
-    }
-    return t, fns, tx, tp, state
+    env = StageEnv(SimpleNamespace(config=cfg), "train", mesh1(), t)
+    tx, make_state, _, _, _ = TR.build(env, fns, 10)
+    return t, fns, tx, tp, jax.jit(make_state)(free, ci, src)
 
 
 def spd_step(cfg):
