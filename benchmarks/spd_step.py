@@ -56,11 +56,12 @@ def bench(template: str, n_steps: int) -> dict:
     # faithfulness warmup: compile + all cfg.warmup.steps steps
     abstract_dec = warmup.abstract_decomposition(env)
     w_tx, w_make, _, w_sh = warmup.build(env, abstract_dec["components"], cfg.warmup.steps)
+    paths, ties = warmup.site_layout(env)
     t0 = time.perf_counter()
     w_state = jax.jit(w_make, out_shardings=w_sh)(dec["components"])
     w_step = (
         jax.jit(
-            warmup.make_step(target, tuple(dec["components"]), w_tx),
+            warmup.make_step(target, paths, w_tx, ties),
             in_shardings=(target_sh, w_sh, None),
             out_shardings=(w_sh, sharding.replicated(mesh)),
             donate_argnums=(1,),
