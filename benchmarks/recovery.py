@@ -64,16 +64,20 @@ def _env() -> dict[str, str]:
 def one_seed(template: str, seed: int, sets: dict[str, object], parent: Path) -> dict:
     name = f"seed{seed}"
     pdctl = [sys.executable, "-m", "pdctl"]
-    subprocess.run([*pdctl, "new", name, "--template", template], cwd=parent, check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        [*pdctl, "new", name, "--template", template], cwd=parent, check=True, capture_output=True
+    )
     run = parent / name
     _edit(run, {"run.seed": seed, **sets})
     t0 = time.perf_counter()
     r = subprocess.run([*pdctl, "run"], cwd=run, env=_env(), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
-        return {"seed": seed, "error": (r.stderr or r.stdout).strip().splitlines()[-1:],
-                "wall_s": wall}  # fmt: skip
+        return {
+            "seed": seed,
+            "error": (r.stderr or r.stdout).strip().splitlines()[-1:],
+            "wall_s": wall,
+        }
     state = tomllib.loads((run / "pdctl.toml").read_text())["state"]
     ev = state["train"].get("eval", {})
     errors = ev.get("ci_errors", {})
@@ -102,8 +106,13 @@ def main() -> None:
     ap.add_argument("--template", default="tms")
     ap.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (or --seed-list)")
     ap.add_argument("--seed-list", type=int, nargs="*", help="explicit seeds")
-    ap.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                    help="override a template key (TOML value), e.g. train.steps=2000")  # fmt: skip
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override a template key (TOML value), e.g. train.steps=2000",
+    )
     ap.add_argument("--out", type=Path, help="append one JSON line per finished seed")
     ap.add_argument("--keep", type=Path, help="keep the run directories here")
     a = ap.parse_args()
@@ -112,15 +121,25 @@ def main() -> None:
         key, _, text = item.partition("=")
         sets[key.strip()] = _value(text.strip())
     seeds = a.seed_list if a.seed_list else list(range(a.seeds))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-    print(f"template {a.template}, seeds {seeds}, overrides {sets or 'none'}, commit {commit}, "
-          f"{os.cpu_count()} CPUs, XLA_FLAGS={_env()['XLA_FLAGS']!r}", flush=True)  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
+    print(
+        f"template {a.template}, seeds {seeds}, overrides {sets or 'none'}, commit {commit}, "
+        f"{os.cpu_count()} CPUs, XLA_FLAGS={_env()['XLA_FLAGS']!r}",
+        flush=True,
+    )
     parent = a.keep or Path(tempfile.mkdtemp(prefix="pdctl-recovery-"))
     parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    print(f"{'seed':>4} {'ok':>3} {'CI err':>6}  {'per site':<40} {'min MMCS':>8} "
-          f"{'ML2R':>6} {'alive':<24} {'L0':<30} {'wall s':>7}", flush=True)  # fmt: skip
+    print(
+        f"{'seed':>4} {'ok':>3} {'CI err':>6}  {'per site':<40} {'min MMCS':>8} "
+        f"{'ML2R':>6} {'alive':<24} {'L0':<30} {'wall s':>7}",
+        flush=True,
+    )
     for seed in seeds:
         r = one_seed(a.template, seed, sets, parent)
         r.update(template=a.template, overrides=sets, commit=commit)
@@ -133,10 +152,13 @@ def main() -> None:
             continue
         mmcs = min(r["mmcs"].values()) if r["mmcs"] else float("nan")
         ml2r = sum(r["ml2r"].values()) / len(r["ml2r"]) if r["ml2r"] else float("nan")
-        print(f"{seed:>4} {'yes' if r['success'] else 'no':>3} "
-              f"{r['ci_errors'].get('total', float('nan')):>6.0f}  {_fmt(r['ci_errors']):<40} "
-              f"{mmcs:>8.4f} {ml2r:>6.3f} {_fmt(r['alive']):<24} {_fmt(r['l0'], 2):<30} "
-              f"{r['wall_s']:>7.0f}", flush=True)  # fmt: skip
+        print(
+            f"{seed:>4} {'yes' if r['success'] else 'no':>3} "
+            f"{r['ci_errors'].get('total', float('nan')):>6.0f}  {_fmt(r['ci_errors']):<40} "
+            f"{mmcs:>8.4f} {ml2r:>6.3f} {_fmt(r['alive']):<24} {_fmt(r['l0'], 2):<30} "
+            f"{r['wall_s']:>7.0f}",
+            flush=True,
+        )
     done = [r for r in rows if "error" not in r]
     ok = sum(r["success"] for r in done)
     print(
