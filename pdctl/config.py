@@ -274,6 +274,7 @@ class TrainConfig(Section):
     log_every: Pos = 100
     eval_every: Pos = 1000
     eval_batch_size: Pos = 1024
+    eval_rounding_threshold: Frac = 0.0
     max_bad_steps: Pos = 10
     grad_accum_steps: Pos = 1
     remat: Literal["none", "dots_saveable", "full"] = "none"

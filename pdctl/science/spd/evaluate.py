@@ -5,7 +5,7 @@ CI and masked forwards run under `jax.jit`; matching and reductions to Python fl
 the host (numpy / scipy).
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -17,12 +17,8 @@ from scipy.optimize import linear_sum_assignment
 
 from pdctl.config import Config
 from pdctl.science.spd.ci import compute_ci
-from pdctl.science.spd.losses import (
-    clean_forward,
-    kl_distance,
-    masked_forward,
-    stochastic_masks,
-)
+from pdctl.science.spd.losses import clean_forward, kl_distance, masked_forward
+from pdctl.science.spd.masks import stochastic_masks
 
 Array = jax.Array
 TOY_INPUT_MAGNITUDE = 0.75
@@ -32,11 +28,17 @@ def _paths(target: Any, components: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(p for p in target.site_paths() if p in components)
 
 
+# Binomial sampling makes the lower-leaky CI random (see `compute_ci`); evaluations draw that
+# noise from this fixed key, so an evaluation is a function of the parameters alone.
+EVAL_KEY = 20250701
+
+
 @lru_cache(maxsize=32)
-def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str):
+def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sampling: str):
     def run(target_params, components, ci_fns, x):
         _, site_inputs = clean_forward(target, target_params, x, paths)
-        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid)
+        key = jax.random.PRNGKey(EVAL_KEY)
+        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, key)
 
     return jax.jit(run)
 
@@ -44,8 +46,10 @@ def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str):
 def compute_ci_jit(
     target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, x: Array
 ) -> tuple[dict[str, Array], dict[str, Array]]:
-    """(ci_lower, ci_upper) for the sites in `components`, under a cached jit."""
-    fn = _ci_fn(target, _paths(target, components), cfg.decomp.ci_fn.type, cfg.decomp.sigmoid)
+    """(ci_lower, ci_upper) for the sites in `components` (all sites, tied ones expanded),
+    under a cached jit."""
+    d = cfg.decomp
+    fn = _ci_fn(target, _paths(target, components), d.ci_fn.type, d.sigmoid, d.sampling)
     return fn(target_params, components, ci_fns, x)
 
 
@@ -67,15 +71,22 @@ def toy_ci_matrix(
     return toy_ci_matrices(target, target_params, {site: components[site]}, ci_fns, cfg)[site]
 
 
+def identity_assignment(ci_matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols) of the Hungarian assignment of features to components maximising the
+    matched CI (the permutation the CI-error count and the permuted CI plots use)."""
+    return linear_sum_assignment(-np.asarray(ci_matrix, dtype=np.float64))
+
+
 def ci_errors(ci_matrix: np.ndarray, tol: float = 0.1) -> int:
     """CI errors against the identity pattern (one component per feature, up to permutation).
 
     Features (rows) are matched to components (columns) by the Hungarian assignment maximising
     the matched CI; errors = unmatched entries > tol plus matched entries < 1 - tol
     (goodfire-ai/spd's `IdentityCIPattern.distance_from`). That reference assigns only the first
-    min(n, C) rows; with n <= C (every toy config) the two agree."""
+    min(n, C) rows (and switches to a greedy match from 500 components on); with n <= C (every
+    toy config) and C < 500 the two agree."""
     ci = np.asarray(ci_matrix, dtype=np.float64)
-    rows, cols = linear_sum_assignment(-ci)
+    rows, cols = identity_assignment(ci)
     matched = np.zeros(ci.shape, dtype=bool)
     matched[rows, cols] = True
     off = int(np.sum(ci[~matched] > tol))
@@ -154,34 +165,98 @@ def ci_stats(
     return out
 
 
+def toy_patterns(target: Any, paths: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """The ground-truth CI pattern of each toy site on one-hot inputs, in ONE place:
+    ("identity", n): one component per feature (n features); ("dense", k): a block of k
+    components that always fire together.
+
+    - TMS `linear1` / `linear2`: identity over n_features. TMS `hidden_layers.*` (fixed
+      identities of size n_hidden): dense with k = n_hidden, as the reference's 5-2-id config
+      (every feature passes through all n_hidden directions of the hidden space).
+    - ResidMLP `layers.*.mlp_in`: identity over n_features; `layers.*.mlp_out`: dense with
+      k = d_mlp (the reference's ResidMLP configs).
+    """
+    out: dict[str, tuple[str, int]] = {}
+    for p in paths:
+        if target.kind == "tms":
+            if p.startswith("hidden_layers."):
+                out[p] = ("dense", target.n_hidden)
+            else:
+                out[p] = ("identity", target.n_features)
+        elif target.kind == "resid_mlp":
+            if p.endswith("mlp_out"):
+                out[p] = ("dense", target.d_mlp)
+            else:
+                out[p] = ("identity", target.n_features)
+    return out
+
+
+def pattern_errors(ci_matrix: np.ndarray, pattern: tuple[str, int], tol: float = 0.1) -> float:
+    """CI errors of one site against its pattern; NaN when the matrix is not finite (a
+    diverged decomposition has no meaningful count, and the caller must see that)."""
+    if not np.all(np.isfinite(ci_matrix)):
+        return float("nan")
+    kind, n = pattern
+    if kind == "identity":
+        return float(ci_errors(ci_matrix, tol))
+    return float(dense_ci_errors(ci_matrix, n, tol))
+
+
+def recovered_features(
+    mats: Mapping[str, np.ndarray], patterns: Mapping[str, tuple[str, int]], tol: float = 0.1
+) -> int:
+    """Features that EVERY identity-pattern site gives exactly one component with CI >= 1 - tol
+    and no other component above tol (on the one-hot inputs). Dense-pattern sites (hidden
+    layers, ResidMLP mlp_out) have no one-feature-one-component answer and are not counted."""
+    ok = None
+    for p, m in mats.items():
+        if patterns.get(p, ("", 0))[0] != "identity":
+            continue
+        m = np.nan_to_num(np.asarray(m, np.float64), nan=0.5)
+        above = (m > tol).sum(axis=1)
+        good = (above == 1) & (m.max(axis=1) >= 1 - tol)
+        ok = good if ok is None else ok & good
+    return int(ok.sum()) if ok is not None else 0
+
+
 def toy_eval(
     target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, tol: float = 0.1
 ) -> dict[str, float]:
-    """`ci_error/<site>` and `ci_error/total` against the ground-truth CI pattern: identity for
-    every site, except ResidMLP `mlp_out` sites, whose expected pattern is a dense block of d_mlp
-    co-firing components. For TMS also `mmcs/<site>` and `ml2r/<site>`, per feature: rows of
-    `linear1`, columns of `linear2` (hidden layers: per row)."""
+    """`ci_error/<site>` and `ci_error/total` against each site's ground-truth pattern
+    (`toy_patterns`), `recovered` (see `recovered_features`), and for TMS `mmcs/<site>` and
+    `ml2r/<site>`, per feature: rows of `linear1`, columns of `linear2` (hidden layers: per
+    row). `components` holds every site (tied ones expanded)."""
     mats = toy_ci_matrices(target, target_params, components, ci_fns, cfg)
+    patterns = toy_patterns(target, list(mats))
     weights = target.site_weights(target_params)
     out: dict[str, float] = {}
-    total = 0
+    total = 0.0
     for p, m in mats.items():
-        if target.kind == "resid_mlp" and p.endswith("mlp_out"):
-            errors = dense_ci_errors(m, target.d_mlp, tol)
-        else:
-            errors = ci_errors(m, tol)
-        out[f"ci_error/{p}"] = float(errors)
+        errors = pattern_errors(m, patterns[p], tol)
+        out[f"ci_error/{p}"] = errors
         total += errors
         if target.kind == "tms":
             per = "out" if p == "linear2" else "in"
             mmcs, ml2r = mmcs_and_ml2r(weights[p], components[p]["V"], components[p]["U"], per)
             out[f"mmcs/{p}"], out[f"ml2r/{p}"] = mmcs, ml2r
-    out["ci_error/total"] = float(total)
+    out["ci_error/total"] = total
+    out["recovered"] = float(recovered_features(mats, patterns, tol))
     return out
 
 
+LM_MASKINGS = ("ci_masked", "stoch_masked", "random_masked", "rounded_masked", "unmasked")
+
+
 @lru_cache(maxsize=8)
-def _lm_eval_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sampling: str):
+def _lm_eval_fn(
+    target: Any,
+    paths: tuple[str, ...],
+    kind: str,
+    sigmoid: str,
+    sampling: str,
+    delta: bool,
+    rounding: float,
+):
     def ce(logits: Array, labels: Array) -> Array:
         return jnp.mean(
             optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
@@ -190,17 +265,31 @@ def _lm_eval_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sa
     def run(target_params, components, ci_fns, x, labels, key):
         weights = target.site_weights(target_params)
         clean, site_inputs = clean_forward(target, target_params, x, paths)
-        ci_lower, _ = compute_ci(components, ci_fns, site_inputs, kind, sigmoid)
-        stoch, _ = stochastic_masks(key, ci_lower, sampling, delta=False)
+        k_ci, k_mask, k_rand = jax.random.split(key, 3)
+        ci_lower, _ = compute_ci(
+            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci
+        )
+        stoch, stoch_delta = stochastic_masks(k_mask, ci_lower, sampling, delta)
         mask_sets = {
-            "ci_masked": ci_lower,
-            "stoch_masked": stoch,
-            "unmasked": {p: jnp.ones_like(c) for p, c in ci_lower.items()},
-            "zero_masked": {p: jnp.zeros_like(c) for p, c in ci_lower.items()},
+            "ci_masked": (ci_lower, None),
+            "stoch_masked": (stoch, stoch_delta),
+            "random_masked": (
+                {
+                    p: jax.random.uniform(jax.random.fold_in(k_rand, i), c.shape, c.dtype)
+                    for i, (p, c) in enumerate(ci_lower.items())
+                },
+                None,
+            ),
+            "rounded_masked": (
+                {p: (c > rounding).astype(c.dtype) for p, c in ci_lower.items()},
+                None,
+            ),
+            "unmasked": ({p: jnp.ones_like(c) for p, c in ci_lower.items()}, None),
+            "zero_masked": ({p: jnp.zeros_like(c) for p, c in ci_lower.items()}, None),
         }
         out = {"ce/target": ce(clean, labels)}
-        for name, masks in mask_sets.items():
-            logits = masked_forward(target, target_params, weights, components, x, masks, None)
+        for name, (masks, dmasks) in mask_sets.items():
+            logits = masked_forward(target, target_params, weights, components, x, masks, dmasks)
             out[f"ce/{name}"] = ce(logits, labels)
             out[f"kl/{name}"] = kl_distance(logits, clean)
         return out
@@ -217,23 +306,27 @@ def lm_eval(
     batch: Mapping[str, Array],
     key: Array,
 ) -> dict[str, float]:
-    """CE (vs the next tokens) and KL (vs the target) of the CI-masked, stochastic-masked,
-    unmasked and zero-masked models on one token batch, without the delta component (as
-    goodfire-ai/spd's `CEandKLLosses`). Also `ce_difference/<kind>` = ce - ce/target and
+    """CE (vs the next tokens) and KL (vs the target) of the models masked by: CI, a stochastic
+    mask (with the delta component when it is on), uniform random masks, CI rounded at
+    `train.eval_rounding_threshold`, all ones (unmasked) and all zeros, on one token batch, as
+    the reference's `CEandKLLosses`. Also `ce_difference/<kind>` = ce - ce/target and
     `ce_unrecovered/<kind>` = (ce - ce/target) / (ce/zero_masked - ce/target)."""
     x = target.inputs(batch)
     labels = batch["tokens"][:, 1:]
+    d = cfg.decomp
     fn = _lm_eval_fn(
         target,
         _paths(target, components),
-        cfg.decomp.ci_fn.type,
-        cfg.decomp.sigmoid,
-        cfg.decomp.sampling,
+        d.ci_fn.type,
+        d.sigmoid,
+        d.sampling,
+        d.delta_component,
+        cfg.train.eval_rounding_threshold,
     )
     raw = {k: float(v) for k, v in fn(target_params, components, ci_fns, x, labels, key).items()}
     out = dict(raw)
     ce_t, ce_zero = raw["ce/target"], raw["ce/zero_masked"]
-    for name in ("ci_masked", "stoch_masked", "unmasked"):
+    for name in LM_MASKINGS:
         diff = raw[f"ce/{name}"] - ce_t
         out[f"ce_difference/{name}"] = diff
         denom = ce_zero - ce_t
