@@ -80,12 +80,22 @@ class LlamaTarget(Section):
         return self
 
 
-Target = Annotated[TmsTarget | ResidMlpTarget | LlamaTarget, Field(discriminator="kind")]
+class HfTarget(Section):
+    """A pretrained Hugging Face causal LM from a local directory (config.json, safetensors,
+    tokenizer.json): LlamaForCausalLM, Qwen2ForCausalLM or GPT2LMHeadModel."""
+
+    kind: Literal["hf"] = "hf"
+    path: Annotated[str, Field(min_length=1)]
+
+
+Target = Annotated[TmsTarget | ResidMlpTarget | LlamaTarget | HfTarget, Field(discriminator="kind")]
 
 
 class DataConfig(Section):
     feature_probability: Frac = 0.05
     path: str = ""
+    text_field: Annotated[str, Field(min_length=1)] = "text"
+    eos_id: NonNeg | None = None
     seq_len: Pos = 64
     synthetic_bytes: Pos = 2_000_000
 
@@ -328,7 +338,10 @@ def stage_dependencies(stage: str) -> tuple[str, ...]:
 def fingerprint(cfg: Config, stage: str) -> str:
     """A stable hash of the config tables `stage` depends on (defaults included, key order free)."""
     dumped = cfg.model_dump(mode="json", by_alias=True)
-    tables: dict[str, Any] = {k: dumped[k] for k in stage_dependencies(stage)}
+    deps = stage_dependencies(stage)
+    if cfg.target.kind == "hf":  # an imported target is not trained: [pretrain] changes nothing
+        deps = tuple(d for d in deps if d != "pretrain")
+    tables: dict[str, Any] = {k: dumped[k] for k in deps}
     # init-weights also creates the PPGD sources, whose shape comes from [train] keys.
     tables["ppgd_sources"] = ppgd_source_layout(cfg)
     blob = json.dumps(tables, sort_keys=True, separators=(",", ":"))
@@ -344,6 +357,8 @@ def _format_error(err: ValidationError) -> str:
         msg = msg[len("Value error, ") :]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
+    elif first["type"] == "missing":
+        msg = "missing (required)"
     elif first["type"] in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
         msg = msg.replace("Input should be", "must be")
     elif first["type"] in ("union_tag_invalid", "union_tag_not_found"):
@@ -353,7 +368,7 @@ def _format_error(err: ValidationError) -> str:
         loc = f"{loc}.{tag}"
         tags = ", ".join(t.strip(" '") for t in ctx.get("expected_tags", "").split(","))
         if first["type"] == "union_tag_not_found":
-            msg = f"missing; choose one of {tags or 'tms, resid_mlp, llama_mlp'}"
+            msg = f"missing; choose one of {tags or 'tms, resid_mlp, llama_mlp, hf'}"
         else:
             msg = f"must be one of {tags}, got {first['input'].get(tag)!r}"
     if (
@@ -368,7 +383,7 @@ def _format_error(err: ValidationError) -> str:
 
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the discriminator value into the location ("target.tms.n_hidden").
-    return part in ("tms", "resid_mlp", "llama_mlp")
+    return part in ("tms", "resid_mlp", "llama_mlp", "hf")
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
@@ -394,11 +409,6 @@ def parse_config(raw: dict[str, Any]) -> Config:
 
 
 def _check_cross_fields(cfg: Config) -> None:
-    if not cfg.decomp.sites:
-        raise PdctlError(
-            'decomp.sites: empty; list the weights to decompose, e.g. sites = [{ pattern = "linear1"'
-            ", C = 20 }] (`pdctl inspect-sharding --stage init_weights` lists a target's sites)"
-        )
     seen: set[str] = set()
     for i, site in enumerate(cfg.decomp.sites):
         if site.pattern in seen:
@@ -413,15 +423,25 @@ def _check_cross_fields(cfg: Config) -> None:
         raise PdctlError(
             "train.loss.output: 'kl' needs logits (a language-model target); use 'mse'"
         )
+    if cfg.target.kind == "hf" and not cfg.data.path:
+        raise PdctlError(
+            "data.path: an imported model (target.kind = hf) is decomposed on your text; set "
+            "data.path to a .txt, .jsonl or .parquet file or a directory of them"
+        )
     tc = cfg.train
     if tc.ppgd.scope == "per_batch_per_position" and tc.batch_size % tc.grad_accum_steps:
         raise PdctlError(
             f"train.grad_accum_steps: {tc.grad_accum_steps} does not divide train.batch_size "
             f"{tc.batch_size} (per-batch PPGD sources are sized by the micro-batch)"
         )
+    if not cfg.decomp.sites:
+        raise PdctlError(
+            "decomp.sites: empty; list the weight matrices to decompose, e.g. "
+            'sites = [{ pattern = "linear1", C = 20 }]'
+        )
 
 
-SEQUENCE_TARGETS = ("llama_mlp",)
+SEQUENCE_TARGETS = ("llama_mlp", "hf")
 
 
 def is_sequence_model(cfg: Config) -> bool:

@@ -17,7 +17,7 @@ from pdctl.config import STAGES
 from pdctl.project import Project
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ("llama-mlp", "resid-mlp", "tms")
+TEMPLATES = ("hf-lm", "llama-mlp", "resid-mlp", "tms", "tms-40-10", "tms-5-2-id")
 
 
 @pytest.fixture

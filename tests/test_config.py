@@ -29,7 +29,14 @@ from pdctl.errors import PdctlError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "pdctl.toml.example"
-TEMPLATES = {"tms": "tms", "resid-mlp": "resid_mlp", "llama-mlp": "llama_mlp"}
+TEMPLATES = {
+    "tms": "tms",
+    "tms-40-10": "tms",
+    "tms-5-2-id": "tms",
+    "resid-mlp": "resid_mlp",
+    "llama-mlp": "llama_mlp",
+    "hf-lm": "hf",
+}
 _HEADER = re.compile(r"^#?\s*\[([A-Za-z0-9_.]+)\]\s*(#.*)?$")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ("llama-mlp", "resid-mlp", "tms")
+TEMPLATES = ("hf-lm", "llama-mlp", "resid-mlp", "tms", "tms-40-10", "tms-5-2-id")
 LIGHT_DEPS = ["typer", "rich", "pydantic", "tomli-w"]
 
 pytestmark = pytest.mark.slow

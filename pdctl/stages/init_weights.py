@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -103,20 +104,24 @@ def _nbytes(tree: Any) -> int:
 def run(project: Project) -> dict[str, Any]:
     env = StageEnv.open(project, "init_weights")
     cfg = env.cfg
-    # Validate the decomposition config before anything is written.
+    # Validate the decomposition config (and an imported checkpoint) before anything is written.
     sites = decomposed_sites(cfg, env.target)
+    imported = imported_checkpoint(env.target)
     env.begin(fresh=True, seed=cfg.run.seed)
     t_start = time.perf_counter()
     key = stream_key(cfg, STREAM_TARGET)
     abstract = jax.eval_shape(env.target.init, key)
-    t0 = time.perf_counter()
-    init_c = jax.jit(env.target.init, out_shardings=env.shardings(abstract)).lower(key).compile()
-    compile_s = {"target": time.perf_counter() - t0}
-    items: dict[str, Any] = {"target": init_c(key)}
-    if sites:
-        decomp, t = init_decomposition(cfg, env.target, env.mesh, stream_key(cfg, STREAM_DECOMP))
-        compile_s.update(t)
-        items.update(decomp)
+    items: dict[str, Any] = {}
+    compile_s: dict[str, float] = {}
+    if imported is None:
+        t0 = time.perf_counter()
+        init = jax.jit(env.target.init, out_shardings=env.shardings(abstract))
+        init_c = init.lower(key).compile()
+        compile_s["target"] = time.perf_counter() - t0
+        items["target"] = init_c(key)
+    decomp, t = init_decomposition(cfg, env.target, env.mesh, stream_key(cfg, STREAM_DECOMP))
+    compile_s.update(t)
+    items.update(decomp)
     ckpt = env.checkpointer()
     ckpt.save(0, items, {"step": 0})
     ckpt.wait()
@@ -135,12 +140,43 @@ def run(project: Project) -> dict[str, Any]:
         "compile_s": {k: round(v, 4) for k, v in compile_s.items()},
         "wall_s": round(time.perf_counter() - t_start, 3),
     }
+    if imported is not None:
+        # An imported target is not trained: [state.pretrain] says where its weights are. The
+        # stages that need them read them from there into their own shardings (no copy of the
+        # model is written into the run directory).
+        fields["imported"] = imported
+        project.reset_stage(
+            "pretrain",
+            status="imported",
+            fingerprint=project.fingerprint("pretrain"),
+            **imported,
+        )
     env.on_state(**fields)
     return {
         "items": items,
         **fields,
-        "param_count": int(sum(np.prod(x.shape) for x in jax.tree.leaves(items["target"]))),
+        "param_count": int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract))),
     }
+
+
+def imported_checkpoint(target: Target) -> dict[str, Any] | None:
+    """{"source", "checksum", "checksum_of"} of an imported (Hugging Face) target, after
+    checking every tensor's name, shape and dtype against its config.json from the files'
+    headers (no tensor data read); None for a target that pdctl trains itself."""
+    if target.kind != "hf":
+        return None
+    from pdctl.science.targets.hf_load import check_checkpoint
+
+    index, _ = check_checkpoint(model_dir(target), target)
+    return {
+        "source": str(index.source),
+        "checksum": index.checksum,
+        "checksum_of": index.checksum_of,
+    }
+
+
+def model_dir(target: Target) -> Path:
+    return Path(target.spec.config_path).parent
 
 
 def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:

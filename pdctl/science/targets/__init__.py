@@ -1,13 +1,26 @@
 """Models to decompose: toy TMS, toy residual MLP, and a small Llama-style LM."""
 
+from collections.abc import Callable
 from typing import Any
 
 from pdctl.science.targets.base import Params, Target
+from pdctl.science.targets.hf import HFCausalLM
 from pdctl.science.targets.llama_mlp import LlamaMLP
 from pdctl.science.targets.resid_mlp import ResidMLP
 from pdctl.science.targets.tms import TMS
 
-TARGETS: dict[str, type[Target]] = {"tms": TMS, "resid_mlp": ResidMLP, "llama_mlp": LlamaMLP}
+
+def _hf(*, path: str, **kwargs: Any) -> HFCausalLM:
+    """An imported Hugging Face model: its architecture and sizes come from `path`."""
+    return HFCausalLM.from_dir(path, **kwargs)
+
+
+TARGETS: dict[str, Callable[..., Target]] = {
+    "tms": TMS,
+    "resid_mlp": ResidMLP,
+    "llama_mlp": LlamaMLP,
+    "hf": _hf,
+}
 
 
 def build_target(kind: str, **kwargs: Any) -> Target:
@@ -21,4 +34,13 @@ def build_target(kind: str, **kwargs: Any) -> Target:
     return cls(**kwargs)
 
 
-__all__ = ["TARGETS", "TMS", "LlamaMLP", "Params", "ResidMLP", "Target", "build_target"]
+__all__ = [
+    "TARGETS",
+    "TMS",
+    "HFCausalLM",
+    "LlamaMLP",
+    "Params",
+    "ResidMLP",
+    "Target",
+    "build_target",
+]
