@@ -1,0 +1,214 @@
+"""An imported Hugging Face model through the CLI: `pdctl new x --template hf-lm`, a tiny
+random Llama (grouped-query attention) saved locally with transformers, its BPE tokenizer
+trained here, a small jsonl corpus; then `pdctl run`, resume, export and the bad inputs. No
+network anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import cli, edit_config, error_lines, state
+
+transformers = pytest.importorskip("transformers", reason="needs the parity extra")
+tokenizers = pytest.importorskip("tokenizers")
+
+VOCAB = 96
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "while",
+    "dogs",
+    "ran",
+    "far",
+    "away",
+    "from",
+    "old",
+    "trees",
+    "near",
+    "rivers",
+]
+
+
+def _tokenizer(model_dir: Path) -> None:
+    """A byte-level BPE tokenizer.json trained on a few sentences, with an EOS token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    model_dir = root / "tiny-llama"
+    model_dir.mkdir()
+    _tokenizer(model_dir)
+    n_vocab = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
+    config = transformers.LlamaConfig(
+        vocab_size=n_vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir, max_shard_size="40KB")
+    rng = np.random.default_rng(0)
+    corpus = root / "corpus.jsonl"
+    with corpus.open("w") as f:
+        for _ in range(200):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=12))}) + "\n")
+    return {"model": model_dir, "corpus": corpus, "root": root}
+
+
+def _run(tmp_path: Path, assets: dict[str, Path], **over) -> Path:
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert cli("new", "x", "--template", "hf-lm").exit_code == 0
+    finally:
+        os.chdir(cwd)
+    run = tmp_path / "x"
+    small = {
+        "target": {"path": str(assets["model"])},
+        "data": {"path": str(assets["corpus"]), "seq_len": 16},
+        "checkpoint": {"every": 5},
+        "decomp": {
+            "sites": [{"pattern": "*.mlp.*", "C": 8}, {"pattern": "*attn.*", "C": 4}],
+            "ci_fn": {"type": "shared_mlp", "hidden": [8]},
+        },
+        "warmup": {"steps": 4, "log_every": 2},
+        "train": {"steps": 10, "batch_size": 4, "log_every": 5, "eval_every": 5,
+                  "eval_batch_size": 4},
+    }  # fmt: skip
+    edit_config(run, {**small, **over})
+    return run
+
+
+@pytest.mark.slow
+def test_run_decomposes_an_imported_llama_and_resume_is_bit_exact(tmp_path, assets):
+    run = _run(tmp_path, assets)
+    r = cli("--project", run, "run")
+    assert r.exit_code == 0, r.output
+    pre = state(run, "pretrain")
+    assert pre["status"] == "imported"
+    assert pre["source"] == str(assets["model"].resolve()) and len(pre["checksum"]) == 64
+    tr = state(run, "train")
+    assert tr["status"] == "done" and tr["step"] == 10
+    ev = tr["eval"]
+    for name in ("ci_masked", "stoch_masked", "random_masked", "rounded_masked", "unmasked"):
+        assert np.isfinite(ev[f"ce_{name}"]) and np.isfinite(ev[f"kl_{name}"]), ev
+    assert ev["kl_unmasked"] < 1e-3  # unmasked V U ~ W after the faithfulness warmup
+    # no copy of the model in the run directory: only the decomposition is checkpointed
+    assert not list(run.rglob("*.safetensors"))
+    # export: V/U per site under the site's own (Hugging Face) name
+    out = tmp_path / "decomp.safetensors"
+    r = cli("--project", run, "export", "--out", out, "--format", "safetensors")
+    assert r.exit_code == 0, r.output
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="numpy") as f:
+        names = set(f.keys())
+        meta = f.metadata()
+    assert "model.layers.1.mlp.down_proj.V" in names
+    assert "model.layers.0.self_attn.k_proj.U" in names
+    assert any(n.startswith("ci_fns.model.layers.0.mlp.up_proj.") for n in names)
+    assert json.loads(meta["fingerprint"])["train"] == tr["fingerprint"]
+    # resume mid-train is bit-exact: stop at 5, resume to 10, compare with the run above
+    final = np.load(_export_npz(run, tmp_path / "a.npz"))
+    assert cli("--project", run, "train", "--fresh", "--until", "5").exit_code == 0
+    assert state(run, "train")["status"] == "interrupted"
+    assert cli("--project", run, "resume").exit_code == 0
+    again = np.load(_export_npz(run, tmp_path / "b.npz"))
+    assert set(final.files) == set(again.files)
+    for k in final.files:
+        np.testing.assert_array_equal(final[k], again[k], err_msg=k)
+
+
+def _export_npz(run: Path, out: Path) -> Path:
+    r = cli("--project", run, "export", "--out", out, "--stage", "train")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _one_line(result, *needles: str) -> str:
+    assert result.exit_code == 2, result.output
+    lines = error_lines(result)
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_bad_imports_are_one_line_and_write_nothing(tmp_path, assets):
+    run = _run(tmp_path, assets)
+    before = (run / "pdctl.toml").read_bytes()
+
+    def check(over, *needles):
+        edit_config(run, over)
+        _one_line(cli("--project", run, "run"), *needles)
+        assert "[state." not in (run / "pdctl.toml").read_text()
+        assert not (run / "checkpoints").exists()
+
+    check({"target": {"path": str(tmp_path / "nope")}}, "target.path")
+    # an unsupported architecture
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    cfg = json.loads((assets["model"] / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"]}))
+    check({"target": {"path": str(odd)}}, "target.path", "MistralForCausalLM", "supported")
+    # a site glob that matches no module of the model
+    check(
+        {"target": {"path": str(assets["model"])},
+         "decomp": {"sites": [{"pattern": "transformer.h.*.mlp.c_fc", "C": 4}]}},
+        "decomp.sites.0.pattern", "model.layers.0.mlp.gate_proj",
+    )  # fmt: skip
+    # a model directory without its tokenizer
+    no_tok = tmp_path / "no-tok"
+    no_tok.mkdir()
+    for f in assets["model"].iterdir():
+        if f.name != "tokenizer.json":
+            (no_tok / f.name).write_bytes(f.read_bytes())
+    check(
+        {"target": {"path": str(no_tok)},
+         "decomp": {"sites": [{"pattern": "*.mlp.*", "C": 8}]}},
+        "target.path", "tokenizer.json",
+    )  # fmt: skip
+    # a shard whose tensor has the wrong shape
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in assets["model"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg["intermediate_size"] = 80
+    (bad / "config.json").write_text(json.dumps(cfg))
+    check({"target": {"path": str(bad)}}, "target.path", "shape")
+    (run / "pdctl.toml").write_bytes(before)
+
+
+def test_pretrain_of_an_imported_model_is_refused(tmp_path, assets):
+    run = _run(tmp_path, assets)
+    assert cli("--project", run, "init-weights").exit_code == 0
+    _one_line(cli("--project", run, "pretrain"), "imported", "pdctl warmup")
+    assert state(run, "pretrain")["status"] == "imported"
