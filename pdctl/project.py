@@ -9,6 +9,7 @@ directory, fsync, rename) and only happen while holding the run directory's lock
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
 import errno
 import fcntl
@@ -35,14 +36,73 @@ def _now() -> str:
 
 
 def split_state(text: str) -> tuple[str, str]:
-    """(user part, state part). The state part starts at the marker or the first [state.*]."""
-    idx = text.find(STATE_MARKER)
-    if idx < 0:
-        m = _STATE_HEADER.search(text)
-        idx = m.start() if m else len(text)
-    else:
-        idx = text.rfind("\n", 0, idx) + 1  # start of the marker's line
+    """(user part, state part). The state part starts at the marker line or the first
+    `[state.*]` header, whichever comes first, that really is a line of TOML: one inside a
+    multi-line string of the user's would cut that string short, so the user part before a
+    true split point is itself valid TOML."""
+    candidates = sorted(
+        {text.rfind("\n", 0, i) + 1 for i in _find_all(text, STATE_MARKER)}
+        | {m.start() for m in _STATE_HEADER.finditer(text)}
+    )
+    if not candidates:
+        return text, ""
+    for idx in candidates:
+        if _parses(text[:idx]):
+            return text[:idx], text[idx:]
+    if _parses(text):  # every candidate is inside a string: there are no state tables
+        return text, ""
+    idx = candidates[0]  # the file is not valid TOML anyway; loading reports that
     return text[:idx], text[idx:]
+
+
+def _find_all(text: str, needle: str) -> Iterator[int]:
+    i = text.find(needle)
+    while i >= 0:
+        yield i
+        i = text.find(needle, i + 1)
+
+
+def _parses(text: str) -> bool:
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
+
+
+# "imported": [state.pretrain] of a target pdctl does not train (a Hugging Face model).
+STATUSES = ("pending", "running", "done", "failed", "interrupted", "imported")
+# The fields pdctl itself reads back, with the types it writes (others are informational).
+_INT_FIELDS = ("step", "steps", "checkpoint")
+_NUM_FIELDS = ("wall_s", "step_ms", "mfu")
+_STR_FIELDS = ("fingerprint", "run_id", "wandb_id", "error")
+_TABLE_FIELDS = ("compile_s", "metrics", "eval", "upstream")
+
+
+def check_state(stage: str, st: dict[str, Any]) -> None:
+    """The `[state.<stage>]` fields pdctl reads back have the types it writes; a hand-edited
+    one that does not is an error naming it and the way out, not a crash later."""
+
+    def bad(key: str, what: str) -> PdctlError:
+        return PdctlError(
+            f"state.{stage}.{key}: must be {what}, got {st[key]!r} ([state.*] is written by "
+            f"pdctl: restore it, or delete [state.{stage}] and rerun the stage)"
+        )
+
+    if "status" in st and st["status"] not in STATUSES:
+        raise bad("status", "one of " + ", ".join(STATUSES))
+    for k in _INT_FIELDS:
+        if k in st and (not isinstance(st[k], int) or isinstance(st[k], bool) or st[k] < 0):
+            raise bad(k, "an integer >= 0")
+    for k in _NUM_FIELDS:
+        if k in st and (not isinstance(st[k], int | float) or isinstance(st[k], bool)):
+            raise bad(k, "a number")
+    for k in _STR_FIELDS:
+        if k in st and not isinstance(st[k], str):
+            raise bad(k, "a string")
+    for k in _TABLE_FIELDS:
+        if k in st and not isinstance(st[k], dict):
+            raise bad(k, "a table")
 
 
 def _drop_none(value: Any) -> Any:
@@ -65,7 +125,10 @@ _before_rename = None
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash at any point leaves the old or the new file."""
+    """Write `data` to `path` so that a crash at any point leaves the old or the new file.
+
+    A symlinked `path` stays a symlink: the file it points to is replaced."""
+    path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -95,7 +158,9 @@ def find_project_file(start: Path | None = None, explicit: Path | None = None) -
             raise PdctlError(
                 f"--project: no {PROJECT_FILE} at {p}; create one with `pdctl new NAME`"
             )
-        return p.resolve()
+        # The run directory is the one pdctl.toml is in, as named: a symlinked pdctl.toml
+        # keeps its run directory (checkpoints, lock, metrics) next to the link.
+        return p.absolute().parent.resolve() / p.name
     here = (start or Path.cwd()).resolve()
     for d in (here, *here.parents):
         if (d / PROJECT_FILE).is_file():
@@ -117,6 +182,8 @@ class Project:
         self._user_text, _ = split_state(text)
         self._lock_fd: int | None = None
         self._lock_depth = 0
+        # {stage: {"before": its state before this process began it, "ckpt": wrote one}}
+        self.attempts: dict[str, dict[str, Any]] = {}
         # Only process 0 of a multi-process run writes files; the others set this False.
         self.writer = True
 
@@ -140,11 +207,17 @@ class Project:
         except tomllib.TOMLDecodeError as e:
             raise PdctlError(f"{path.name}: invalid TOML: {e}") from None
         user, state_part = split_state(text)
-        user_raw = tomllib.loads(user) if state_part else raw
+        try:
+            user_raw = tomllib.loads(user) if state_part else raw
+            state_raw = tomllib.loads(state_part) if state_part else {}
+        except tomllib.TOMLDecodeError as e:
+            raise PdctlError(
+                f"{path.name}: invalid TOML around the [state.*] tables: {e}"
+            ) from None
         if "state" in user_raw:
             raise PdctlError(f"{path.name}: `state` is pdctl's table; remove it from your config")
         if state_part:
-            extra = sorted(set(tomllib.loads(state_part)) - {"state"})
+            extra = sorted(set(state_raw) - {"state"})
             if extra:
                 raise PdctlError(
                     f"{path.name}: [{extra[0]}] comes after the [state.*] tables; "
@@ -159,6 +232,7 @@ class Project:
         for name, st in state.items():
             if not isinstance(st, dict):
                 raise PdctlError(f"state.{name}: must be a table ([state.{name}])")
+            check_state(name, st)
         config = parse_config(user_raw)
         return cls(path, text, config, {k: dict(v) for k, v in state.items()})
 
@@ -179,13 +253,37 @@ class Project:
         return prefix + body
 
     def save_state(self) -> None:
-        """Atomically write the state back; every byte above it stays as the user wrote it."""
+        """Atomically write the state back; every byte above it stays as the user has it.
+
+        The user part is re-read from disk under the lock at every write, so edits made while
+        a stage runs (a comment, a changed learning rate) are kept; only the `[state.*]` tables
+        are this process's."""
         if not self.writer:
             return
-        text = self.render()
-        tomllib.loads(text)  # never write a file we could not read back
         with self.locked():
-            atomic_write(self.path, text.encode("utf-8"))
+            try:
+                on_disk = self.path.read_bytes().decode("utf-8")
+            except FileNotFoundError:
+                on_disk = None  # deleted under us: write it back from memory
+            except (OSError, UnicodeDecodeError) as e:
+                raise PdctlError(
+                    f"{self.path}: cannot read it back to update the state ({e})"
+                ) from None
+            if on_disk is not None:
+                self._user_text, _ = split_state(on_disk)
+            text = self.render()
+            # Never write a file we could not read back because of our part. A user part that
+            # does not parse (an edit in progress) is theirs: it is kept as it is.
+            tomllib.loads(render_state(self.state))
+            if _parses(self._user_text):
+                tomllib.loads(text)
+            try:
+                atomic_write(self.path, text.encode("utf-8"))
+            except OSError as e:
+                raise PdctlError(
+                    f"{self.path.parent}: cannot write {self.path.name} ({e.strerror}); "
+                    "pdctl needs write access to the run directory"
+                ) from None
 
     def stage(self, name: str) -> dict[str, Any]:
         return self.state.get(name, {})
@@ -205,8 +303,26 @@ class Project:
         return fingerprint(self.config, stage)
 
     def is_stale(self, stage: str) -> bool:
+        """The config it ran with has changed, or a stage it read from has been rerun since."""
         st = self.stage(stage)
-        return bool(st) and st.get("fingerprint") != self.fingerprint(stage)
+        if not st:
+            return False
+        return st.get("fingerprint") != self.fingerprint(stage) or bool(self.rerun_upstream(stage))
+
+    def rerun_upstream(self, stage: str) -> list[str]:
+        """The stages `stage` read from that have started over (a new run id) since it began."""
+        upstream = self.stage(stage).get("upstream") or {}
+        return [s for s, rid in upstream.items() if self.stage(s).get("run_id") != rid]
+
+    # ---- stage attempts (for rolling back what a failed command wrote) ----------------------
+    def begin_attempt(self, stage: str) -> None:
+        """Remember `stage`'s state as it was before this process starts writing it."""
+        if stage not in self.attempts:
+            self.attempts[stage] = {"before": copy.deepcopy(self.state.get(stage)), "ckpt": False}
+
+    def attempt_committed(self, stage: str) -> None:
+        if stage in self.attempts:
+            self.attempts[stage]["ckpt"] = True
 
     def is_done(self, stage: str) -> bool:
         return self.stage(stage).get("status") == "done"
@@ -225,7 +341,13 @@ class Project:
         if self._lock_depth:
             self._lock_depth += 1
             return
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise PdctlError(
+                f"{self.root}: cannot write in the run directory ({e.strerror}); "
+                "pdctl needs write access to it to run a stage"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -255,10 +377,12 @@ class Project:
         """True when no process holds the lock (a `running` stage then means a crash)."""
         if self._lock_depth:
             return False
-        try:
-            fd = os.open(self.root / LOCK_FILE, os.O_RDWR)
+        try:  # read-only is enough for flock, and works in a read-only run directory
+            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY)
         except FileNotFoundError:
             return True
+        except OSError:
+            return False  # cannot tell: do not call a live stage crashed
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
