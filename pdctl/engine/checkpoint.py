@@ -1,14 +1,23 @@
 """Checkpoints: one orbax CheckpointManager per stage, async saves, sharded restore.
 
 A checkpoint holds the state pytree (`StandardSave`) and a small JSON record (`meta`: data
-iterator state, wandb id, ...). Restores go straight into abstract arrays that carry the target
-shardings (never a concrete host copy first), so a checkpoint written on one mesh restores onto
-another; `rematerialize` then makes the restored tree donatable (jax issue 18617).
+iterator state, the run id and config it was written with, ...). Restores go straight into
+abstract arrays that carry the target shardings (never a concrete host copy first), so a
+checkpoint written on one mesh restores onto another; `rematerialize` then makes the restored
+tree donatable (jax issue 18617).
+
+A fresh start never deletes the previous run's checkpoints before it has one of its own: with
+`fresh=True` the old directory is moved aside to `<stage>.previous` at the new run's first save
+and deleted once a checkpoint of the new run is complete. Until then the old checkpoints stay
+where they were, so a fresh run that fails or is killed early loses nothing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,48 +26,171 @@ import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
 
+PREVIOUS_SUFFIX = ".previous"  # a fresh run's predecessor, until the fresh run has a checkpoint
+CORRUPT_SUFFIX = ".corrupt"  # checkpoints that failed to restore, kept for inspection
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The complete checkpoints in `directory`, oldest first (orbax ignores unfinished ones)."""
+    if not directory.exists():
+        return []
+    return sorted(m.step for m in ocp.step.standard_name_format().find_all(directory))
+
+
+def read_meta(directory: Path, step: int) -> dict[str, Any] | None:
+    """The JSON `meta` item of checkpoint `step` (orbax's JsonSave writes `<item>/metadata`),
+    without opening a manager or touching the arrays; None when it cannot be read."""
+    path = Path(directory) / str(step) / "meta" / "metadata"
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
 
 class Checkpointer:
-    def __init__(self, directory: Path, keep: int, *, async_save: bool = True):
+    def __init__(self, directory: Path, keep: int, *, async_save: bool = True, fresh: bool = False):
         self.directory = Path(directory).resolve()
+        self.keep = keep
+        self._async = async_save
+        # fresh: the checkpoints already in `directory` belong to an earlier run; this one
+        # sees none of them and moves them aside at its first save.
+        self._fresh_pending = fresh
+        self._mgr = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=self.keep,
             create=True,
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=self._async,
             cleanup_tmp_directories=True,
         )
-        self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        return ocp.CheckpointManager(self.directory, options=options)
+
+    @property
+    def previous_dir(self) -> Path:
+        return self.directory.with_name(self.directory.name + PREVIOUS_SUFFIX)
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         """Each top-level key of `state` is its own item, so a later stage can restore just one
         (warmup reads pretrain's `params` without its optimizer state)."""
+        if self._fresh_pending:
+            self._move_previous_aside()
+        else:
+            self._drop_previous()
         items = {k: ocp.args.StandardSave(v) for k, v in state.items()}
         args = ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta or {}))
         self._mgr.save(step, args=args, force=True)
 
+    def _move_previous_aside(self) -> None:
+        """First save of a fresh run: the earlier run's checkpoints go to `<dir>.previous`
+        (replacing an older `.previous` only when there is something newer to keep)."""
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+        # Nothing complete here (a fresh run killed before its first checkpoint): keep the
+        # `.previous` there may be; orbax cleans up unfinished saves when it opens the directory.
+        if jax.process_index() == 0 and complete_steps(self.directory):
+            prev = self.previous_dir
+            shutil.rmtree(prev, ignore_errors=True)
+            self.directory.rename(prev)
+            self.directory.mkdir(parents=True)
+        _barrier(f"pdctl-fresh-{self.directory.name}")
+        self._fresh_pending = False
+        self._mgr = self._open()
+
+    def _drop_previous(self) -> None:
+        """Delete `<dir>.previous` once this directory holds a complete checkpoint."""
+        prev = self.previous_dir
+        if (
+            not self._fresh_pending
+            and jax.process_index() == 0
+            and prev.exists()
+            and complete_steps(self.directory)
+        ):
+            shutil.rmtree(prev, ignore_errors=True)
+
     def wait(self) -> None:
         self._mgr.wait_until_finished()
+        self._drop_previous()
 
     def latest_step(self) -> int | None:
-        """The newest *complete* checkpoint (orbax ignores unfinished ones)."""
+        """The newest *complete* checkpoint of this run (orbax ignores unfinished ones)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """The complete checkpoints on disk, oldest first.
+        """The complete checkpoints of this run on disk, oldest first (none, for a fresh run
+        before its first save: what is there belongs to the previous run).
 
         Read from the directory, not with `CheckpointManager.reload()`: reloading while an
         async save is in flight drops that save from the manager's bookkeeping, and its
         garbage collection then keeps `keep + 1` checkpoints."""
-        if not self.directory.exists():
+        if self._fresh_pending:
             return []
-        return sorted(m.step for m in ocp.step.standard_name_format().find_all(self.directory))
+        return complete_steps(self.directory)
+
+    def previous_steps(self) -> list[int]:
+        """A fresh run's predecessor's complete checkpoints, still in place or moved aside."""
+        if self._fresh_pending:
+            return complete_steps(self.directory)
+        return complete_steps(self.previous_dir)
 
     def restore(self, step: int, abstract: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore the items named in `abstract` (ShapeDtypeStructs with shardings)."""
         items = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
         out = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
         return {k: out[k] for k in abstract}, dict(out["meta"] or {})
+
+    def restore_newest(
+        self,
+        steps: list[int],
+        restore: Callable[[int], Any],
+        *,
+        quarantine: bool = False,
+        warn: Callable[[str], None] | None = None,
+    ) -> tuple[int, Any]:
+        """`restore(step)` for the newest of `steps` that restores: (step, its result).
+
+        A checkpoint that fails (truncated files, a half-copied directory) is reported through
+        `warn` and, with `quarantine`, moved to `<dir>.corrupt/<step>` so that a resumed run
+        can write that step again. Raises `CheckpointUnreadable` when none restores."""
+        errors: list[str] = []
+        for step in sorted(steps, reverse=True):
+            try:
+                return step, restore(step)
+            except Exception as e:  # orbax/tensorstore raise many kinds; all mean "unreadable"
+                reason = _one_line(e)
+                errors.append(f"step {step}: {reason}")
+                older = [s for s in steps if s < step]
+                if warn is not None:
+                    nxt = f"trying step {max(older)}" if older else "no older checkpoint"
+                    name = f"{self.directory.name}/{step}"
+                    warn(f"checkpoint {name} does not restore ({reason}); {nxt}")
+                if quarantine:
+                    self.quarantine(step)
+        raise CheckpointUnreadable(self.directory, errors)
+
+    def quarantine(self, step: int) -> Path | None:
+        """Move checkpoint `step` out of the manager's sight, to `<dir>.corrupt/<step>`."""
+        src = self.directory / str(step)
+        dst = self.directory.with_name(self.directory.name + CORRUPT_SUFFIX) / str(step)
+        if jax.process_index() == 0 and src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(dst, ignore_errors=True)
+            src.rename(dst)
+        _barrier(f"pdctl-quarantine-{self.directory.name}-{step}")
+        self._mgr.close()
+        self._mgr = self._open()
+        return dst
+
+    def read_meta(self, step: int) -> dict[str, Any] | None:
+        return read_meta(self.directory, step)
 
     def item_names(self, step: int) -> list[str]:
         meta = self._mgr.item_metadata(step)
@@ -72,7 +204,23 @@ class Checkpointer:
 
     def close(self) -> None:
         self._mgr.wait_until_finished()
+        self._drop_previous()
         self._mgr.close()
+
+
+class CheckpointUnreadable(Exception):
+    """No checkpoint of a stage restores."""
+
+    def __init__(self, directory: Path, errors: list[str]):
+        self.directory = directory
+        self.errors = errors
+        super().__init__(f"{directory}: no checkpoint restores ({'; '.join(errors) or 'none'})")
+
+
+def _one_line(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def rematerialize(tree: Any, shardings: Any) -> Any:

@@ -3,12 +3,19 @@ logging. Everything else is the same program on one process or many."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pdctl.config import Config
+from pdctl.errors import PdctlError
+
+if TYPE_CHECKING:
+    from pdctl.config import Config
 
 log = logging.getLogger("pdctl")
 _initialized = False
@@ -65,6 +72,33 @@ def _env_says_multihost() -> bool:
 def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
     """jax.distributed when flags, [distributed] or the environment ask for it; compile cache."""
     global _initialized
+    flags = flags or DistributedFlags()
+    d = cfg.distributed
+    coordinator = flags.coordinator or d.coordinator
+    nproc = flags.num_processes or d.num_processes
+    pid = flags.process_id if flags.process_id is not None else d.process_id
+    # The flags are checked before anything starts: a bad one is a line, not a hang.
+    if coordinator:
+        _check_address(
+            coordinator, "--coordinator" if flags.coordinator else "distributed.coordinator"
+        )
+        if nproc <= 0 or pid < 0:
+            raise PdctlError(
+                "distributed: a coordinator needs num_processes and process_id "
+                "(--num-processes N --process-id I, or [distributed])"
+            )
+        if pid >= nproc:
+            key = "--process-id" if flags.process_id is not None else "distributed.process_id"
+            raise PdctlError(
+                f"{key}: must be below the number of processes ({nproc}), got {pid} "
+                "(process ids are 0-based)"
+            )
+    elif (
+        flags.num_processes is not None or flags.process_id is not None
+    ) and not _env_says_multihost():
+        raise PdctlError(
+            "--num-processes/--process-id need --coordinator HOST:PORT (the address of process 0)"
+        )
     import jax
 
     if cfg.compile.cache_dir:
@@ -73,19 +107,7 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if _initialized:
         return
-    flags = flags or DistributedFlags()
-    d = cfg.distributed
-    coordinator = flags.coordinator or d.coordinator
     if coordinator:
-        nproc = flags.num_processes or d.num_processes
-        pid = flags.process_id if flags.process_id is not None else d.process_id
-        if nproc <= 0 or pid < 0:
-            from pdctl.errors import PdctlError
-
-            raise PdctlError(
-                "distributed: a coordinator needs num_processes and process_id "
-                "(--num-processes N --process-id I, or [distributed])"
-            )
         _cpu_collectives()
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -101,7 +123,32 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
             initialization_timeout=d.init_timeout_s,
             heartbeat_timeout_seconds=d.heartbeat_timeout_s,
         )
+    check_backend()
     _initialized = True
+
+
+def _check_address(address: str, key: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PdctlError(f"{key}: expected HOST:PORT (e.g. node0:1234), got {address!r}")
+
+
+def check_backend() -> None:
+    """JAX's devices, or one line saying why there are none (`JAX_PLATFORMS=gpu` on a machine
+    without a GPU, a CUDA install that does not load, ...)."""
+    import jax
+
+    try:
+        jax.devices()
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        fix = (
+            f"JAX_PLATFORMS={platforms}: no such device here; unset it or install the matching jax"
+            if platforms
+            else "JAX found no usable device; check the jax installation"
+        )
+        raise PdctlError(f"{fix} ({first})") from None
 
 
 def _cpu_collectives() -> None:
@@ -116,3 +163,46 @@ def is_writer() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+# ---- SIGTERM / SIGINT ---------------------------------------------------------------------------
+
+_stop: int | None = None  # the first SIGTERM/SIGINT received while the handlers are installed
+_depth = 0
+
+
+def stop_requested() -> int | None:
+    """The signal number of the first SIGTERM/SIGINT since the handlers went in, or None."""
+    return _stop
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Turn SIGTERM/SIGINT into a request to stop cleanly (`stop_requested()`).
+
+    Installed for a whole stage (imports, restore, compile, steps, the final save), so a signal
+    at any point ends with a checkpoint and exit 3 rather than a kill mid-write. Re-entrant:
+    only the outermost use installs and restores the handlers, and clears an earlier request.
+    Later signals after the first are ignored so that a second Ctrl-C cannot cut a save short."""
+    global _stop, _depth
+
+    def handler(signum, frame):
+        global _stop
+        if _stop is None:
+            _stop = signum
+
+    old: dict[int, object] = {}
+    if _depth == 0:
+        _stop = None
+        try:
+            for s in (signal.SIGTERM, signal.SIGINT):
+                old[s] = signal.signal(s, handler)
+        except ValueError:  # not the main thread: no signal handling
+            pass
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        for s, h in old.items():
+            signal.signal(s, h)
