@@ -6,6 +6,14 @@ device-to-host transfer guard), reads metrics only at the logging cadence, check
 orbax, keeps `[state.<stage>]` current, and stops cleanly on SIGTERM/SIGINT, `--until` or too
 many consecutive bad steps.
 
+Every step's consecutive-bad-step count (computed on the device) is read once that step has
+completed, MAX_AHEAD steps behind the dispatch: the run fails at exactly `max_bad_steps`, not at
+the next logging point, without stalling the queue. Nothing non-finite is kept: before every
+evaluation and checkpoint the state is checked finite on the device, and an evaluation that
+raises or returns a non-finite number fails the stage. A failure of any kind (those, an XLA
+error, out of memory) ends as status `failed` with the last good checkpoint and one line
+(`StageFailed`, exit 1).
+
 Step contract: `step(*frozen, state, batch) -> (state, metrics)` where `state` is a dict holding
 at least `step`, `bad_steps` and `max_bad_run` (int32 scalars, see `guard_update`) and is
 donated; `frozen` (the target parameters of warmup/train) is not.
@@ -19,11 +27,12 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -33,7 +42,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pdctl.engine import donation
+from pdctl.engine import donation, runtime
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.tracking import JsonlWriter, Tracker
 from pdctl.errors import EXIT_INTERRUPTED, PdctlError, StageFailed
@@ -126,12 +135,16 @@ class Loop:
     compile_s: float = 0.0
     flops_per_step: float | None = None
     _signal: int | None = None
+    _step: int = 0  # the last step dispatched (for the state written when a step fails)
+    _t_start: float = field(default_factory=time.perf_counter)
+    _finite_fn: Any = None
 
     # ---- compile -------------------------------------------------------------------------
-    def compile(self) -> Any:
+    def compile(self, state: Any = None) -> Any:
         t0 = time.perf_counter()
         batch = self._peek_batch()
-        compiled = self.step_fn.lower(*self.frozen, self.state, batch).compile()
+        state = self.state if state is None else state
+        compiled = self.step_fn.lower(*self.frozen, state, batch).compile()
         self.compile_s = time.perf_counter() - t0
         try:
             cost = compiled.cost_analysis()
@@ -160,49 +173,47 @@ class Loop:
         return next(self.batches)
 
     # ---- signals -------------------------------------------------------------------------
-    @contextlib.contextmanager
     def _signals(self):
-        def handler(signum, frame):
-            # The first signal asks for a clean stop after this step; later ones are ignored
-            # so that a second Ctrl-C cannot cut the checkpoint save short.
-            if self._signal is None:
-                self._signal = signum
+        # Process-wide and re-entrant: `pdctl <stage>` installs them before it restores or
+        # compiles anything; a Loop run on its own installs them for its run.
+        return runtime.stop_signals()
 
-        old = {}
-        try:
-            for s in (signal.SIGTERM, signal.SIGINT):
-                old[s] = signal.signal(s, handler)
-        except ValueError:  # not the main thread: no signal handling
-            pass
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+    def _stopping(self) -> bool:
+        if self._signal is None:
+            self._signal = runtime.stop_requested()
+        return self._signal is not None
 
     # ---- run -----------------------------------------------------------------------------
     def run(self) -> LoopResult:
         # The handlers stay installed until the stop checkpoint and the final state are
         # written: a second SIGTERM/SIGINT must not cut that save short.
         with self._signals():
-            return self._run()
+            try:
+                return self._run()
+            except PdctlError:
+                raise  # Interrupted, StageFailed, and user errors: already said and written
+            except Exception as e:  # an XLA error, out of memory, a failing data source, ...
+                self._fail(self._step, describe_exception(self.stage, e), cause=e)
 
     def _run(self) -> LoopResult:
         end = self.total_steps if self.until is None else min(self.until, self.total_steps)
-        compiled = self.compile()
+        step = self._step = self.start_step
+        self._t_start = t_start = time.perf_counter()
+        state = self.state
+        self.state = None  # the loop owns the (donated) state from here on
+        if self._stopping():  # stopped while restoring: save where it stands, compile nothing
+            return self._finish(step, state, {}, {}, None)
+        compiled = self.compile(state)
         self.on_state(
             status="running",
             compile_s={"step": round(self.compile_s, 3)},
             flops_per_step=self.flops_per_step,
         )
-        step = self.start_step
         last_metrics: dict[str, float] = {}
         last_eval: dict[str, Any] = {}
         donation_fraction = None
-        t_start = time.perf_counter()
+        t_start = self._t_start = time.perf_counter()
         t_log, steps_since_log = time.perf_counter(), 0
-        state = self.state
-        self.state = None  # the loop owns the (donated) state from here on
         progress = Progress(
             TextColumn(f"[bold]{self.stage}"),
             BarColumn(),
@@ -213,10 +224,11 @@ class Loop:
             disable=not self.console.is_terminal,
         )
         tracing = False
+        # (step, its max_bad_run) of the steps dispatched but not yet checked.
         inflight: collections.deque = collections.deque()
         with progress:
             task = progress.add_task(self.stage, total=end, completed=step, info="")
-            while step < end and self._signal is None:
+            while step < end and not self._stopping():
                 if self.profile and step == self.profile[0] and self.profile_dir:
                     jax.profiler.start_trace(str(self.profile_dir))
                     tracing = True
@@ -226,58 +238,80 @@ class Loop:
                     before = donation.buffer_bytes_by_ptr(state)
                 with jax.transfer_guard_device_to_host("disallow"):
                     state, metrics = compiled(*self.frozen, state, batch)
-                    # Run at most MAX_AHEAD steps ahead of the devices: waiting (not copying)
-                    # on an older step's scalar keeps the queue bounded, which XLA's CPU
-                    # runtime needs with several simulated devices (unbounded queues of
-                    # collective programs can deadlock its rendezvous) and costs nothing
-                    # while the device is the bottleneck.
-                    inflight.append(metrics["max_bad_run"])
-                    if len(inflight) > MAX_AHEAD:
-                        inflight.popleft().block_until_ready()
+                step += 1
+                self._step = step
+                inflight.append((step, metrics["max_bad_run"]))
+                # Run at most MAX_AHEAD steps ahead of the devices, and check every step's
+                # bad-step count as it completes: waiting on (then reading 4 bytes of) a step
+                # that is MAX_AHEAD behind costs nothing while the device is the bottleneck,
+                # keeps the queue bounded (XLA's CPU runtime needs that with several simulated
+                # devices: unbounded queues of collective programs can deadlock its
+                # rendezvous), and stops a run of bad steps at max_bad_steps exactly, not at
+                # the next logging point.
+                if len(inflight) > MAX_AHEAD:
+                    self._check_bad_steps(*inflight.popleft(), last_metrics)
                 if check:
                     donation_fraction, missed = donation.reused_fraction(before, state)
                     donation.report(self.stage, donation_fraction, missed, echo=self.echo)
-                step += 1
                 steps_since_log += 1
                 if tracing and step >= self.profile[1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
                     tracing = False
-                if step % self.log_every == 0 or step == end:
-                    last_metrics = self._log(step, metrics, t_log, steps_since_log)
-                    t_log, steps_since_log = time.perf_counter(), 0
-                    progress.update(task, completed=step, info=self._info(last_metrics))
-                    if last_metrics.get("max_bad_run", 0) >= self.max_bad_steps:
-                        self._fail_bad_steps(step, last_metrics, t_start)
-                if (
+                log_due = step % self.log_every == 0 or step == end
+                eval_due = bool(
                     self.eval_fn
                     and self.eval_every
                     and (step % self.eval_every == 0 or step == self.total_steps)
-                ):
-                    last_eval = self.eval_fn(state)
-                    self._log_eval(step, last_eval)
-                if step % self.checkpoint_every == 0 or step == end:
+                )
+                ckpt_due = step % self.checkpoint_every == 0 or step == end
+                if log_due:
+                    last_metrics = self._log(step, metrics, t_log, steps_since_log)
+                    t_log, steps_since_log = time.perf_counter(), 0
+                    progress.update(task, completed=step, info=self._info(last_metrics))
+                if log_due or eval_due or ckpt_due:
+                    while inflight:  # every step up to here, before anything is evaluated or saved
+                        self._check_bad_steps(*inflight.popleft(), last_metrics)
+                if eval_due or ckpt_due:
+                    self._check_state_finite(step, state, last_metrics)
+                if eval_due:
+                    last_eval = self._evaluate(step, state, last_metrics)
+                if ckpt_due:
                     self._checkpoint(step, state, last_metrics, t_start, status="running")
             if tracing:
                 jax.profiler.stop_trace()
+            while inflight:
+                self._check_bad_steps(*inflight.popleft(), last_metrics)
+        return self._finish(step, state, last_metrics, last_eval, donation_fraction)
+
+    def _finish(
+        self,
+        step: int,
+        state: Any,
+        last_metrics: dict[str, float],
+        last_eval: dict[str, Any],
+        donation_fraction: float | None,
+    ) -> LoopResult:
+        """The end of a run: the evaluation still owed, the stop checkpoint, the final state."""
         if self.eval_fn and self.eval_every and step >= self.total_steps and not last_eval:
             # A resume that found the schedule already complete (a crash after the last
             # checkpoint) still owes the final evaluation.
-            last_eval = self.eval_fn(state)
-            self._log_eval(step, last_eval)
-        interrupted = self._signal is not None
+            self._check_state_finite(step, state, last_metrics)
+            last_eval = self._evaluate(step, state, last_metrics)
+        interrupted = self._stopping()
         self.checkpointer.wait()
         if self.checkpointer.latest_step() != step:  # a signal, or a zero-step stage
-            self._checkpoint(step, state, last_metrics, t_start, status="running")
+            self._check_state_finite(step, state, last_metrics)
+            self._checkpoint(step, state, last_metrics, self._t_start, status="running")
             self.checkpointer.wait()
         done = step >= self.total_steps
         status = "done" if done else "interrupted"
         self._write_state(
             step,
             last_metrics,
-            t_start,
+            self._t_start,
             status=status,
-            eval_=last_eval,
+            eval=last_eval,
             donation_fraction=donation_fraction,
         )
         if interrupted:
@@ -287,6 +321,86 @@ class Loop:
                 "continue with `pdctl resume`"
             )
         return LoopResult(state, step, status, last_metrics, last_eval, donation_fraction)
+
+    # ---- health: nothing non-finite is saved, evaluated or carried on with ----------------
+    def _check_bad_steps(self, step: int, max_bad_run: Any, metrics: dict[str, float]) -> None:
+        n = int(np.asarray(jax.device_get(max_bad_run)))
+        if n >= self.max_bad_steps:
+            self._fail(
+                step,
+                f"{n} consecutive non-finite steps (max_bad_steps = {self.max_bad_steps}) by "
+                f"step {step}",
+                metrics=metrics,
+                hint="Lower the learning rate or check the data.",
+            )
+
+    def _check_state_finite(self, step: int, state: Any, metrics: dict[str, float]) -> None:
+        if self._finite_fn is None:
+            # Replicated out: every process of a multi-host run can read the answer.
+            mesh = next(
+                (
+                    x.sharding.mesh
+                    for x in jax.tree.leaves(state)
+                    if isinstance(getattr(x, "sharding", None), NamedSharding)
+                ),
+                None,
+            )
+            out = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+            self._finite_fn = jax.jit(state_is_finite, out_shardings=out)
+        if not bool(jax.device_get(self._finite_fn(state))):
+            self._fail(
+                step,
+                f"the state is not finite at step {step} (an update overflowed); "
+                "no checkpoint of it was saved",
+                metrics=metrics,
+                hint="Lower the learning rate.",
+            )
+
+    def _evaluate(self, step: int, state: Any, metrics: dict[str, float]) -> dict[str, Any]:
+        try:
+            ev = self.eval_fn(state)
+        except Exception as e:
+            self._fail(step, f"evaluation at step {step} failed ({_one_line(e)})", metrics, cause=e)
+        bad = _non_finite(ev)
+        if bad:
+            self._log_eval(step, ev)
+            self._fail(
+                step,
+                f"evaluation at step {step} is not finite ({', '.join(bad[:3])})",
+                metrics=metrics,
+                hint="Lower the learning rate.",
+            )
+        self._log_eval(step, ev)
+        return ev
+
+    def _fail(
+        self,
+        step: int,
+        reason: str,
+        metrics: dict[str, float] | None = None,
+        hint: str = "",
+        cause: BaseException | None = None,
+    ) -> NoReturn:
+        """Status `failed`, the last good checkpoint kept (every save is checked finite), and
+        one line saying so (exit 1)."""
+        with contextlib.suppress(Exception):  # a save in flight finishes, or is abandoned
+            self.checkpointer.wait()
+        latest = self.checkpointer.latest_step()
+        with contextlib.suppress(Exception):
+            self._write_state(
+                step, metrics or {}, self._t_start, status="failed", error=reason[:300]
+            )
+        if latest is not None:
+            kept = f"the last good checkpoint is step {latest}"
+        else:
+            kept = "no checkpoint of this run was saved"
+            with contextlib.suppress(Exception):
+                prev = self.checkpointer.previous_steps()
+                if prev:
+                    kept += f" (the previous run's, up to step {prev[-1]}, are kept)"
+        raise StageFailed(f"{self.stage}: {reason}; {kept}." + (f" {hint}" if hint else "")) from (
+            cause
+        )
 
     # ---- helpers -------------------------------------------------------------------------
     def _log(self, step: int, metrics: Any, t_log: float, n: int) -> dict[str, float]:
@@ -349,14 +463,49 @@ class Loop:
                 fields[k] = v
         self.on_state(**fields)
 
-    def _fail_bad_steps(self, step: int, metrics: dict[str, float], t_start: float) -> None:
-        self.checkpointer.wait()
-        self._write_state(step, metrics, t_start, status="failed")
-        raise StageFailed(
-            f"{self.stage}: {int(metrics['max_bad_run'])} consecutive non-finite steps "
-            f"(max_bad_steps = {self.max_bad_steps}) by step {step}; the last good checkpoint "
-            f"is step {self.checkpointer.latest_step()}. Lower the learning rate or check the data."
+
+def state_is_finite(state: Any) -> jax.Array:
+    """True when every floating-point leaf of `state` is finite (on the device)."""
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(state)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _non_finite(d: Any, prefix: str = "") -> list[str]:
+    """The keys of an evaluation whose numbers are not finite."""
+    out: list[str] = []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out += _non_finite(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+        return out
+    try:
+        arr = np.asarray(d, dtype=np.float64)
+    except (TypeError, ValueError):
+        return out
+    if not np.all(np.isfinite(arr)):
+        out.append(prefix or "value")
+    return out
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe_exception(stage: str, e: BaseException) -> str:
+    """One line for an unexpected exception in a stage; out of memory says what to change."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        first = " ".join(text.split())[:160]
+        return (
+            f"out of memory ({first}); lower {stage}.batch_size, raise "
+            f"{stage}.grad_accum_steps, or shard over more devices ([mesh])"
         )
+    return f"{_one_line(e)} (PDCTL_TRACEBACK=1 shows where)"
 
 
 def _to_float(v: Any) -> float:
