@@ -6,8 +6,11 @@ one line on stderr and exits 2 (no traceback).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -44,6 +47,8 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except PdctlError as e:
+            if e.__cause__ is not None and os.environ.get("PDCTL_TRACEBACK"):
+                traceback.print_exception(e.__cause__)
             err_console.print(f"error: {e}", markup=False)
             raise typer.Exit(e.exit_code) from None
 
@@ -197,6 +202,27 @@ def _stage_project(ctx: typer.Context):
     return proj
 
 
+@contextlib.contextmanager
+def _stopping_cleanly():
+    """SIGTERM/SIGINT from here on ask the stage to stop with a checkpoint (exit 3) instead of
+    killing the process: installed before JAX is imported, the run restored or compiled."""
+    from pdctl.engine.runtime import stop_signals
+
+    with stop_signals():
+        yield
+
+
+def _check_stage_flags(
+    *, until: int | None, resume: bool, fresh: bool, steps: int | None = None
+) -> None:
+    if resume and fresh:
+        raise PdctlError("--resume and --fresh: choose one (continue the stage, or start it over)")
+    if until is not None and until < 1:
+        raise PdctlError(f"--until: must be a step >= 1, got {until}")
+    if steps is not None and steps < 1:
+        raise PdctlError(f"--steps: must be >= 1, got {steps}")
+
+
 def _parse_range(value: str | None, key: str) -> tuple[int, int] | None:
     if not value:
         return None
@@ -235,9 +261,10 @@ Profile = Annotated[
 @_guard
 def init_weights(ctx: typer.Context) -> None:
     """Seeded, sharded init of the target, the components (V/U), CI functions and sources."""
-    from pdctl.stages import init_weights as stage
+    with _stopping_cleanly():
+        from pdctl.stages import pipeline
 
-    out = stage.run(_stage_project(ctx))
+        out = pipeline.run_stage(_stage_project(ctx), "init_weights")
     total = sum(out["compile_s"].values())
     console.print(
         f"init_weights: done ({out['param_count']:,} target parameters, "
@@ -256,12 +283,20 @@ def pretrain(
     profile_steps: Profile = None,
 ) -> None:
     """Train the target model (AdamW + schedule from [pretrain])."""
-    from pdctl.stages import pretrain as stage
-
+    _check_stage_flags(until=until, resume=resume, fresh=fresh, steps=steps)
     profile = _parse_range(profile_steps, "--profile-steps")
-    result = stage.run(
-        _stage_project(ctx), steps=steps, until=until, resume=resume, fresh=fresh, profile=profile
-    )
+    with _stopping_cleanly():
+        from pdctl.stages import pipeline
+
+        result = pipeline.run_stage(
+            _stage_project(ctx),
+            "pretrain",
+            steps=steps,
+            until=until,
+            resume=resume,
+            fresh=fresh,
+            profile=profile,
+        )
     _done_line("pretrain", result)
 
 
@@ -275,12 +310,14 @@ def warmup(
     profile_steps: Profile = None,
 ) -> None:
     """Faithfulness warmup of the components (V/U) toward the pretrained target weights."""
-    from pdctl.stages import warmup as stage
-
+    _check_stage_flags(until=until, resume=resume, fresh=fresh)
     profile = _parse_range(profile_steps, "--profile-steps")
-    result = stage.run(
-        _stage_project(ctx), until=until, resume=resume, fresh=fresh, profile=profile
-    )
+    with _stopping_cleanly():
+        from pdctl.stages import pipeline
+
+        result = pipeline.run_stage(
+            _stage_project(ctx), "warmup", until=until, resume=resume, fresh=fresh, profile=profile
+        )
     _done_line("warmup", result)
 
 
@@ -294,12 +331,14 @@ def train(
     profile_steps: Profile = None,
 ) -> None:
     """Stochastic Parameter Decomposition training (the full SPD step of [train])."""
-    from pdctl.stages import train as stage
-
+    _check_stage_flags(until=until, resume=resume, fresh=fresh)
     profile = _parse_range(profile_steps, "--profile-steps")
-    result = stage.run(
-        _stage_project(ctx), until=until, resume=resume, fresh=fresh, profile=profile
-    )
+    with _stopping_cleanly():
+        from pdctl.stages import pipeline
+
+        result = pipeline.run_stage(
+            _stage_project(ctx), "train", until=until, resume=resume, fresh=fresh, profile=profile
+        )
     _done_line("train", result)
     _print_eval(result.eval)
 
@@ -321,10 +360,11 @@ def _print_eval(ev: dict) -> None:
 @_guard
 def run_pipeline(ctx: typer.Context) -> None:
     """Run init-weights → pretrain → warmup → train, skipping what is done and not stale."""
-    from pdctl.stages import pipeline
+    with _stopping_cleanly():
+        from pdctl.stages import pipeline
 
-    proj = _stage_project(ctx)
-    pipeline.run_all(proj, echo=lambda s: console.print(s, markup=False))
+        proj = _stage_project(ctx)
+        pipeline.run_all(proj, echo=lambda s: console.print(s, markup=False))
     console.print(pipeline.summary(proj), markup=False)
 
 
@@ -332,9 +372,10 @@ def run_pipeline(ctx: typer.Context) -> None:
 @_guard
 def resume(ctx: typer.Context) -> None:
     """Continue the interrupted (or crashed) stage from its latest checkpoint, to the end."""
-    from pdctl.stages import pipeline
+    with _stopping_cleanly():
+        from pdctl.stages import pipeline
 
-    stage, result = pipeline.resume(_stage_project(ctx))
+        stage, result = pipeline.resume(_stage_project(ctx))
     _done_line(stage, result)
 
 

@@ -5,6 +5,7 @@ They live at the repository root and ship inside the wheel as `pdctl/templates`.
 
 from __future__ import annotations
 
+import os
 import re
 import string
 from importlib import resources
@@ -47,6 +48,11 @@ def create_run(name: str, template: str, parent: Path) -> Path:
             f"NAME: {name!r} is not a plain directory name (letters, digits, '.', '_', '-'; no '/')"
         )
     run = parent / name
+    if run.is_symlink() and not run.exists():
+        raise PdctlError(
+            f"NAME: {run} is a symlink to {os.readlink(run)}, which does not exist; "
+            "create its target or pick another name"
+        )
     if run.exists() and (not run.is_dir() or any(run.iterdir())):
         raise PdctlError(f"NAME: {run} already exists and is not empty; pick another name")
     src = templates_root() / template
@@ -56,7 +62,10 @@ def create_run(name: str, template: str, parent: Path) -> Path:
     readme = string.Template((src / "README.md").read_text(encoding="utf-8"))
     readme = readme.safe_substitute(name=name)
     Project.from_text(run / PROJECT_FILE, toml_bytes.decode("utf-8"))  # a template must be valid
-    run.mkdir(parents=True, exist_ok=True)
-    (run / PROJECT_FILE).write_bytes(toml_bytes)
-    (run / "README.md").write_text(readme, encoding="utf-8")
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / PROJECT_FILE).write_bytes(toml_bytes)
+        (run / "README.md").write_text(readme, encoding="utf-8")
+    except OSError as e:
+        raise PdctlError(f"NAME: cannot create {run} ({e.strerror or e})") from None
     return run

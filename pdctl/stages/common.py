@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
-import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -14,11 +16,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pdctl import __version__
-from pdctl.config import Config
+from pdctl.config import Config, fingerprint, stage_dependencies
 from pdctl.engine import runtime, sharding
-from pdctl.engine.checkpoint import Checkpointer, rematerialize
+from pdctl.engine.checkpoint import (
+    Checkpointer,
+    CheckpointUnreadable,
+    complete_steps,
+    read_meta,
+    rematerialize,
+)
+from pdctl.engine.loop import Interrupted, describe_exception
 from pdctl.engine.tracking import JsonlWriter, Tracker, make_tracker
-from pdctl.errors import PdctlError
+from pdctl.errors import PdctlError, StageFailed
 from pdctl.project import Project
 from pdctl.science.targets import Target, build_target
 
@@ -69,6 +78,12 @@ class StageEnv:
     stage: str
     mesh: Mesh
     target: Target
+    requires: tuple[str, ...] = ()
+    # Command-line overrides of config keys ({"pretrain.steps": 3} from `--steps 3`): they enter
+    # the stage's fingerprint and its checkpoints' config, so a run is never taken for another.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    fresh_run: bool = False  # begun with begin(fresh=True): its checkpoints start from none
+    _fresh_ckpt_given: bool = False
 
     @property
     def cfg(self) -> Config:
@@ -87,29 +102,44 @@ class StageEnv:
             if st.get("status") != "done":
                 raise PdctlError(
                     f"{CLI_NAME[stage]} needs {CLI_NAME[req]} first "
-                    f"({req} is {st.get('status', 'pending')}): run `pdctl {CLI_NAME[req]}`"
+                    f"({req} is {st.get('status', 'pending')}): {how_to_finish(project, req)}"
                 )
             if project.is_stale(req):
                 raise PdctlError(
-                    f"{req} is stale (pdctl.toml changed since it ran): rerun "
+                    f"{req} is stale ({stale_reason(project, req)}): rerun "
                     f"`pdctl {CLI_NAME[req]}` before `pdctl {CLI_NAME[stage]}`"
                 )
         project.writer = runtime.is_writer()
         if project.writer:  # held until the process exits: one writer per run directory
             project.acquire_lock()
         mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
-        env = cls(project, stage, mesh, target_from_config(project.config))
+        env = cls(project, stage, mesh, target_from_config(project.config), requires=requires)
         return env
+
+    # ---- the config this stage runs with -------------------------------------------------
+    def effective_config(self) -> Config:
+        cfg = self.cfg
+        for key, value in self.overrides.items():
+            cfg = _override(cfg, key.split("."), value)
+        return cfg
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.effective_config(), self.stage)
+
+    def config_snapshot(self) -> dict[str, Any]:
+        """{dotted key: value} of every config key this stage's result depends on."""
+        return config_snapshot(self.effective_config(), self.stage)
 
     # ---- state ---------------------------------------------------------------------------
     def begin(self, *, fresh: bool, **fields: Any) -> None:
-        """Mark the stage running. A fresh start drops the stage's old checkpoints and metrics."""
-        if fresh and self.project.writer:
-            shutil.rmtree(self.project.checkpoint_dir(self.stage), ignore_errors=True)
-            self.project.metrics_path(self.stage).unlink(missing_ok=True)
-        base = {
+        """Mark the stage running. A fresh start gets a new run id; the previous run's
+        checkpoints stay until the new run has saved one of its own (`Checkpointer(fresh=...)`)
+        and its metrics history is restarted by the loop."""
+        proj = self.project
+        proj.begin_attempt(self.stage)
+        base: dict[str, Any] = {
             "status": "running",
-            "fingerprint": self.project.fingerprint(self.stage),
+            "fingerprint": self.fingerprint(),
             "started_at": _now(),
             "devices": jax.device_count(),
             "processes": jax.process_count(),
@@ -117,11 +147,28 @@ class StageEnv:
             "mesh": sharding.describe_mesh(self.mesh),
             "pdctl_version": __version__,
             "jax_version": jax.__version__,
+            "error": None,
         }
+        if fresh or not proj.stage(self.stage).get("run_id"):
+            base["run_id"] = uuid.uuid4().hex[:12]
         if fresh:
-            self.project.reset_stage(self.stage, **base, **fields)
+            self.fresh_run = True
+            # Which run of each stage this one reads: rerunning one of them makes it stale.
+            upstream = {
+                r: proj.stage(r)["run_id"] for r in self.requires if proj.stage(r).get("run_id")
+            }
+            if upstream:
+                base["upstream"] = upstream
+            proj.reset_stage(self.stage, **base, **fields)
         else:
-            self.project.update_stage(self.stage, **base, **fields)
+            proj.update_stage(self.stage, **base, **fields)
+
+    def run_meta(self) -> dict[str, Any]:
+        """What every checkpoint of this run records besides the arrays."""
+        return {
+            "run_id": self.project.stage(self.stage).get("run_id"),
+            "config": self.config_snapshot(),
+        }
 
     def on_state(self, **fields: Any) -> None:
         compile_s = fields.pop("compile_s", None)
@@ -129,6 +176,8 @@ class StageEnv:
             merged = dict(self.project.stage(self.stage).get("compile_s", {}))
             merged.update(compile_s)
             fields["compile_s"] = merged
+        if fields.get("checkpoint") is not None:
+            self.project.attempt_committed(self.stage)
         self.project.update_stage(self.stage, **fields)
 
     def state_writer(self) -> Callable[..., None]:
@@ -136,8 +185,15 @@ class StageEnv:
 
     # ---- engine pieces -------------------------------------------------------------------
     def checkpointer(self, stage: str | None = None) -> Checkpointer:
+        # The first checkpointer of a fresh run's own directory moves the old checkpoints aside
+        # at its first save; any later one sees the new run's.
+        fresh = stage in (None, self.stage) and self.fresh_run and not self._fresh_ckpt_given
+        if fresh:
+            self._fresh_ckpt_given = True
         return Checkpointer(
-            self.project.checkpoint_dir(stage or self.stage), keep=self.cfg.checkpoint.keep
+            self.project.checkpoint_dir(stage or self.stage),
+            keep=self.cfg.checkpoint.keep,
+            fresh=fresh,
         )
 
     def shardings(self, abstract: Any) -> Any:
@@ -163,52 +219,284 @@ class StageEnv:
         return tr
 
     def restore_items(self, stage: str, names: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """Restore items of `stage`'s latest checkpoint into the given abstract trees (sharded)."""
-        ckpt = self.checkpointer(stage)
-        step = ckpt.latest_step()
-        if step is None:
+        """Restore items of `stage`'s latest checkpoint into the given abstract trees (sharded).
+
+        That checkpoint is `stage`'s result: when it does not restore, an older one would be
+        another result, so this refuses (naming the fix) rather than fall back."""
+        directory = self.project.checkpoint_dir(stage)
+        steps = complete_steps(directory)  # no manager yet: it would create the directory
+        if not steps:
             raise PdctlError(
-                f"{stage} has no checkpoint in {ckpt.directory}; rerun `pdctl {CLI_NAME[stage]}`"
+                f"{stage} has no checkpoint in {directory}; rerun `pdctl {CLI_NAME[stage]}`"
             )
+        step = steps[-1]
+        ckpt = self.checkpointer(stage)
         abstract = {
             k: sharding.abstract_with_shardings(v, self.shardings(v)) for k, v in names.items()
         }
-        items, _ = ckpt.restore(step, abstract)
-        ckpt.close()
+        try:
+            items, _ = ckpt.restore(step, abstract)
+        except Exception as e:
+            raise PdctlError(
+                f"{stage}'s checkpoint {step} does not restore ({_one_line(e)}); rerun "
+                f"`pdctl {CLI_NAME[stage]} --fresh`"
+            ) from None
+        finally:
+            ckpt.close()
         return items, step
 
     def restore_state(
         self, step: int, abstract: dict[str, Any], shardings: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Restore this stage's checkpoint `step` onto the current mesh and make it donatable."""
+        """Restore this stage's checkpoint `step` onto the current mesh and make it donatable.
+
+        When it does not restore (truncated files, a half-copied directory), the newest older
+        checkpoint of the same run that does is used instead, and stderr says which; the
+        unreadable ones move to `checkpoints/<stage>.corrupt/`. `meta["step"]` is where the
+        run continues."""
         ckpt = self.checkpointer()
         target = {k: sharding.abstract_with_shardings(abstract[k], shardings[k]) for k in abstract}
-        items, meta = ckpt.restore(step, target)
-        ckpt.close()
+        steps = [s for s in own_steps(self) if s <= step] or [step]
+        try:
+            got, (items, meta) = ckpt.restore_newest(
+                steps,
+                lambda s: ckpt.restore(s, target),
+                quarantine=self.project.writer,
+                warn=notify,
+            )
+        except CheckpointUnreadable as e:
+            raise PdctlError(
+                f"{self.stage}: no checkpoint restores ({'; '.join(e.errors)[:300]}); start over "
+                f"with `pdctl {CLI_NAME[self.stage]} --fresh`"
+            ) from None
+        finally:
+            ckpt.close()
+        if got != step:
+            notify(f"{self.stage}: resuming from checkpoint {got}, the newest that restores")
+        meta.setdefault("step", got)
         # Restored arrays are not reliably donatable (jax#18617): re-create them as jit outputs.
         return rematerialize(items, shardings), meta
 
 
+def _override(model: Any, parts: list[str], value: Any) -> Any:
+    if len(parts) == 1:
+        return model.model_copy(update={parts[0]: value})
+    return model.model_copy(
+        update={parts[0]: _override(getattr(model, parts[0]), parts[1:], value)}
+    )
+
+
+def config_snapshot(cfg: Config, stage: str) -> dict[str, Any]:
+    dumped = cfg.model_dump(mode="json", by_alias=True)
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}", x)
+        else:
+            out[prefix] = v
+
+    for table in stage_dependencies(stage):
+        walk(table, dumped[table])
+    return out
+
+
+def notify(message: str) -> None:
+    """A line on stderr for the user (what pdctl decided on their behalf)."""
+    print(f"pdctl: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def how_to_finish(project: Project, stage: str) -> str:
+    """What to run so that `stage` ends `done`, as its status stands."""
+    cli = CLI_NAME[stage]
+    status = project.stage(stage).get("status", "pending")
+    if status == "pending":
+        return f"run `pdctl {cli}`"
+    if status == "interrupted":
+        if project.is_stale(stage):
+            return f"its config changed since it stopped, so start it over: `pdctl {cli} --fresh`"
+        return f"continue it with `pdctl {cli} --resume` (or `pdctl resume`)"
+    if status == "running":
+        if project.lock_is_free():
+            return f"it crashed; continue it with `pdctl {cli} --resume` (or `pdctl resume`)"
+        return "it is running in another pdctl process; wait for it to finish"
+    if status == "failed":
+        return (
+            f"it failed; fix the cause and start it over with `pdctl {cli} --fresh`, or "
+            f"continue from its last good checkpoint with `pdctl {cli} --resume`"
+        )
+    return f"run `pdctl {cli}`"
+
+
+def stale_reason(project: Project, stage: str, changed: list[str] | None = None) -> str:
+    """Why `stage` is stale, in words: the upstream stages rerun, or the keys that changed."""
+    rerun = project.rerun_upstream(stage)
+    if rerun:
+        return f"{', '.join(rerun)} ran again since {stage} started"
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return "its config changed: " + ", ".join(changed[:3]) + more
+    return "pdctl.toml differs from the config it ran with"
+
+
+def checkpoint_changes(project: Project, stage: str, step: int) -> list[str]:
+    """The config keys that differ between checkpoint `step` of `stage` and pdctl.toml now."""
+    meta = read_meta(project.checkpoint_dir(stage), step) or {}
+    return changed_keys(meta.get("config"), config_snapshot(project.config, stage))
+
+
+def changed_keys(before: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """`key (old → new)` for every key whose value differs (added or removed ones included)."""
+    if not before:
+        return []
+    out = []
+    for k in sorted(set(before) | set(now), key=lambda k: (k not in now, k)):
+        a, b = before.get(k, "<unset>"), now.get(k, "<unset>")
+        if a != b:
+            out.append(f"{k} ({a!r} → {b!r})")
+    return out
+
+
+def own_steps(env: StageEnv) -> list[int]:
+    """The complete checkpoints that belong to the stage's current run (its run id), oldest
+    first. Checkpoints a fresh run has not yet replaced, and those of older runs, are not the
+    current run's progress and are never resumed from."""
+    run_id = env.project.stage(env.stage).get("run_id")
+    directory = env.project.checkpoint_dir(env.stage)
+    steps = complete_steps(directory)
+    if not run_id:
+        return steps
+    out = []
+    for s in steps:
+        meta = read_meta(directory, s)
+        # Unreadable meta: keep it, the restore decides (and falls back if it must).
+        if meta is None or meta.get("run_id") in (None, run_id):
+            out.append(s)
+    return out
+
+
 def resume_point(env: StageEnv, *, resume: bool, fresh: bool) -> int | None:
-    """The checkpoint step to continue from, or None to start fresh; refuses to drop progress."""
+    """The checkpoint step to continue from, or None to start fresh; refuses to drop progress
+    and to continue a run under a config other than the one it started with."""
     stage, cli = env.stage, CLI_NAME[env.stage]
+    if resume and fresh:
+        raise PdctlError("--resume and --fresh: choose one (continue the stage, or start it over)")
+    if fresh:
+        return None
     st = env.project.stage(stage)
     status = st.get("status", "pending")
-    latest = env.checkpointer().latest_step() if status != "pending" else None
+    latest = None
+    if status != "pending":
+        steps = own_steps(env)
+        latest = steps[-1] if steps else None
     if resume:
         if status == "done":
             raise PdctlError(
                 f"{stage} is done; nothing to resume (`pdctl {cli} --fresh` reruns it)"
             )
+        if status == "pending":
+            raise PdctlError(f"{stage} has not started; nothing to resume: run `pdctl {cli}`")
         if latest is None:
-            raise PdctlError(f"{stage} has no checkpoint to resume from; run `pdctl {cli}`")
+            how = {"running": "crashed", "failed": "failed"}.get(status, "stopped")
+            notify(f"{stage}: its last run {how} before its first checkpoint; starting it over")
+            return None
+        refuse_if_stale(env, latest)
         return latest
-    if status in ("interrupted", "running", "failed") and latest is not None and not fresh:
+    if status in ("interrupted", "running", "failed") and latest is not None:
+        refuse_if_stale(env, latest)
         raise PdctlError(
             f"{stage} stopped at step {latest} ({status}); continue it with "
             f"`pdctl {cli} --resume` or start over with `pdctl {cli} --fresh`"
         )
     return None
+
+
+def is_stale_run(env: StageEnv) -> bool:
+    """The stage's current run began under another config (`--steps` included) or read from
+    a run of an earlier stage that has since been replaced."""
+    st = env.project.stage(env.stage)
+    return bool(env.project.rerun_upstream(env.stage)) or st.get("fingerprint") != env.fingerprint()
+
+
+def refuse_if_stale(env: StageEnv, latest: int) -> None:
+    """Continuing `env.stage` from checkpoint `latest` would mix two configs (or two upstream
+    results): refuse, naming what changed and the two ways on."""
+    if not is_stale_run(env):
+        return
+    stage, cli = env.stage, CLI_NAME[env.stage]
+    meta = read_meta(env.project.checkpoint_dir(stage), latest) or {}
+    changed = changed_keys(meta.get("config"), env.config_snapshot())
+    reason = stale_reason(env.project, stage, changed)
+    undo = "" if env.project.rerun_upstream(stage) else ", or restore the config to continue it"
+    raise PdctlError(
+        f"{stage} is stale, so it cannot continue from step {latest} ({reason}); start over "
+        f"with `pdctl {cli} --fresh`{undo}"
+    )
+
+
+@contextlib.contextmanager
+def guarded(project: Project, stage: str) -> Iterator[None]:
+    """Run one stage so that every way it can end keeps the README's promises.
+
+    SIGTERM/SIGINT are turned into a clean stop from the start (imports, restore, compile
+    included). A user mistake found after the stage began (exit 2) puts its state back as it
+    was; any other failure leaves status `failed` and one line (exit 1), never `running`."""
+    with runtime.stop_signals():
+        try:
+            yield
+        except (Interrupted, StageFailed):
+            _mark_failed(project, stage, None)
+            raise
+        except PdctlError:
+            _roll_back(project, stage)
+            raise
+        except Exception as e:
+            line = describe_exception(stage, e)
+            _mark_failed(project, stage, line)
+            raise StageFailed(f"{stage}: {line}") from e
+        finally:
+            project.attempts.pop(stage, None)
+        signum = runtime.stop_requested()
+        if signum is not None:
+            import signal
+
+            raise Interrupted(
+                f"{stage}: stopped by {signal.Signals(signum).name} after it finished "
+                f"({project.stage(stage).get('status', 'pending')})"
+            )
+
+
+def _mark_failed(project: Project, stage: str, error: str | None) -> None:
+    """A stage this process began and left `running` ends `failed`."""
+    if stage not in project.attempts or not project.writer:
+        return
+    if project.stage(stage).get("status") == "running":
+        with contextlib.suppress(Exception):
+            project.update_stage(stage, status="failed", error=(error or "")[:300] or None)
+
+
+def _roll_back(project: Project, stage: str) -> None:
+    """Undo this process's writes to `stage`'s state after a user mistake: nothing written."""
+    attempt = project.attempts.get(stage)
+    if attempt is None or not project.writer:
+        return
+    if attempt["ckpt"]:  # it got as far as a checkpoint: keep that, say it failed
+        _mark_failed(project, stage, "stopped by an input error")
+        return
+    before = attempt["before"]
+    with contextlib.suppress(Exception):
+        if before:
+            project.state[stage] = before
+        else:
+            project.state.pop(stage, None)
+        project.save_state()
 
 
 def text_batches(env: StageEnv, batch_size: int, *, seed: int, state: Any, sharding):
@@ -279,7 +567,8 @@ def run_loop(
     from pdctl.engine.loop import Loop
 
     jsonl = env.jsonl()
-    jsonl.truncate_after(start)
+    # A fresh run starts its metrics history over; a resumed one re-logs what follows `start`.
+    jsonl.truncate_after(-1 if env.fresh_run else start)
     tracker = env.tracker()
     target = env.target
     is_text = target.output_kind == "logits"
@@ -309,6 +598,7 @@ def run_loop(
             peak_flops=peak_flops(env.cfg),
             profile=profile,
             profile_dir=env.project.profiles_dir / env.stage,
+            meta=env.run_meta() if isinstance(env.project, Project) else {},
         ).run()
     finally:
         tracker.finish()

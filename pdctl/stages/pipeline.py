@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,11 +10,11 @@ import jax
 import numpy as np
 
 from pdctl.config import STAGES
-from pdctl.engine.checkpoint import Checkpointer
+from pdctl.engine.checkpoint import Checkpointer, complete_steps
 from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
 from pdctl.project import Project
-from pdctl.stages.common import CLI_NAME
+from pdctl.stages.common import CLI_NAME, checkpoint_changes, guarded, stale_reason
 
 
 def _stage_module(stage: str):
@@ -30,26 +31,102 @@ def resumable(project: Project, stage: str) -> bool:
     return status == "interrupted" or (status == "running" and project.lock_is_free())
 
 
-def run_all(project: Project, echo=print) -> dict[str, Any]:
-    """init-weights → pretrain → warmup → train: skip stages that are done and not stale,
-    continue an interrupted one, (re)run the rest."""
-    results: dict[str, Any] = {}
+def run_stage(project: Project, stage: str, **kwargs: Any) -> Any:
+    """One stage, guarded: a clean stop on SIGTERM/SIGINT from its first instruction, `failed`
+    and one line for any failure, its state put back after a user mistake."""
+    with guarded(project, stage):
+        return _stage_module(stage).run(project, **kwargs)
+
+
+def plan(project: Project) -> list[tuple[str, str]]:
+    """[(stage, "skip" | "run" | "resume" | "fresh")] for `pdctl run`, after checking every
+    stage's config, so that a mistake in a later stage is found before anything is written.
+
+    A stage with progress (interrupted, or crashed, with a checkpoint) that would have to
+    start over is refused: `pdctl run` never drops a stage's progress silently."""
+    check_configs(project)
+    out: list[tuple[str, str]] = []
     rerun_downstream = False
     for stage in STAGES:
         st = project.stage(stage)
-        done = st.get("status") == "done" and not project.is_stale(stage)
-        if done and not rerun_downstream:
+        stale = project.is_stale(stage)
+        if st.get("status") == "done" and not stale and not rerun_downstream:
+            out.append((stage, "skip"))
+            continue
+        if stage == "init_weights":
+            action = "run"
+        elif resumable(project, stage) and not stale and not rerun_downstream:
+            action = "resume"
+        else:
+            action = "fresh"
+            latest = _progress(project, stage)
+            if latest is not None:
+                cli = CLI_NAME[stage]
+                if not stale:
+                    why, undo = "a stage before it runs again first", ""
+                elif project.rerun_upstream(stage):
+                    why, undo = stale_reason(project, stage), ""
+                else:
+                    changed = checkpoint_changes(project, stage, latest)
+                    why = stale_reason(project, stage, changed)
+                    undo = ", or restore the config and `pdctl run` continues it"
+                raise PdctlError(
+                    f"run: {stage} stopped at step {latest} ({st.get('status')}) and would have "
+                    f"to start over ({why}); start it over with `pdctl {cli} --fresh`{undo}"
+                )
+        out.append((stage, action))
+        rerun_downstream = True  # a stage that ran changes every stage after it
+    return out
+
+
+def _progress(project: Project, stage: str) -> int | None:
+    """The step of an interrupted (or crashed) stage's latest checkpoint, if it has one."""
+    if not resumable(project, stage):
+        return None
+    steps = complete_steps(project.checkpoint_dir(stage))
+    return steps[-1] if steps else None
+
+
+def check_configs(project: Project) -> None:
+    """Every stage's config against the target and the mesh (site patterns, batch sizes that
+    split over the devices and micro-batches, the text file): the checks a stage would make
+    only once the stages before it had run."""
+    from pdctl.engine import sharding
+    from pdctl.stages.common import target_from_config
+    from pdctl.stages.init_weights import decomposed_sites
+
+    cfg = project.config
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+    target = target_from_config(cfg)
+    decomposed_sites(cfg, target)
+    if cfg.target.kind != "hf":  # an imported model is not pretrained
+        sharding.check_batch_divides(
+            cfg.pretrain.batch_size, mesh, "pretrain.batch_size", cfg.pretrain.grad_accum_steps
+        )
+    sharding.check_batch_divides(
+        cfg.train.batch_size, mesh, "train.batch_size", cfg.train.grad_accum_steps
+    )
+    if target.output_kind == "logits" and cfg.data.path:
+        path = (project.root / cfg.data.path).expanduser()
+        if not path.exists():
+            raise PdctlError(f"data.path: nothing at {path}")
+
+
+def run_all(project: Project, echo=print) -> dict[str, Any]:
+    """init-weights → pretrain → warmup → train: skip stages that are done and not stale,
+    continue an interrupted one, (re)run the rest. Everything is checked first."""
+    results: dict[str, Any] = {}
+    for stage, action in plan(project):
+        if action == "skip":
             echo(f"{stage}: done, skipped")
             continue
-        mod = _stage_module(stage)
-        if stage == "init_weights":
-            results[stage] = mod.run(project)
-        elif resumable(project, stage) and not project.is_stale(stage) and not rerun_downstream:
+        if action == "resume":
             echo(f"{stage}: resuming from its latest checkpoint")
-            results[stage] = mod.run(project, resume=True)
+            results[stage] = run_stage(project, stage, resume=True)
+        elif action == "fresh":
+            results[stage] = run_stage(project, stage, fresh=True)
         else:
-            results[stage] = mod.run(project, fresh=True)
-        rerun_downstream = True  # a stage that ran changes every stage after it
+            results[stage] = run_stage(project, stage)
         echo(
             f"{stage}: {project.stage(stage).get('status')} at step "
             f"{project.stage(stage).get('step')}"
@@ -60,7 +137,7 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
 def resume(project: Project) -> tuple[str, Any]:
     for stage in STAGES[1:]:
         if resumable(project, stage):
-            return stage, _stage_module(stage).run(project, resume=True)
+            return stage, run_stage(project, stage, resume=True)
     raise PdctlError(
         "nothing to resume: no stage is interrupted (see `pdctl status`); "
         "start one with `pdctl run`"
@@ -105,6 +182,16 @@ def export(project: Project, stage: str | None, out: Path) -> dict[str, tuple[in
         raise PdctlError(f"--stage: {stage} is not done; run `pdctl {CLI_NAME[stage]}` first")
     if out.suffix != ".npz":
         raise PdctlError(f"--out: {out} must end in .npz")
+    try:
+        if out.is_dir():
+            raise PdctlError(f"--out: {out} is a directory; name a file, e.g. {out / 'arrays.npz'}")
+        for parent in out.absolute().parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise PdctlError(f"--out: {parent} is a file, not a directory")
+                break
+    except OSError as e:
+        raise PdctlError(f"--out: cannot write {out} ({e.strerror or e})") from None
     arrays: dict[str, np.ndarray] = {}
     if stage in ("warmup", "train"):  # the target they decomposed
         arrays.update(_load(project, "pretrain", ("params",), rename={"params": "target"}))
@@ -113,8 +200,17 @@ def export(project: Project, stage: str | None, out: Path) -> dict[str, tuple[in
     )
     if stage == "warmup":
         arrays.update(_load(project, "init_weights", ("ci_fns", "sources")))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(out, **arrays)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Temp file + rename: never a half-written .npz under the name asked for.
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.npz")
+        try:
+            np.savez(tmp, **arrays)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise PdctlError(f"--out: cannot write {out} ({e.strerror or e})") from None
     return {k: tuple(v.shape) for k, v in arrays.items()}
 
 
@@ -123,8 +219,16 @@ def _load(project: Project, stage: str, names, rename) -> dict[str, np.ndarray]:
     step = ckpt.latest_step()
     if step is None:
         raise PdctlError(f"{stage} has no checkpoint in {ckpt.directory}")
-    items = ckpt.restore_host(step, list(names))
-    ckpt.close()
+    try:
+        items = ckpt.restore_host(step, list(names))
+    except Exception as e:  # truncated or missing files: orbax/tensorstore errors of all kinds
+        reason = " ".join(str(e).split())[:160] or type(e).__name__
+        raise PdctlError(
+            f"{stage}'s checkpoint {step} does not restore ({type(e).__name__}: {reason}); "
+            f"rerun `pdctl {CLI_NAME[stage]} --fresh`"
+        ) from None
+    finally:
+        ckpt.close()
     flat = {}
     for name, tree in items.items():
         prefix = rename.get(name, name)

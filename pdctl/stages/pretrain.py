@@ -86,7 +86,9 @@ def run(
     cfg = env.cfg
     pc = cfg.pretrain
     target = with_remat(env.target, pc.remat)
-    total = steps or pc.steps
+    total = pc.steps if steps is None else steps
+    if steps is not None:
+        env.overrides["pretrain.steps"] = steps  # `--steps` is part of what this run ran with
     sharding.check_batch_divides(
         pc.batch_size, env.mesh, "pretrain.batch_size", pc.grad_accum_steps
     )
