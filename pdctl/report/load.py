@@ -1,0 +1,342 @@
+"""What a report reads from a run directory: the metrics log, a stage's arrays (host copies,
+no mesh), the evaluation batch the train stage uses, and CI statistics over that batch.
+
+Nothing here writes into the run directory; what cannot be read is returned as a one-line
+reason (the report shows what exists and lists the rest).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from pdctl.config import match_sites
+from pdctl.engine.checkpoint import Checkpointer
+from pdctl.errors import PdctlError
+from pdctl.project import Project
+from pdctl.science.spd import components as comp_mod
+from pdctl.science.spd import evaluate
+from pdctl.stages.common import CLI_NAME, STREAM_TRAIN, stream_key, target_from_config
+
+HIST_BINS = 50
+HIST_EDGES = np.linspace(0.0, 1.0, HIST_BINS + 1)
+# CI values one chunk of the evaluation batch may hold on the host (float32): keeps a large LM
+# report within a few hundred MB whatever eval_batch_size is.
+CHUNK_VALUES = 2**24
+TOP_K = 5  # contexts per component (LMs)
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training log lines, evaluation lines) of a metrics/<stage>.jsonl. A torn last line
+    (a stage writing right now) is skipped, not an error."""
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        (evals if any(k.startswith("eval/") for k in row) else train).append(row)
+    return train, evals
+
+
+# ---- arrays ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Decomposition:
+    """A decomposition on the host: the target and its trained parameters, every site's
+    components (tied sites expanded) and the CI functions, from checkpoint `step` of `stage`."""
+
+    target: Any
+    params: Any
+    components: dict[str, dict[str, np.ndarray]]
+    ci_fns: dict[str, Any]
+    stage: str
+    step: int
+    site_C: dict[str, int] = field(default_factory=dict)
+
+
+def _host(tree: Any) -> Any:
+    return jax.tree.map(np.asarray, tree)
+
+
+def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, Any], int]:
+    """Items of `stage`'s latest complete checkpoint, as saved (no shardings), on the host."""
+    directory = project.checkpoint_dir(stage)
+    if not directory.is_dir():  # Checkpointer would create it: a report writes nothing there
+        raise LookupError(f"{stage} has no checkpoint (run `pdctl {CLI_NAME[stage]}`)")
+    ckpt = Checkpointer(directory, keep=project.config.checkpoint.keep)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise LookupError(f"{stage} has no complete checkpoint in {directory}")
+        try:
+            return _host(ckpt.restore_host(step, names)), step
+        except Exception as e:  # orbax raises many kinds; the report lists it and goes on
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise LookupError(f"{stage} checkpoint {step} is unreadable ({reason})") from None
+    finally:
+        ckpt.close()
+
+
+def target_params(project: Project, target: Any) -> Any:
+    """The decomposed target's parameters: pretrain's latest checkpoint, or for an imported
+    Hugging Face model its safetensors (onto the first device)."""
+    pre = project.stage("pretrain")
+    if pre.get("status") == "imported":
+        from pdctl.science.targets.hf_load import load_hf_params
+
+        abstract = jax.eval_shape(target.init, jax.random.PRNGKey(0))
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        params, _ = load_hf_params(pre["source"], target, jax.tree.map(lambda _: one, abstract))
+        return _host(params)
+    items, _ = _restore(project, "pretrain", ["params"])
+    return items["params"]
+
+
+def load_decomposition(project: Project, stage: str) -> Decomposition:
+    """The decomposition as `stage` (warmup or train) left it in its latest checkpoint; the
+    warmup stage's CI functions are init-weights' (warmup does not train them). Raises
+    LookupError with a one-line reason when something is not there."""
+    cfg = project.config
+    target = target_from_config(cfg)
+    site_C = match_sites(cfg, target.site_paths())
+    paths = tuple(p for p in target.site_paths() if p in site_C)
+    params = target_params(project, target)
+    if stage == "train":
+        items, step = _restore(project, "train", ["trainable"])
+        free, ci_fns = items["trainable"]["components"], items["trainable"]["ci_fns"]
+    elif stage == "warmup":
+        items, step = _restore(project, "warmup", ["components"])
+        free = items["components"]
+        ci_fns = _restore(project, "init_weights", ["ci_fns"])[0]["ci_fns"]
+    else:
+        raise ValueError(f"no decomposition in stage {stage!r}")
+    ties = comp_mod.component_ties(target.tied_sites(), site_C)
+    comps = comp_mod.expand_tied(free, ties, paths)
+    return Decomposition(target, params, comps, ci_fns, stage, step, dict(site_C))
+
+
+# ---- the evaluation batch --------------------------------------------------------------------
+
+
+def eval_inputs(project: Project, target: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """(inputs, tokens) of the batch the train stage evaluates on (`train.make_eval`): for toys
+    `target.make_batch` from the same key (tokens None); for LMs the first batch of the text
+    pipeline with seed `run.seed + 1` (tokens: (B, T + 1), inputs their first T)."""
+    cfg = project.config
+    n = cfg.train.eval_batch_size
+    if target.output_kind != "logits":
+        key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
+        batch = jax.jit(lambda k: target.make_batch(k, n))(key)
+        return np.asarray(target.inputs(batch)), None
+    from jax.sharding import Mesh
+
+    from pdctl.engine import sharding
+    from pdctl.stages.common import StageEnv, text_batches
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+    env = StageEnv(project, "train", mesh, target)  # a view only: no lock, nothing written
+    it = text_batches(
+        env, n, seed=cfg.run.seed + 1, state=None, sharding=sharding.batch_sharding(mesh, 2)
+    )
+    try:
+        batch = next(it)
+    finally:
+        it.close()
+    tokens = np.asarray(batch["tokens"])
+    return np.asarray(target.inputs({"tokens": tokens})), tokens
+
+
+# ---- CI statistics over the evaluation batch -------------------------------------------------
+
+
+@dataclass
+class CiStats:
+    """Per site, over every input (and position) of the evaluation batch: a histogram of the
+    CI values (`HIST_EDGES`), how often each component's CI is above the threshold, whether it
+    ever is (`alive`), the mean L0, and for LMs the `TOP_K` largest CI values per component
+    with their flat (example * T + position) indices."""
+
+    n_inputs: int = 0
+    hist: dict[str, np.ndarray] = field(default_factory=dict)
+    active: dict[str, np.ndarray] = field(default_factory=dict)
+    alive: dict[str, np.ndarray] = field(default_factory=dict)
+    l0_sum: dict[str, float] = field(default_factory=dict)
+    top_vals: dict[str, np.ndarray] = field(default_factory=dict)
+    top_pos: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def density(self) -> dict[str, np.ndarray]:
+        return {s: a / max(self.n_inputs, 1) for s, a in self.active.items()}
+
+    def l0(self) -> dict[str, float]:
+        return {s: v / max(self.n_inputs, 1) for s, v in self.l0_sum.items()}
+
+
+def chunk_plan(dec: Decomposition, inputs: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) rows of the evaluation batch per chunk: one chunk's CI (every site, every
+    position) holds at most `CHUNK_VALUES` floats."""
+    n = inputs.shape[0]
+    positions = inputs.shape[1] if dec.target.output_kind == "logits" else 1
+    per_example = positions * sum(dec.site_C.get(s, 0) for s in dec.components)
+    size = max(1, min(n, CHUNK_VALUES // max(per_example, 1)))
+    return [(start, min(n, start + size)) for start in range(0, n, size)]
+
+
+def _merge_top(vals, pos, new_vals, new_pos, k):
+    if vals is not None:
+        new_vals = np.concatenate([vals, new_vals])
+        new_pos = np.concatenate([pos, new_pos])
+    if new_vals.shape[0] > k:
+        idx = np.argpartition(-new_vals, k - 1, axis=0)[:k]
+        new_vals = np.take_along_axis(new_vals, idx, axis=0)
+        new_pos = np.take_along_axis(new_pos, idx, axis=0)
+    order = np.argsort(-new_vals, axis=0, kind="stable")
+    return np.take_along_axis(new_vals, order, axis=0), np.take_along_axis(new_pos, order, axis=0)
+
+
+def ci_stats(
+    dec: Decomposition,
+    cfg: Any,
+    inputs: np.ndarray,
+    top_k: int = 0,
+    on_chunk: Callable[[], None] | None = None,
+) -> CiStats:
+    """Stream the evaluation batch through `evaluate.compute_ci_jit` in chunks sized so that
+    one chunk's CI fits `CHUNK_VALUES` floats (every chunk padded to the same shape: one
+    compile), accumulating `CiStats`."""
+    thr = cfg.decomp.ci_threshold
+    positions = inputs.shape[1] if dec.target.output_kind == "logits" else 1
+    chunks = chunk_plan(dec, inputs)
+    size = chunks[0][1] - chunks[0][0]
+    out = CiStats()
+    for start, stop in chunks:
+        x = inputs[start:stop]
+        if x.shape[0] < size:  # pad the last chunk to the common shape, drop the padding below
+            pad = np.zeros((size - x.shape[0], *x.shape[1:]), x.dtype)
+            x = np.concatenate([x, pad])
+        ci_lower, _ = evaluate.compute_ci_jit(
+            dec.target, dec.params, dec.components, dec.ci_fns, cfg, x
+        )
+        valid = stop - start
+        ci_lower = {s: np.asarray(c, np.float32)[:valid] for s, c in ci_lower.items()}
+        alive = evaluate.alive(ci_lower, thr)
+        l0 = evaluate.l0(ci_lower, thr)
+        n_here = int(np.prod(next(iter(ci_lower.values())).shape[:-1]))
+        for s, c in ci_lower.items():
+            flat = c.reshape(-1, c.shape[-1])
+            h, _ = np.histogram(np.clip(flat, 0.0, 1.0), bins=HIST_EDGES)
+            out.hist[s] = out.hist.get(s, 0) + h
+            out.active[s] = out.active.get(s, 0) + (flat > thr).sum(axis=0)
+            out.alive[s] = out.alive.get(s, False) | np.asarray(alive[s])
+            out.l0_sum[s] = out.l0_sum.get(s, 0.0) + float(l0[s]) * n_here
+            if top_k:
+                k = min(top_k, flat.shape[0])
+                pos = np.arange(flat.shape[0])[:, None] + start * positions
+                pos = np.broadcast_to(pos, flat.shape)
+                idx = np.argpartition(-flat, k - 1, axis=0)[:k]
+                v, p = np.take_along_axis(flat, idx, 0), np.take_along_axis(pos, idx, 0)
+                out.top_vals[s], out.top_pos[s] = _merge_top(
+                    out.top_vals.get(s), out.top_pos.get(s), v, p, top_k
+                )
+        out.n_inputs += n_here
+        if on_chunk is not None:
+            on_chunk()
+    return out
+
+
+# ---- LM contexts -----------------------------------------------------------------------------
+
+
+def token_decoder(project: Project, target: Any) -> tuple[Callable[[list[int]], str], str]:
+    """(decode(token ids) -> text, how). Byte-level targets decode bytes; an imported Hugging
+    Face model uses its tokenizer.json; anything else shows the ids."""
+    if getattr(target, "vocab_size", None) == 256 and target.kind == "llama_mlp":
+        return (lambda ids: bytes(int(t) for t in ids).decode("utf-8", errors="replace")), "bytes"
+    source = project.stage("pretrain").get("source")
+    if source and (Path(source) / "tokenizer.json").is_file():
+        try:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(Path(source) / "tokenizer.json"))
+            return (lambda ids: tok.decode([int(t) for t in ids], skip_special_tokens=False)), (
+                "tokenizer.json"
+            )
+        except Exception:  # a tokenizer that cannot be read: fall back to ids, say so
+            pass
+    return (lambda ids: "".join(f"⟨{int(t)}⟩" for t in ids)), "token ids (no decoder)"
+
+
+def top_contexts(
+    stats: CiStats,
+    tokens: np.ndarray,
+    decode: Callable[[list[int]], str],
+    n_components: int = 8,
+    before: int = 24,
+    after: int = 8,
+) -> dict[str, list[dict[str, Any]]]:
+    """Per site, the `n_components` components most often above the threshold, each with its
+    top contexts: text before, the token (highlighted in the page), text after, and its CI."""
+    T = tokens.shape[1] - 1
+    density = stats.density()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for site, d in density.items():
+        order = [int(c) for c in np.argsort(-d, kind="stable")[:n_components] if d[c] > 0]
+        comps = []
+        for c in order:
+            ctxs = []
+            for v, p in zip(stats.top_vals[site][:, c], stats.top_pos[site][:, c], strict=True):
+                b, t = divmod(int(p), T)
+                row = tokens[b, :T]
+                ctxs.append(
+                    {
+                        "example": b,
+                        "position": t,
+                        "ci": float(v),
+                        "before": decode(row[max(0, t - before) : t].tolist()),
+                        "token": decode([int(row[t])]),
+                        "after": decode(row[t + 1 : t + 1 + after].tolist()),
+                    }
+                )
+            comps.append({"component": c, "density": float(d[c]), "contexts": ctxs})
+        out[site] = comps
+    return out
+
+
+def describe_missing_stage(project: Project, stage: str) -> str | None:
+    """One line when `stage` has not finished (None when done)."""
+    st = project.stage(stage)
+    status = st.get("status", "pending")
+    if status == "done":
+        return None
+    step, steps = st.get("step"), st.get("steps")
+    where = f" at step {step}" + (f" of {steps}" if steps else "") if step is not None else ""
+    hint = {
+        "pending": f"run `pdctl {CLI_NAME[stage]}`",
+        "interrupted": "continue it with `pdctl resume`",
+        "failed": f"see `pdctl status`; rerun with `pdctl {CLI_NAME[stage]} --fresh`",
+        "running": "still running (or crashed: see `pdctl status`)",
+    }.get(status, "see `pdctl status`")
+    return f"{stage} is {status}{where}: {hint}"
+
+
+def checked_stage(stage: str, allowed: tuple[str, ...]) -> str:
+    if stage not in allowed:
+        raise PdctlError(f"--stage: {stage!r} has no report (choose from {', '.join(allowed)})")
+    return stage
+
+
+def site_slug(site: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in site)
