@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from pdctl.config import match_sites
-from pdctl.engine.checkpoint import Checkpointer
 from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.spd import components as comp_mod
@@ -72,23 +71,37 @@ def _host(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
-def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, Any], int]:
-    """Items of `stage`'s latest complete checkpoint, as saved (no shardings), on the host."""
-    directory = project.checkpoint_dir(stage)
-    if not directory.is_dir():  # Checkpointer would create it: a report writes nothing there
-        raise LookupError(f"{stage} has no checkpoint (run `pdctl {CLI_NAME[stage]}`)")
-    ckpt = Checkpointer(directory, keep=project.config.checkpoint.keep)
+def _read_item(path: Path) -> Any:
+    """One item of an orbax checkpoint as host numpy arrays, whatever mesh wrote it."""
+    import orbax.checkpoint as ocp
+
+    handler = ocp.PyTreeCheckpointHandler()
     try:
-        step = ckpt.latest_step()
-        if step is None:
-            raise LookupError(f"{stage} has no complete checkpoint in {directory}")
-        try:
-            return _host(ckpt.restore_host(step, names)), step
-        except Exception as e:  # orbax raises many kinds; the report lists it and goes on
-            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            raise LookupError(f"{stage} checkpoint {step} is unreadable ({reason})") from None
+        tree = handler.metadata(path).tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
     finally:
-        ckpt.close()
+        handler.close()
+
+
+def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, Any], int]:
+    """Items of `stage`'s latest complete checkpoint, as host arrays.
+
+    Read-only on purpose: no CheckpointManager, whose opening cleans up temporary directories
+    (an in-flight save of a stage running right now) and creates missing ones."""
+    import orbax.checkpoint as ocp
+
+    directory = project.checkpoint_dir(stage)
+    found = ocp.step.standard_name_format().find_all(directory) if directory.is_dir() else []
+    steps = sorted(found, key=lambda m: m.step)
+    if not steps:
+        raise LookupError(f"{stage} has no checkpoint (run `pdctl {CLI_NAME[stage]}`)")
+    latest = steps[-1]
+    try:
+        return {n: _read_item(Path(latest.path) / n) for n in names}, int(latest.step)
+    except Exception as e:  # orbax raises many kinds; the report lists it and goes on
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise LookupError(f"{stage} checkpoint {latest.step} is unreadable ({reason})") from None
 
 
 def target_params(project: Project, target: Any) -> Any:
