@@ -443,6 +443,34 @@ def test_report_of_the_warmup_stage_and_bad_arguments(runs, tmp_path) -> None:
         build_report(proj, out=tmp_path / "file")
 
 
+@needs_run
+def test_an_unreadable_checkpoint_is_listed_not_a_crash(runs) -> None:
+    run = Path(shutil.copytree(runs["interrupted"], runs["interrupted"].parent / "broken"))
+    item = run / "checkpoints" / "train" / "10" / "trainable"
+    for p in item.iterdir():
+        if p.is_dir():
+            shutil.rmtree(p)
+    res = build_report(Project.load(run / "pdctl.toml"), out=run.parent / "broken-report")
+    assert any(
+        m.startswith("component figures: train checkpoint 10 is unreadable (") for m in res.missing
+    ), res.missing
+    assert (res.out / "curves.png").is_file() and res.index.is_file()
+
+
+@needs_run
+def test_a_new_report_replaces_the_previous_ones_files_only(runs, tmp_path) -> None:
+    proj = Project.load(runs["done"] / "pdctl.toml")
+    out = tmp_path / "r"
+    build_report(proj, out=out)
+    (out / "notes.txt").write_text("mine")
+    assert (out / "ci_matrix_linear1.npz").is_file()
+    res = build_report(proj, stage="pretrain", out=out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["notes.txt", *(p.name for p in res.files)]
+    )
+    assert not (out / "ci_matrix_linear1.npz").exists()
+
+
 # ---- texts for `pdctl status` ----------------------------------------------------------------
 
 
