@@ -157,6 +157,7 @@ def build_report(
         missing=res.missing,
         notes=res.notes,
         eval_html=eval_html,
+        eval_title="Final evaluation" if st.get("status") == "done" else "Latest evaluation",
         config_rows=config_rows(project),
         config_text=_user_config(project),
         stages_rows=_stage_rows(project),
@@ -403,7 +404,8 @@ def _stage_rows(project: Project) -> list[tuple[Any, ...]]:
         st = project.stage(name)
         status = st.get("status", "pending") + (" (stale)" if project.is_stale(name) else "")
         step = f"{st.get('step', '')}" + (f"/{st['steps']}" if st.get("steps") else "")
-        rows.append((name, status, step, st.get("wall_s", ""), st.get("checkpoint", "")))
+        wall = f"{st['wall_s']:.1f}" if isinstance(st.get("wall_s"), int | float) else ""
+        rows.append((name, status, step, wall, st.get("checkpoint", "")))
     return rows
 
 

@@ -45,7 +45,8 @@ class Page:
     subtitle: str
     missing: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    eval_html: str | None = None  # None: no "Final evaluation" section (not the train stage)
+    eval_html: str | None = None  # None: no evaluation section (not the train stage)
+    eval_title: str = "Final evaluation"
     config_rows: list[tuple[str, str]] = field(default_factory=list)
     config_text: str = ""
     stages_rows: list[tuple[str, ...]] = field(default_factory=list)
@@ -172,7 +173,7 @@ def render(page: Page) -> str:
     if page.notes:
         out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in page.notes) + "</ul>")
     if page.eval_html is not None:
-        out.append("<h2>Final evaluation</h2>")
+        out.append(f"<h2>{esc(page.eval_title)}</h2>")
         out.append(page.eval_html or "<p>No final evaluation recorded.</p>")
     out.append("<h2>Run</h2>")
     if page.stages_rows:
