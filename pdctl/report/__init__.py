@@ -10,12 +10,18 @@ the CE / KL of the masked models and the top contexts of the most active compone
 - `progress_bar(console)`: a rich Progress for `build_report`, silent off a terminal
 """
 
-from pdctl.report.build import (
-    ReportResult,
-    build_report,
-    eval_summary,
-    progress_bar,
-    report_line,
-)
+from typing import Any
+
+from pdctl.report.status import eval_summary, report_line
 
 __all__ = ["ReportResult", "build_report", "eval_summary", "progress_bar", "report_line"]
+
+
+def __getattr__(name: str) -> Any:
+    # `pdctl status` needs only the status texts: matplotlib, JAX and orbax load on first use
+    # of the report builder.
+    if name in ("ReportResult", "build_report", "progress_bar"):
+        from pdctl.report import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module 'pdctl.report' has no attribute {name!r}")

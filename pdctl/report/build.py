@@ -1,12 +1,10 @@
-"""`build_report`: a stage's figures and the index.html that shows them, plus the short texts
-`pdctl status` prints (`eval_summary`, `report_line`)."""
+"""`build_report`: a stage's figures and the index.html that shows them."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
 import json
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +19,10 @@ from pdctl.project import Project, split_state
 from pdctl.report import figures as F
 from pdctl.report import load as L
 from pdctl.report import page as P
+from pdctl.report.status import DEFAULT_DIR, INDEX, MANIFEST
 from pdctl.science.spd import evaluate
 
 REPORT_STAGES = ("pretrain", "warmup", "train")
-DEFAULT_DIR = "report"
-MANIFEST = "report.json"
-INDEX = "index.html"
 
 
 @dataclass
@@ -458,75 +454,3 @@ def _write_manifest(project: Project, res: ReportResult) -> None:
     path = res.out / MANIFEST
     res.files.append(path)
     path.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
-
-
-# ---- texts for `pdctl status` ----------------------------------------------------------------
-
-
-def _fmt(v: Any, spec: str) -> str:
-    if not isinstance(v, int | float) or isinstance(v, bool):
-        return "?"
-    return "nan" if not math.isfinite(v) else format(v, spec)
-
-
-def eval_summary(stage_state: Mapping[str, Any]) -> str:
-    """The final evaluation in a few words: toys `CI errors 0, min MMCS 0.999, L0 1.00/1.02`;
-    LMs `CE 2.31 (target 2.25), KL ci 0.041 stoch 0.12`. Empty when there is none."""
-    ev = stage_state.get("eval") or {}
-    if not isinstance(ev, Mapping) or not ev:
-        return ""
-    if "ci_errors" in ev:
-        errs = ev.get("ci_errors") or {}
-        total = errs.get("total", sum(v for v in errs.values() if isinstance(v, int | float)))
-        parts = [f"CI errors {_fmt(total, '.0f')}"]
-        mmcs = [v for v in (ev.get("mmcs") or {}).values() if isinstance(v, int | float)]
-        if mmcs:
-            parts.append(f"min MMCS {_fmt(min(mmcs), '.3f')}")
-        l0 = [v for v in (ev.get("l0") or {}).values() if isinstance(v, int | float)]
-        if l0:
-            shown = (
-                "/".join(_fmt(v, ".2f") for v in l0)
-                if len(l0) <= 3
-                else (f"mean {_fmt(sum(l0) / len(l0), '.2f')}")
-            )
-            parts.append(f"L0 {shown}")
-        return ", ".join(parts)
-    parts = []
-    if "ce_ci_masked" in ev:
-        target = f" (target {_fmt(ev['ce_target'], '.3f')})" if "ce_target" in ev else ""
-        parts.append(f"CE {_fmt(ev['ce_ci_masked'], '.3f')}{target}")
-    kls = [
-        f"{name} {_fmt(ev[f'kl_{key}'], '.3g')}"
-        for name, key in (("ci", "ci_masked"), ("stoch", "stoch_masked"))
-        if f"kl_{key}" in ev
-    ]
-    if kls:
-        parts.append("KL " + " ".join(kls))
-    return ", ".join(parts)
-
-
-def report_line(project: Project) -> str | None:
-    """`report: <path>/index.html (train checkpoint 20, 2026-...)` when the default report
-    directory holds one; says when the stage has moved on since it was written."""
-    out = project.root / DEFAULT_DIR
-    index = out / INDEX
-    try:
-        man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not index.is_file() or not isinstance(man, dict):
-        return None
-    stage = man.get("stage", "train")
-    try:
-        shown = index.relative_to(Path.cwd())
-    except ValueError:
-        shown = index
-    at = f" checkpoint {man['checkpoint']}" if man.get("checkpoint") is not None else ""
-    line = f"report: {shown} ({stage}{at}, {man.get('written_at', '?')})"
-    st = project.stage(stage) if stage in STAGES else {}
-    if (st.get("status", "pending"), st.get("step")) != (
-        man.get("stage_status"),
-        man.get("stage_step"),
-    ):
-        line += f"; out of date ({stage} has changed): rerun `pdctl report`"
-    return line
