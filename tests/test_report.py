@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import html.parser
 import json
 import os
@@ -444,6 +445,9 @@ def test_report_of_the_warmup_stage_and_bad_arguments(runs, tmp_path) -> None:
 
 
 @needs_run
+# orbax's failed read leaves tensorstore callbacks that later post to its closed event loop
+# ("Event loop is closed", reported by pytest as unraisable): let them land here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_unreadable_checkpoint_is_listed_not_a_crash(runs) -> None:
     run = Path(shutil.copytree(runs["interrupted"], runs["interrupted"].parent / "broken"))
     item = run / "checkpoints" / "train" / "10" / "trainable"
@@ -455,6 +459,8 @@ def test_an_unreadable_checkpoint_is_listed_not_a_crash(runs) -> None:
         m.startswith("component figures: train checkpoint 10 is unreadable (") for m in res.missing
     ), res.missing
     assert (res.out / "curves.png").is_file() and res.index.is_file()
+    time.sleep(1.0)
+    gc.collect()
 
 
 @needs_run
