@@ -166,8 +166,10 @@ def status(
     if as_json:
         typer.echo(json.dumps(report, indent=2, default=str))
         return
+    from pdctl.report import eval_summary, report_line
+
     table = Table(title=f"{proj.root}", title_justify="left")
-    for col in ("stage", "status", "step", "metrics", "wall s", "compile s", "checkpoint"):
+    for col in ("stage", "status", "step", "metrics", "eval", "wall s", "compile s", "checkpoint"):
         table.add_column(col)
     for stage, st in report.items():
         status_txt = st["status"]
@@ -185,11 +187,38 @@ def status(
             status_txt,
             step,
             _fmt_metrics(st.get("metrics")),
+            eval_summary(st),
             f"{st['wall_s']:.1f}" if "wall_s" in st else "",
             f"{compile_s:.1f}" if isinstance(compile_s, int | float) else "",
             str(st.get("checkpoint", "")),
         )
     console.print(table)
+    line = report_line(proj)
+    if line:
+        console.print(line, markup=False)
+
+
+@app.command()
+@_guard
+def report(
+    ctx: typer.Context,
+    stage: Annotated[
+        str, typer.Option("--stage", help="Stage to report: pretrain | warmup | train.")
+    ] = "train",
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Directory to write (default: <run>/report/)."),
+    ] = None,
+) -> None:
+    """Figures of a stage (training curves, CI matrices, densities, ...) and an index.html."""
+    from pdctl import report as rep
+
+    proj = _project(ctx)
+    with rep.progress_bar(err_console) as progress:
+        result = rep.build_report(proj, stage=stage, out=out, progress=progress)
+    for line in result.missing:
+        console.print(f"missing: {line}", markup=False)
+    console.print(f"wrote {len(result.files)} files; open {result.index}", markup=False)
 
 
 def _stage_project(ctx: typer.Context):
@@ -383,15 +412,23 @@ def resume(ctx: typer.Context) -> None:
 @_guard
 def export(
     ctx: typer.Context,
-    out: Annotated[Path, typer.Option("--out", "-o", help="The .npz file to write.")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="The file to write (.npz or .safetensors).")
+    ],
     stage: Annotated[
         str | None, typer.Option("--stage", help="Stage to export (default: the last done).")
     ] = None,
+    fmt: Annotated[
+        str | None,
+        typer.Option("--format", help="npz | safetensors (default: from the --out suffix)."),
+    ] = None,
 ) -> None:
-    """Write a stage's final arrays (target, V/U, CI functions, sources) to an .npz file."""
+    """Write a stage's final arrays (target, V/U per site, CI functions, sources) to an .npz
+    file, or to a .safetensors file with V/U under each site's own name and the config
+    fingerprints in its metadata."""
     from pdctl.stages import pipeline
 
-    shapes = pipeline.export(_project(ctx), stage, out)
+    shapes = pipeline.export(_project(ctx), stage, out, fmt)
     console.print(f"wrote {len(shapes)} arrays to {out}")
 
 
@@ -442,7 +479,9 @@ def inspect_sharding(
         sys.stdout.write(child.stdout)
         sys.stderr.write(child.stderr)
         raise typer.Exit(child.returncode)
-    report = insp.inspect(proj.config, stage, override, compile=compile_step, expand=show_all)
+    report = insp.inspect(
+        proj.config, stage, override, compile=compile_step, expand=show_all, root=proj.root
+    )
     if as_json:
         typer.echo(json.dumps(report))
         return

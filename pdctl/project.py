@@ -325,7 +325,8 @@ class Project:
             self.attempts[stage]["ckpt"] = True
 
     def is_done(self, stage: str) -> bool:
-        return self.stage(stage).get("status") == "done"
+        """Finished: `done`, or (pretrain of an imported model) `imported`."""
+        return self.stage(stage).get("status") in ("done", "imported")
 
     # ---- lock ----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -203,7 +203,6 @@ def test_consecutive_non_finite_steps_fail_the_stage(tmp_path: Path) -> None:
     stage fails (exit 1, one line) and keeps its last checkpoint, whose params are finite."""
     run = make_run(
         tmp_path, "tms",
-        decomp={"sites": []},  # nothing to decompose: init-weights only makes the target
         pretrain={"optim": {"lr": 1e30}, "log_every": 2, "max_bad_steps": 3},
         checkpoint={"every": 1, "keep": 3},
     )  # fmt: skip

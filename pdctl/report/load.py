@@ -124,7 +124,7 @@ def load_decomposition(project: Project, stage: str) -> Decomposition:
     warmup stage's CI functions are init-weights' (warmup does not train them). Raises
     LookupError with a one-line reason when something is not there."""
     cfg = project.config
-    target = target_from_config(cfg)
+    target = target_from_config(cfg, project.root)
     site_C = match_sites(cfg, target.site_paths())
     paths = tuple(p for p in target.site_paths() if p in site_C)
     params = target_params(project, target)

@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -47,8 +48,9 @@ def stream_key(cfg: Config, stream: int) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), stream)
 
 
-def target_from_config(cfg: Config) -> Target:
-    """The target of `[target]`: its own keys, plus what it reads from other tables."""
+def target_from_config(cfg: Config, root: Path | None = None) -> Target:
+    """The target of `[target]`: its own keys, plus what it reads from other tables. An
+    imported model's relative `path` is relative to the run directory `root`."""
     t = cfg.target
     fields = t.model_dump(exclude={"kind"})
     fields["param_dtype"] = DTYPES[cfg.precision.param_dtype]
@@ -56,7 +58,15 @@ def target_from_config(cfg: Config) -> Target:
         fields["feature_probability"] = cfg.data.feature_probability
     else:
         fields["seq_len"] = cfg.data.seq_len
+    if t.kind == "hf":
+        fields["path"] = str(resolve(root, t.path))
     return build_target(t.kind, **fields)
+
+
+def resolve(root: Path | None, path: str) -> Path:
+    """A path from pdctl.toml: `~` expanded, relative to the run directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or root is None else root / p
 
 
 def with_remat(target: Target, remat: str) -> Target:
@@ -99,7 +109,7 @@ class StageEnv:
     ) -> StageEnv:
         for req in requires:
             st = project.stage(req)
-            if st.get("status") != "done":
+            if not project.is_done(req):
                 raise PdctlError(
                     f"{CLI_NAME[stage]} needs {CLI_NAME[req]} first "
                     f"({req} is {st.get('status', 'pending')}): {how_to_finish(project, req)}"
@@ -113,7 +123,8 @@ class StageEnv:
         if project.writer:  # held until the process exits: one writer per run directory
             project.acquire_lock()
         mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
-        env = cls(project, stage, mesh, target_from_config(project.config), requires=requires)
+        target = target_from_config(project.config, project.root)
+        env = cls(project, stage, mesh, target, requires=requires)
         return env
 
     # ---- the config this stage runs with -------------------------------------------------
@@ -500,22 +511,14 @@ def _roll_back(project: Project, stage: str) -> None:
 
 
 def text_batches(env: StageEnv, batch_size: int, *, seed: int, state: Any, sharding):
-    """The LM's token batches: grain over a local file or the synthetic corpus, each process
-    reading its own slice of the global batch, prefetched onto the mesh."""
+    """The LM's token batches: grain over a local corpus (bytes for llama_mlp, the model's
+    tokenizer for an imported model) or the synthetic corpus, each process reading its own
+    slice of the global batch, prefetched onto the mesh."""
     from pdctl.engine.prefetch import Prefetcher
     from pdctl.science import data
 
     cfg = env.cfg
-    if cfg.data.path:
-        path = (env.project.root / cfg.data.path).expanduser()
-        if not path.is_file():
-            raise PdctlError(f"data.path: no file at {path}")
-        try:
-            tokens = data.load_text(path)
-        except ValueError as e:
-            raise PdctlError(f"data.path: {e}") from None
-    else:
-        tokens = data.synthetic_corpus(cfg.run.seed, cfg.data.synthetic_bytes)
+    tokens = corpus_tokens(env)
     it = data.make_text_iterator(
         tokens,
         cfg.data.seq_len,
@@ -529,6 +532,45 @@ def text_batches(env: StageEnv, batch_size: int, *, seed: int, state: Any, shard
     return Prefetcher(it, sharding, state_fn=lambda: data.state_to_json(it.get_state()))
 
 
+def corpus_tokens(env: StageEnv) -> Any:
+    """The whole token stream of `[data]`: the file's bytes (llama_mlp), the corpus tokenized
+    with the imported model's tokenizer.json (cached under <run>/cache/tokens), or the seeded
+    synthetic corpus."""
+    from pdctl.science import data
+
+    cfg = env.cfg
+    if env.target.kind == "hf":
+        from pdctl.stages.init_weights import model_dir
+
+        try:
+            tokens = data.load_corpus(
+                resolve(env.project.root, cfg.data.path),
+                tokenizer_path=model_dir(env.target),
+                text_field=cfg.data.text_field,
+                eos_id=cfg.data.eos_id,
+                cache_dir=env.project.root / "cache" / "tokens",
+                seq_len=cfg.data.seq_len,
+            )
+        except ValueError as e:
+            raise PdctlError(f"data.path: {e}") from None
+        vocab = env.target.spec.vocab_size
+        if tokens.size and int(tokens.max()) >= vocab:
+            raise PdctlError(
+                f"data.path: token id {int(tokens.max())} is outside the model's vocabulary "
+                f"({vocab}); is tokenizer.json the model's own?"
+            )
+        return tokens
+    if cfg.data.path:
+        path = resolve(env.project.root, cfg.data.path)
+        if not path.is_file():
+            raise PdctlError(f"data.path: no file at {path}")
+        try:
+            return data.load_text(path)
+        except ValueError as e:
+            raise PdctlError(f"data.path: {e}") from None
+    return data.synthetic_corpus(cfg.run.seed, cfg.data.synthetic_bytes)
+
+
 def peak_flops(cfg: Config) -> float | None:
     from pdctl.engine.measure import peak_flops_per_device
 
@@ -537,8 +579,27 @@ def peak_flops(cfg: Config) -> float | None:
 
 
 def pretrained_target(env: StageEnv) -> Any:
-    """The trained target parameters: the `params` item of pretrain's latest checkpoint."""
+    """The trained target parameters: the `params` item of pretrain's latest checkpoint, or an
+    imported model read from its directory straight into the mesh's shardings (each process
+    reads only the slices its devices hold)."""
     abstract = jax.eval_shape(env.target.init, stream_key(env.cfg, STREAM_TARGET))
+    st = env.project.stage("pretrain")
+    if st.get("status") == "imported":
+        from pdctl.science.targets.hf_load import load_hf_params, read_index
+        from pdctl.stages.init_weights import model_dir
+
+        where = model_dir(env.target)
+        index = read_index(where)
+        if index.checksum != st.get("checksum"):
+            raise PdctlError(
+                f"target.path: the checkpoint in {where} changed since init-weights read it "
+                f"({index.checksum_of} checksum {index.checksum[:12]}, recorded "
+                f"{str(st.get('checksum'))[:12]}); rerun `pdctl init-weights`"
+            )
+        params, _ = load_hf_params(
+            where, env.target, env.shardings(abstract), dtype=env.target.param_dtype
+        )
+        return params
     items, _ = env.restore_items("pretrain", {"params": abstract})
     # Fresh jit outputs: the frozen first argument of warmup/train is never donated, but a
     # consistent layout avoids a relayout copy at the first call.

@@ -8,6 +8,7 @@ to the per-site reference init. Everything is saved as the `init_weights` checkp
 from __future__ import annotations
 
 import time
+import uuid
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ def run(project: Project) -> dict[str, Any]:
     cfg = env.cfg
     # Validate the decomposition config (and an imported checkpoint) before anything is written.
     sites = decomposed_sites(cfg, env.target)
-    imported = imported_checkpoint(env.target)
+    imported = imported_checkpoint(env.target, cfg)
     env.begin(fresh=True, seed=cfg.run.seed)
     t_start = time.perf_counter()
     key = stream_key(cfg, STREAM_TARGET)
@@ -149,6 +150,8 @@ def run(project: Project) -> dict[str, Any]:
             "pretrain",
             status="imported",
             fingerprint=project.fingerprint("pretrain"),
+            run_id=uuid.uuid4().hex[:12],
+            upstream={"init_weights": project.stage("init_weights").get("run_id")},
             **imported,
         )
     env.on_state(**fields)
@@ -159,15 +162,27 @@ def run(project: Project) -> dict[str, Any]:
     }
 
 
-def imported_checkpoint(target: Target) -> dict[str, Any] | None:
+def imported_checkpoint(target: Target, cfg: Config) -> dict[str, Any] | None:
     """{"source", "checksum", "checksum_of"} of an imported (Hugging Face) target, after
     checking every tensor's name, shape and dtype against its config.json from the files'
-    headers (no tensor data read); None for a target that pdctl trains itself."""
+    headers (no tensor data read) and that its tokenizer is there; None for a target that pdctl
+    trains itself."""
     if target.kind != "hf":
         return None
+    from pdctl.science import data
     from pdctl.science.targets.hf_load import check_checkpoint
 
     index, _ = check_checkpoint(model_dir(target), target)
+    if not (model_dir(target) / "tokenizer.json").is_file():
+        raise PdctlError(
+            f"target.path: no tokenizer.json in {model_dir(target)}; pdctl tokenizes [data] "
+            "with the model's own tokenizer (download it with the model)"
+        )
+    if cfg.data.eos_id is None:
+        try:
+            data.find_eos_id(model_dir(target))
+        except ValueError as e:
+            raise PdctlError(f"target.path: {e}") from None
     return {
         "source": str(index.source),
         "checksum": index.checksum,

@@ -148,11 +148,12 @@ def _batch_abstract(cfg: Config, target, batch_size: int, mesh, key: str) -> tup
     return abstract, {"tokens": P(sharding.BATCH_AXES, None)}
 
 
-def plan(cfg: Config, stage: str, mesh) -> Plan:
-    """The abstract arguments of `stage`'s step (or, for init_weights, what it creates)."""
+def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
+    """The abstract arguments of `stage`'s step (or, for init_weights, what it creates);
+    `root` is the run directory (an imported model's relative path starts there)."""
     from pdctl.stages import init_weights, pretrain, train, warmup
 
-    target = target_from_config(cfg)
+    target = target_from_config(cfg, root)
     env = _env(cfg, stage, mesh, target)
     abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
     target_specs = _specs(abstract_params, cfg, mesh)
@@ -169,6 +170,8 @@ def plan(cfg: Config, stage: str, mesh) -> Plan:
             ],
             notes=["init_weights has no step; rows are what it creates"],
         )
+    if stage == "pretrain" and target.kind == "hf":
+        raise PdctlError("--stage: an imported model (target.kind = hf) has no pretrain stage")
     if stage == "pretrain":
         pc = cfg.pretrain
         tx, abstract, _, _, _ = pretrain.build(env, pc.steps)
@@ -456,6 +459,7 @@ def inspect(
     compile: bool = False,
     expand: bool = False,
     devices: list[Any] | None = None,
+    root: Path | None = None,
 ) -> dict[str, Any]:
     """The `inspect-sharding` report as a JSON-ready dict: rows, totals and (with `compile`)
     the compiled step's memory."""
@@ -465,7 +469,7 @@ def inspect(
     check_mesh_fits(mc, len(devices), from_flag=bool(mesh_override))
     cfg = cfg.model_copy(update={"mesh": mc})
     mesh = sharding.make_mesh(mc.data, mc.fsdp, devices)
-    p = plan(cfg, stage, mesh)
+    p = plan(cfg, stage, mesh, root)
     rows = array_rows(p)
     report: dict[str, Any] = {
         "stage": stage,

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pdctl import __version__
 from pdctl.config import STAGES
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
 from pdctl.engine.sharding import path_str
@@ -50,7 +51,10 @@ def plan(project: Project) -> list[tuple[str, str]]:
     for stage in STAGES:
         st = project.stage(stage)
         stale = project.is_stale(stage)
-        if st.get("status") == "done" and not stale and not rerun_downstream:
+        if stage == "pretrain" and project.config.target.kind == "hf":
+            out.append((stage, "skip"))  # imported by init-weights, never trained here
+            continue
+        if project.is_done(stage) and not stale and not rerun_downstream:
             out.append((stage, "skip"))
             continue
         if stage == "init_weights":
@@ -97,7 +101,7 @@ def check_configs(project: Project) -> None:
 
     cfg = project.config
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
-    target = target_from_config(cfg)
+    target = target_from_config(cfg, project.root)
     decomposed_sites(cfg, target)
     if cfg.target.kind != "hf":  # an imported model is not pretrained
         sharding.check_batch_divides(
@@ -118,7 +122,7 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage, action in plan(project):
         if action == "skip":
-            echo(f"{stage}: done, skipped")
+            echo(f"{stage}: {project.stage(stage).get('status', 'imported')}, skipped")
             continue
         if action == "resume":
             echo(f"{stage}: resuming from its latest checkpoint")
@@ -167,21 +171,39 @@ _EXPORT_ITEMS = {
     "warmup": ("components",),
     "train": ("trainable", "sources"),
 }
+EXPORT_FORMATS = ("npz", "safetensors")
 
 
-def export(project: Project, stage: str | None, out: Path) -> dict[str, tuple[int, ...]]:
-    """Write the stage's final arrays as flat `path -> array` entries of an .npz file."""
+def export(
+    project: Project, stage: str | None, out: Path, fmt: str | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Write the stage's final arrays as flat `path -> array` entries: an .npz file, or a
+    .safetensors file whose components are named by their site (`model.layers.1.mlp.down_proj.V`)
+    with a `metadata` entry holding the config fingerprints. Tied components (TMS linear2) are
+    written out as the transposes they are; an imported model's own weights are not copied."""
+    fmt = fmt or (out.suffix.lstrip(".") if out.suffix in (".npz", ".safetensors") else None)
+    if fmt not in EXPORT_FORMATS:
+        raise PdctlError(
+            f"--format: {fmt!r} is not one of {', '.join(EXPORT_FORMATS)} "
+            "(or name the --out file .npz or .safetensors)"
+        )
     if stage is None:
-        done = [s for s in STAGES if project.is_done(s)]
+        done = [s for s in STAGES if project.stage(s).get("status") == "done"]
         if not done:
             raise PdctlError("export: no stage is done yet; run `pdctl run` first")
         stage = done[-1]
     if stage not in STAGES:
         raise PdctlError(f"--stage: unknown stage {stage!r} (choose from {', '.join(STAGES)})")
+    imported = project.stage("pretrain").get("status") == "imported"
+    if stage == "pretrain" and imported:
+        raise PdctlError(
+            "--stage: pretrain of an imported model has no arrays of its own; its weights are "
+            f"at {project.stage('pretrain').get('source')}"
+        )
     if not project.is_done(stage):
         raise PdctlError(f"--stage: {stage} is not done; run `pdctl {CLI_NAME[stage]}` first")
-    if out.suffix != ".npz":
-        raise PdctlError(f"--out: {out} must end in .npz")
+    if out.suffix != f".{fmt}":
+        raise PdctlError(f"--out: {out} must end in .{fmt}")
     try:
         if out.is_dir():
             raise PdctlError(f"--out: {out} is a directory; name a file, e.g. {out / 'arrays.npz'}")
@@ -193,25 +215,61 @@ def export(project: Project, stage: str | None, out: Path) -> dict[str, tuple[in
     except OSError as e:
         raise PdctlError(f"--out: cannot write {out} ({e.strerror or e})") from None
     arrays: dict[str, np.ndarray] = {}
-    if stage in ("warmup", "train"):  # the target they decomposed
+    if stage in ("warmup", "train") and not imported:  # the target they decomposed
         arrays.update(_load(project, "pretrain", ("params",), rename={"params": "target"}))
-    arrays.update(
-        _load(project, stage, _EXPORT_ITEMS[stage], rename={"params": "target", "trainable": ""})
-    )
+    items = _EXPORT_ITEMS[stage]
+    if imported:
+        items = tuple(i for i in items if i != "target")
+    arrays.update(_load(project, stage, items, rename={"params": "target", "trainable": ""}))
     if stage == "warmup":
         arrays.update(_load(project, "init_weights", ("ci_fns", "sources")))
+    _expand_tied(project, arrays)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        # Temp file + rename: never a half-written .npz under the name asked for.
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.npz")
+        # Temp file + rename: never a half-written file under the name asked for.
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
         try:
-            np.savez(tmp, **arrays)
+            if fmt == "npz":
+                np.savez(tmp, **arrays)
+            else:
+                _save_safetensors(project, stage, arrays, tmp)
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
     except OSError as e:
         raise PdctlError(f"--out: cannot write {out} ({e.strerror or e})") from None
     return {k: tuple(v.shape) for k, v in arrays.items()}
+
+
+def _expand_tied(project: Project, arrays: dict[str, np.ndarray]) -> None:
+    """Add the tied sites' components (their source's transposes), so an export shows every
+    decomposed site."""
+    from pdctl.science.spd.components import component_ties
+    from pdctl.stages.common import target_from_config
+
+    sites = project.stage("init_weights").get("sites") or {}
+    ties = component_ties(target_from_config(project.config, project.root).tied_sites(), sites)
+    for tied, src in ties.items():
+        for mine, theirs in (("V", "U"), ("U", "V")):
+            key = f"components.{src}.{theirs}"
+            if key in arrays:
+                arrays[f"components.{tied}.{mine}"] = np.ascontiguousarray(arrays[key].T)
+
+
+def _save_safetensors(
+    project: Project, stage: str, arrays: dict[str, np.ndarray], path: Path
+) -> None:
+    import json
+
+    from safetensors.numpy import save_file
+
+    named = {k.removeprefix("components."): np.ascontiguousarray(v) for k, v in arrays.items()}
+    meta = {
+        "stage": stage,
+        "fingerprint": json.dumps({s: project.stage(s).get("fingerprint") for s in STAGES}),
+        "pdctl_version": __version__,
+    }
+    save_file(named, str(path), metadata=meta)
 
 
 def _load(project: Project, stage: str, names, rename) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ from pdctl.engine.accumulate import accumulate, split_micro
 from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
+from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.stages.common import (
     STREAM_PRETRAIN,
@@ -82,6 +83,11 @@ def run(
     fresh: bool = False,
     profile: tuple[int, int] | None = None,
 ) -> LoopResult:
+    if project.config.target.kind == "hf":
+        raise PdctlError(
+            "pretrain: target.kind = hf is an imported model, not trained here (its state says "
+            "imported); continue with `pdctl warmup`"
+        )
     env = StageEnv.open(project, "pretrain", requires=("init_weights",))
     cfg = env.cfg
     pc = cfg.pretrain
