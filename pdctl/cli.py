@@ -169,7 +169,8 @@ def status(
     from pdctl.report import eval_summary, report_line
 
     table = Table(title=f"{proj.root}", title_justify="left")
-    for col in ("stage", "status", "step", "metrics", "eval", "wall s", "compile s", "checkpoint"):
+    table.add_column("stage", no_wrap=True)  # the names are what users type: never wrapped
+    for col in ("status", "step", "metrics", "eval", "wall s", "compile s", "checkpoint"):
         table.add_column(col)
     for stage, st in report.items():
         status_txt = st["status"]
