@@ -72,17 +72,32 @@ def all_finite(*trees: Any) -> jax.Array:
 
 
 def guard_update(
-    state: dict[str, Any], new: dict[str, Any], finite: jax.Array, metrics: dict[str, jax.Array]
+    state: dict[str, Any],
+    new: dict[str, Any] | Callable[[], dict[str, Any]],
+    finite: jax.Array,
+    metrics: dict[str, jax.Array],
 ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
     """Keep `state` unchanged (but advance the step) when the step was not finite.
 
+    `new` holds the new values of the keys the step updates, or is a function that computes
+    them (the optimizer update): that function runs inside `lax.cond(finite, ...)`, so a bad
+    step computes nothing and a good one writes the donated buffers in place. (A select,
+    `where(finite, new, old)`, needs old and new alive together: XLA then keeps copies of the
+    donated state, measured in benchmarks/donation_memory.py.)
+
     Runs on the device: no host sync. `bad_steps` counts consecutive bad steps and
-    `max_bad_run` remembers the longest run, so the host can check it at the logging cadence."""
-    out = {
-        k: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new[k], state[k])
-        for k in new
-        if k != "loop"
-    }
+    `max_bad_run` remembers the longest run, so the host can check it every step."""
+    if callable(new):
+        keys = tuple(jax.eval_shape(new))
+        old = {k: state[k] for k in keys}
+        out = jax.lax.cond(finite, lambda o: new(), lambda o: o, old)
+    else:
+        out = {
+            k: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new[k], state[k])
+            for k in new
+            if k != "loop"
+        }
+    out = dict(out)
     for k in state:
         out.setdefault(k, state[k])
     loop = state["loop"]

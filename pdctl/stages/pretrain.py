@@ -51,11 +51,14 @@ def make_step(
             (loss, aux), grads = accumulate(
                 lambda mb, i: grad_fn(state["params"], mb), micro, accum
             )
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+
+        def update():
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            return {"params": params, "opt_state": opt_state}
+
         metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads)}
-        new = {"params": params, "opt_state": opt_state}
-        return guard_update(state, new, all_finite(loss, grads), metrics)
+        return guard_update(state, update, all_finite(loss, grads), metrics)
 
     return step
 

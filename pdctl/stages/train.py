@@ -148,20 +148,25 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         (loss, m), (g_tr, g_src) = value_and_grads(
             trainable, sources, params, clean, x, k_loss, step_frac
         )
-        updates, opt_state = tx.update(g_tr, state["opt_state"], trainable)
-        updates = {"components": fns.fold(updates["components"]), "ci_fns": updates["ci_fns"]}
         metrics = {**m, "loss": loss, "grad_norm": optax.global_norm(g_tr)}
         if use_ppgd:
-            g_ppgd = jax.tree.map(lambda g: g / lcfg.ppgd_recon, g_src)
-            sources, src_opt = fns.source_step(sources, g_ppgd, src_opt, lr_src)
             metrics["ppgd_lr"] = jnp.asarray(lr_src, jnp.float32)
-        new = {
-            "trainable": optax.apply_updates(free, updates),
-            "opt_state": opt_state,
-            "sources": sources,
-            "src_opt": src_opt,
-        }
-        return guard_update(state, new, all_finite(loss, g_tr, g_src), metrics)
+
+        def update():
+            updates, opt_state = tx.update(g_tr, state["opt_state"], trainable)
+            updates = {"components": fns.fold(updates["components"]), "ci_fns": updates["ci_fns"]}
+            srcs, s_opt = sources, src_opt
+            if use_ppgd:
+                g_ppgd = jax.tree.map(lambda g: g / lcfg.ppgd_recon, g_src)
+                srcs, s_opt = fns.source_step(srcs, g_ppgd, s_opt, lr_src)
+            return {
+                "trainable": optax.apply_updates(free, updates),
+                "opt_state": opt_state,
+                "sources": srcs,
+                "src_opt": s_opt,
+            }
+
+        return guard_update(state, update, all_finite(loss, g_tr, g_src), metrics)
 
     return step
 

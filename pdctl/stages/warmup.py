@@ -49,11 +49,14 @@ def make_step(target, paths: tuple[str, ...], tx, ties: dict[str, str] | None = 
     def step(target_params: Any, state: dict[str, Any], batch: None):
         per_site = expand_tied(state["components"], ties, paths)
         loss, grads = jax.value_and_grad(loss_fn)(per_site, target_params)
-        updates, opt_state = tx.update(grads, state["opt_state"], per_site)
-        comps = optax.apply_updates(state["components"], fold_tied(updates, ties))
+
+        def update():
+            updates, opt_state = tx.update(grads, state["opt_state"], per_site)
+            comps = optax.apply_updates(state["components"], fold_tied(updates, ties))
+            return {"components": comps, "opt_state": opt_state}
+
         metrics = {"loss": loss, "faithfulness": loss, "grad_norm": optax.global_norm(grads)}
-        new = {"components": comps, "opt_state": opt_state}
-        return guard_update(state, new, all_finite(loss, grads), metrics)
+        return guard_update(state, update, all_finite(loss, grads), metrics)
 
     return step
 
