@@ -1,49 +1,69 @@
-"""SPD train-step throughput and faithfulness-warmup time for the reference toy configs.
+"""SPD train-step throughput, FLOPs, MFU, memory and donation for the reference configs, on one
+device and on pdctl's default devices (one per core on CPU; the accelerators elsewhere).
 
-TMS 5-2 (templates/tms: C=20 per site, CI `mlp` [16], batch 4096, importance minimality +
-stochastic + layerwise recon) and ResidMLP-1 (templates/resid-mlp: 100 features, d_embed 1000,
-d_mlp 50, C=100, batch 2048). The steps are built exactly as `pdctl train` / `pdctl warmup`
-build them (`train.build` / `train.make_step`, `warmup.build` / `warmup.make_step`, the same
-shardings and donation), on the devices JAX sees (one CPU device unless XLA_FLAGS says more;
-mesh data = all). The target is freshly initialised (step time does not depend on its values).
+The steps are built exactly as `pdctl train` / `pdctl warmup` build them (`train.build` /
+`train.make_step`, `warmup.build` / `warmup.make_step`, the same shardings and donation) from the
+unmodified templates (tms: TMS 5-2, batch 4096; resid-mlp: ResidMLP-1, batch 2048; llama-mlp:
+the byte-level LM, batch 16 x 64 tokens; tms-40-10). Each device count runs in a fresh child
+process (the device count is fixed when JAX starts). Per config and device count it prints:
+train compile s, step ms (best of 3 windows), samples/s, tokens/s, one device's FLOPs per step
+(XLA's count), MFU where the device's peak is known (or `--peak-tflops`), XLA's
+`memory_analysis()` estimate of the step's peak per device with and without donating the state
+(argument + output + temp - alias) and its ratio to one state copy, the measured pointer reuse
+of the first donating call, and the faithfulness warmup's compile and total run time.
 
-    python benchmarks/spd_step.py [--steps 30] [--configs tms resid-mlp]
+    python benchmarks/spd_step.py [--configs tms resid-mlp] [--devices default 1] [--steps 30]
+        [--json results.json]
+
+Exits 1 when pdctl's default device count is more than 5% slower than the best count measured
+(the default must be the fastest choice on this machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import jax
-
-from pdctl.config import match_sites
-from pdctl.engine import sharding
-from pdctl.project import Project
-from pdctl.science.spd.losses import make_spd_fns
-from pdctl.stages import train, warmup
-from pdctl.stages.common import (
-    STREAM_DECOMP,
-    STREAM_TARGET,
-    StageEnv,
-    stream_key,
-    target_from_config,
-    with_remat,
-)
-from pdctl.stages.init_weights import init_decomposition
-from pdctl.templates import create_run
+BATCHES = {"llama-mlp": 16}  # sequences; the toys use their template's batch
 
 
-def bench(template: str, n_steps: int) -> dict:
+def child(template: str, n_steps: int, peak_tflops: float) -> dict:
+    from types import SimpleNamespace
+
+    import jax
+    import numpy as np
+
+    from pdctl.config import match_sites
+    from pdctl.engine import donation, measure, sharding
+    from pdctl.project import Project
+    from pdctl.science.spd.losses import make_spd_fns
+    from pdctl.stages import train, warmup
+    from pdctl.stages.common import (
+        STREAM_DECOMP,
+        STREAM_TARGET,
+        StageEnv,
+        stream_key,
+        target_from_config,
+        with_remat,
+    )
+    from pdctl.stages.init_weights import init_decomposition
+    from pdctl.templates import create_run
+
     with tempfile.TemporaryDirectory() as tmp:
         run = create_run("bench", template, Path(tmp))
-        proj = Project.load(run / "pdctl.toml")
-    cfg = proj.config
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
-    env = StageEnv(proj, "train", mesh, target_from_config(cfg))
+        cfg = Project.load(run / "pdctl.toml").config
+    if template in BATCHES:
+        cfg = cfg.model_copy(
+            update={"train": cfg.train.model_copy(update={"batch_size": BATCHES[template]})}
+        )
+    mesh = sharding.make_mesh(-1, 1)  # data = every device
+    env = StageEnv(SimpleNamespace(config=cfg), "train", mesh, target_from_config(cfg))
     target = env.target
     abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
     params = jax.jit(target.init, out_shardings=env.shardings(abstract_params))(
@@ -51,11 +71,11 @@ def bench(template: str, n_steps: int) -> dict:
     )
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
     target_sh = jax.tree.map(lambda x: x.sharding, params)
-    out = {"config": template, "batch": cfg.train.batch_size, "devices": mesh.size}
+    out: dict = {"config": template, "batch": cfg.train.batch_size, "devices": mesh.size}
+    out["device_kind"] = jax.devices()[0].device_kind
 
     # faithfulness warmup: compile + all cfg.warmup.steps steps
-    abstract_dec = warmup.abstract_decomposition(env)
-    w_tx, w_make, _, w_sh = warmup.build(env, abstract_dec["components"], cfg.warmup.steps)
+    w_tx, w_make, _, w_sh = warmup.build(env, dec["components"], cfg.warmup.steps)
     paths, ties = warmup.site_layout(env)
     t0 = time.perf_counter()
     w_state = jax.jit(w_make, out_shardings=w_sh)(dec["components"])
@@ -71,10 +91,9 @@ def bench(template: str, n_steps: int) -> dict:
     )
     t1 = time.perf_counter()
     for _ in range(cfg.warmup.steps):
-        w_state, m = w_step(params, w_state, None)
+        w_state, _ = w_step(params, w_state, None)
     jax.block_until_ready(w_state)
-    t2 = time.perf_counter()
-    out.update(warmup_steps=cfg.warmup.steps, warmup_compile_s=t1 - t0, warmup_run_s=t2 - t1)
+    out.update(warmup_compile_s=t1 - t0, warmup_run_s=time.perf_counter() - t1)
 
     # the SPD train step
     target = with_remat(target, cfg.train.remat)
@@ -83,61 +102,147 @@ def bench(template: str, n_steps: int) -> dict:
     state = jax.jit(make_state, out_shardings=state_sh)(
         w_state["components"], dec["ci_fns"], dec["sources"]
     )
-    t0 = time.perf_counter()
-    step = (
-        jax.jit(
-            train.make_step(
-                target, fns, tx, cfg, cfg.train.steps, sharding.batch_sharding(mesh, 2)
-            ),
-            in_shardings=(target_sh, state_sh, None),
+    batch_sh = sharding.batch_sharding(mesh, 2)
+    is_text = target.output_kind == "logits"
+    batch = None
+    if is_text:
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, target.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1))
+        batch = {"tokens": jax.device_put(tokens.astype(np.int32), batch_sh)}
+
+    def jit_step(donate: bool):
+        return jax.jit(
+            train.make_step(target, fns, tx, cfg, cfg.train.steps, batch_sh),
+            in_shardings=(target_sh, state_sh, batch_sh if is_text else None),
             out_shardings=(state_sh, sharding.replicated(mesh)),
-            donate_argnums=(1,),
+            donate_argnums=(1,) if donate else (),
         )
-        .lower(params, state, None)
-        .compile()
-    )
-    out["train_compile_s"] = time.perf_counter() - t0
-    for _ in range(3):  # warm up
-        state, m = step(params, state, None)
-    jax.block_until_ready(state)
+
     t0 = time.perf_counter()
-    for _ in range(n_steps):
-        state, m = step(params, state, None)
-    jax.block_until_ready((state, m))
-    dt = (time.perf_counter() - t0) / n_steps
+    step = jit_step(True).lower(params, state, batch).compile()
+    out["train_compile_s"] = time.perf_counter() - t0
+    plain = jit_step(False).lower(params, state, batch).compile()
+    # one device's share of the state (replicated leaves count whole)
+    state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+
+    def est_peak(compiled) -> float:
+        m = compiled.memory_analysis()
+        return float(
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
+
+    out["mem_peak_mib"] = est_peak(step) / 2**20
+    out["mem_peak_no_donation_mib"] = est_peak(plain) / 2**20
+    out["donation_saving_x"] = (est_peak(plain) - est_peak(step)) / state_bytes
+    before = donation.buffer_bytes_by_ptr(state)
+    state, m = step(params, state, batch)
+    out["donation_reuse"] = donation.reused_fraction(before, state)[0]
+    for _ in range(2):  # warm up
+        state, m = step(params, state, batch)
+    jax.block_until_ready(state)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            state, m = step(params, state, batch)
+        jax.block_until_ready((state, m))
+        best = min(best, (time.perf_counter() - t0) / n_steps)
+    flops = measure.step_flops(step)
+    peak = measure.peak_flops_per_device(jax.devices()[0], peak_tflops)
     out.update(
-        step_ms=dt * 1e3,
-        steps_per_s=1 / dt,
-        samples_per_s=cfg.train.batch_size / dt,
+        step_ms=best * 1e3,
+        samples_per_s=cfg.train.batch_size / best,
+        tokens_per_s=cfg.train.batch_size * cfg.data.seq_len / best if is_text else None,
+        flops_per_device=flops,
+        mfu=measure.mfu(flops, best, peak) if flops and peak else None,
         loss=float(m["loss"]),
     )
     return out
 
 
+def run_child(template: str, devices: str, n_steps: int, peak: float) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    if devices != "default":
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    cmd = [sys.executable, __file__, "--child", template, "--steps", str(n_steps)]
+    cmd += ["--peak-tflops", str(peak), "--child-devices", devices]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{template} on {devices} devices failed:\n{r.stderr[-3000:]}")
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "setting": devices}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30, help="timed train steps per config")
+    ap.add_argument("--steps", type=int, default=30, help="timed train steps per window")
     ap.add_argument("--configs", nargs="+", default=["tms", "resid-mlp"])
-    a = ap.parse_args()
-    print(
-        f"JAX {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    ap.add_argument(
+        "--devices",
+        nargs="+",
+        default=["default", "1"],
+        help="device counts to measure: 'default' (pdctl's choice) and/or numbers",
     )
-    rows = [bench(c, a.steps) for c in a.configs]
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="one device's peak (MFU)")
+    ap.add_argument("--json", type=Path, help="write every measurement here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-devices", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        if a.child_devices == "default":
+            from pdctl.engine import runtime
+
+            runtime.configure_devices()
+        print(json.dumps(child(a.child, a.steps, a.peak_tflops)))
+        return
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
+    print(f"commit {commit}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    rows = [run_child(c, d, a.steps, a.peak_tflops) for c in a.configs for d in a.devices]
     hdr = (
-        f"{'config':<10} {'batch':>6} | {'train compile s':>15} {'step ms':>8} "
-        f"{'steps/s':>8} {'samples/s':>10} | {'warmup':>6} {'compile s':>9} {'run s':>6} "
-        f"{'total s':>7}"
+        f"{'config':<10} {'devices':>10} {'batch':>6} | {'compile s':>9} {'step ms':>8} "
+        f"{'samples/s':>10} {'GFLOP/dev':>9} {'MFU':>6} | {'peak MiB':>9} {'no-don.':>9} "
+        f"{'saved x':>7} {'reuse':>6} | {'warmup s':>8}"
     )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
+        mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
+        gflop = f"{r['flops_per_device'] / 1e9:.2f}" if r["flops_per_device"] else "-"
+        label = f"{r['setting']} ({r['devices']})"
         print(
-            f"{r['config']:<10} {r['batch']:>6} | {r['train_compile_s']:>15.2f} "
-            f"{r['step_ms']:>8.2f} {r['steps_per_s']:>8.2f} {r['samples_per_s']:>10.0f} | "
-            f"{r['warmup_steps']:>6} {r['warmup_compile_s']:>9.2f} {r['warmup_run_s']:>6.2f} "
-            f"{r['warmup_compile_s'] + r['warmup_run_s']:>7.2f}"
+            f"{r['config']:<10} {label:>10} "
+            f"{r['batch']:>6} | {r['train_compile_s']:>9.2f} {r['step_ms']:>8.2f} "
+            f"{r['samples_per_s']:>10.0f} {gflop:>9} {mfu:>6} | {r['mem_peak_mib']:>9.2f} "
+            f"{r['mem_peak_no_donation_mib']:>9.2f} {r['donation_saving_x']:>7.2f} "
+            f"{r['donation_reuse']:>6.3f} | {r['warmup_compile_s'] + r['warmup_run_s']:>8.2f}"
         )
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"commit": commit, "rows": rows}, indent=2))
+    slow = []
+    for c in a.configs:
+        mine = {r["setting"]: r for r in rows if r["config"] == c}
+        if "default" in mine and len(mine) > 1:
+            best = min(mine.values(), key=lambda r: r["step_ms"])
+            ratio = mine["default"]["step_ms"] / best["step_ms"]
+            print(
+                f"{c}: default {mine['default']['step_ms']:.2f} ms vs best "
+                f"{best['step_ms']:.2f} ms ({best['setting']} devices): {ratio:.2f}x"
+            )
+            if ratio > 1.05:
+                slow.append(c)
+    if slow:
+        print(f"the default device count is not the fastest for: {', '.join(slow)}")
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -461,7 +461,10 @@ def inspect_sharding(
     """Show each array's shape, PartitionSpec and bytes per device, without allocating."""
     import sys
 
+    from pdctl.engine import runtime
     from pdctl.stages import inspect as insp
+
+    runtime.configure_devices()  # the devices a stage would see
 
     stage = insp.parse_stage(stage)
     override = insp.parse_mesh(mesh)

@@ -42,7 +42,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pdctl.engine import donation, runtime
+from pdctl.engine import donation, measure, runtime
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.tracking import JsonlWriter, Tracker
 from pdctl.errors import EXIT_INTERRUPTED, PdctlError, StageFailed
@@ -141,7 +141,7 @@ class Loop:
     examples_per_step: int = 0
     tokens_per_step: int = 0
     lr_fn: Callable[[int], dict[str, float]] | None = None
-    peak_flops: float | None = None
+    peak_flops: float | None = None  # one device's peak FLOP/s
     profile: tuple[int, int] | None = None
     profile_dir: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
@@ -161,13 +161,7 @@ class Loop:
         state = self.state if state is None else state
         compiled = self.step_fn.lower(*self.frozen, state, batch).compile()
         self.compile_s = time.perf_counter() - t0
-        try:
-            cost = compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, list | tuple) else cost
-            flops = float(cost.get("flops", 0.0)) if cost else 0.0
-            self.flops_per_step = flops if flops > 0 else None
-        except Exception:  # cost analysis is best effort on some backends
-            self.flops_per_step = None
+        self.flops_per_step = measure.step_flops(compiled)
         return compiled
 
     _peeked: Any = None
@@ -428,10 +422,11 @@ class Loop:
         if self.tokens_per_step:
             rec["tokens_per_s"] = self.tokens_per_step / dt
         if self.flops_per_step:
-            achieved = self.flops_per_step / dt
-            rec["tflops_per_s"] = achieved / 1e12
+            # flops_per_step is one device's share (XLA's count of the partitioned program);
+            # peak_flops is one device's peak.
+            rec["tflops_per_s"] = self.flops_per_step * jax.device_count() / dt / 1e12
             if self.peak_flops:
-                rec["mfu"] = achieved / self.peak_flops
+                rec["mfu"] = measure.mfu(self.flops_per_step, dt, self.peak_flops)
         if self.lr_fn:
             rec.update(self.lr_fn(step))
         self.jsonl.write({"step": step, **rec})

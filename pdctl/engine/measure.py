@@ -30,6 +30,25 @@ def peak_flops_per_device(device: Any, override_tflops: float = 0.0) -> float | 
     return None
 
 
+def step_flops(compiled: Any) -> float | None:
+    """FLOPs of one call of a compiled step ON ONE DEVICE: XLA's `cost_analysis()` counts the
+    SPMD-partitioned program each device runs (None where the backend does not say)."""
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        flops = float(cost.get("flops", 0.0)) if cost else 0.0
+    except Exception:  # cost analysis is best effort on some backends
+        return None
+    return flops if flops > 0 else None
+
+
+def mfu(flops_per_device_step: float, step_s: float, peak_per_device: float) -> float:
+    """Model FLOPs utilisation: the FLOP/s one device achieves over its peak. Per device on
+    both sides, so the same global batch gives the same MFU on 1 device or on N (each doing
+    1/N of the work in, ideally, 1/N of the time)."""
+    return flops_per_device_step / step_s / peak_per_device
+
+
 def memory_stats() -> dict[str, int]:
     """Per-device bytes in use / peak where the backend reports them (GPU/TPU; not CPU)."""
     import jax

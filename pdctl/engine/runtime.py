@@ -69,8 +69,31 @@ def _env_says_multihost() -> bool:
     return "," in env.get("TPU_WORKER_HOSTNAMES", "")
 
 
+def cpu_devices() -> int:
+    """The CPU devices pdctl asks JAX for: one per core this process may run on (XLA:CPU runs
+    each device's program on one thread, so a single device leaves the other cores idle)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def configure_devices() -> None:
+    """One JAX CPU device per core, unless XLA_FLAGS already sets a device count (the user's
+    choice, e.g. `--xla_force_host_platform_device_count=1`) or JAX has started its backends.
+    GPUs and TPUs are not affected (they are the default backend where present)."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    import jax
+
+    # Backends already initialised (an in-process caller): keep them.
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", cpu_devices())
+
+
 def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
-    """jax.distributed when flags, [distributed] or the environment ask for it; compile cache."""
+    """jax.distributed when flags, [distributed] or the environment ask for it; compile cache;
+    one CPU device per core (`configure_devices`)."""
     global _initialized
     flags = flags or DistributedFlags()
     d = cfg.distributed
@@ -107,6 +130,7 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if _initialized:
         return
+    configure_devices()
     if coordinator:
         _cpu_collectives()
         jax.distributed.initialize(

@@ -572,10 +572,10 @@ def corpus_tokens(env: StageEnv) -> Any:
 
 
 def peak_flops(cfg: Config) -> float | None:
+    """One device's peak FLOP/s (the table by device kind, or `[measure] peak_tflops`)."""
     from pdctl.engine.measure import peak_flops_per_device
 
-    per_dev = peak_flops_per_device(jax.devices()[0], cfg.measure.peak_tflops)
-    return per_dev * jax.device_count() if per_dev else None
+    return peak_flops_per_device(jax.devices()[0], cfg.measure.peak_tflops)
 
 
 def pretrained_target(env: StageEnv) -> Any:
