@@ -233,8 +233,10 @@ class Loop:
             disable=not self.console.is_terminal,
         )
         tracing = False
-        # (step, its max_bad_run) of the steps dispatched but not yet checked.
+        # (step, its max_bad_run) of the steps dispatched but not yet waited on, and of the
+        # steps waited on but not yet read.
         inflight: collections.deque = collections.deque()
+        unread: list[tuple[int, Any]] = []
         with progress:
             task = progress.add_task(self.stage, total=end, completed=step, info="")
             while step < end and not self._stopping():
@@ -250,15 +252,19 @@ class Loop:
                 step += 1
                 self._step = step
                 inflight.append((step, metrics["max_bad_run"]))
-                # Run at most MAX_AHEAD steps ahead of the devices, and check every step's
-                # bad-step count as it completes: waiting on (then reading 4 bytes of) a step
-                # that is MAX_AHEAD behind costs nothing while the device is the bottleneck,
-                # keeps the queue bounded (XLA's CPU runtime needs that with several simulated
+                # Run at most MAX_AHEAD steps ahead of the devices: waiting on a step that is
+                # MAX_AHEAD behind costs nothing while the device is the bottleneck and keeps
+                # the queue bounded (XLA's CPU runtime needs that with several simulated
                 # devices: unbounded queues of collective programs can deadlock its
-                # rendezvous), and stops a run of bad steps at max_bad_steps exactly, not at
-                # the next logging point.
+                # rendezvous). Every MAX_AHEAD steps, the bad-step counts of the steps waited on
+                # are checked (one read; on a failure each is read to find the step where the
+                # run reached max_bad_steps, exactly), not only at the next logging point.
                 if len(inflight) > MAX_AHEAD:
-                    self._check_bad_steps(*inflight.popleft(), last_metrics)
+                    done = inflight.popleft()
+                    done[1].block_until_ready()
+                    unread.append(done)
+                    if len(unread) >= MAX_AHEAD:
+                        self._check_bad_steps(unread, last_metrics)
                 if check:
                     donation_fraction, missed = donation.reused_fraction(before, state)
                     donation.report(self.stage, donation_fraction, missed, echo=self.echo)
@@ -279,8 +285,10 @@ class Loop:
                     t_log, steps_since_log = time.perf_counter(), 0
                     progress.update(task, completed=step, info=self._info(last_metrics))
                 if log_due or eval_due or ckpt_due:
-                    while inflight:  # every step up to here, before anything is evaluated or saved
-                        self._check_bad_steps(*inflight.popleft(), last_metrics)
+                    # every step up to here, before anything is evaluated or saved
+                    unread.extend(inflight)
+                    inflight.clear()
+                    self._check_bad_steps(unread, last_metrics)
                 if eval_due or ckpt_due:
                     self._check_state_finite(step, state, last_metrics)
                 if eval_due:
@@ -289,8 +297,8 @@ class Loop:
                     self._checkpoint(step, state, last_metrics, t_start, status="running")
             if tracing:
                 jax.profiler.stop_trace()
-            while inflight:
-                self._check_bad_steps(*inflight.popleft(), last_metrics)
+            unread.extend(inflight)
+            self._check_bad_steps(unread, last_metrics)
         return self._finish(step, state, last_metrics, last_eval, donation_fraction)
 
     def _finish(
@@ -332,16 +340,28 @@ class Loop:
         return LoopResult(state, step, status, last_metrics, last_eval, donation_fraction)
 
     # ---- health: nothing non-finite is saved, evaluated or carried on with ----------------
-    def _check_bad_steps(self, step: int, max_bad_run: Any, metrics: dict[str, float]) -> None:
-        n = int(np.asarray(jax.device_get(max_bad_run)))
-        if n >= self.max_bad_steps:
-            self._fail(
-                step,
-                f"{n} consecutive non-finite steps (max_bad_steps = {self.max_bad_steps}) by "
-                f"step {step}",
-                metrics=metrics,
-                hint="Lower the learning rate or check the data.",
-            )
+    def _check_bad_steps(self, steps: list[tuple[int, Any]], metrics: dict[str, float]) -> None:
+        """Fail at the first of `steps` (step, its max_bad_run; in order) whose longest run of
+        non-finite steps reached max_bad_steps, then forget them. max_bad_run never decreases,
+        so the last one answers for all: the others are read only when it says a run did."""
+        if not steps:
+            return
+
+        def value(x: Any) -> int:
+            return int(np.asarray(jax.device_get(x)))
+
+        if value(steps[-1][1]) >= self.max_bad_steps:
+            for step, x in steps:
+                n = value(x)
+                if n >= self.max_bad_steps:
+                    self._fail(
+                        step,
+                        f"{n} consecutive non-finite steps (max_bad_steps = "
+                        f"{self.max_bad_steps}) by step {step}",
+                        metrics=metrics,
+                        hint="Lower the learning rate or check the data.",
+                    )
+        steps.clear()
 
     def _check_state_finite(self, step: int, state: Any, metrics: dict[str, float]) -> None:
         if self._finite_fn is None:
