@@ -2,17 +2,26 @@
 
 Validation lives here and only here. `parse_config` turns a TOML dict into a `Config` or raises a
 `PdctlError` whose one line names the key path (`train.optim.lr: must be > 0, got -1`).
-`pdctl.toml.example` documents every field below; a test keeps the two in step.
+Every field carries its description, and a table's model its docstring where there is more to
+say: `python -m pdctl.config --example` renders them as `pdctl.toml.example` (a test fails when the
+committed file differs).
 """
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import hashlib
 import json
+import re
+import sys
+import textwrap
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from pdctl.errors import PdctlError
 
@@ -34,40 +43,56 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+# The `kind` of every [target] variant: the tag that picks the variant.
+_KIND = "tms | resid_mlp | llama_mlp | hf"
+
+
 class RunConfig(Section):
-    seed: NonNeg = 0
-    description: str = ""
+    seed: NonNeg = Field(
+        0, description="one seed for every random stream of the run (init, data, masks)"
+    )
+    description: str = Field("", description="free text, shown by tooling and sent to the tracker")
 
 
 class TmsTarget(Section):
-    kind: Literal["tms"] = "tms"
-    n_features: Pos = 5
-    n_hidden: Pos = 2
-    n_hidden_layers: NonNeg = 0
-    tied_weights: bool = True
-    bias: bool = True
+    """Toy model of superposition, h = x @ W (site linear1), y = relu(h @ W^T + b)."""
+
+    kind: Literal["tms"] = Field("tms", description=_KIND)
+    n_features: Pos = Field(5, description="input/output features")
+    n_hidden: Pos = Field(2, description="bottleneck width")
+    n_hidden_layers: NonNeg = Field(
+        0, description="identity-initialised hidden layers between the two sites"
+    )
+    tied_weights: bool = Field(True, description="linear2 uses linear1's transpose")
+    bias: bool = Field(True, description="output bias b")
 
 
 class ResidMlpTarget(Section):
-    kind: Literal["resid_mlp"] = "resid_mlp"
-    n_features: Pos = 100
-    d_embed: Pos = 1000
-    d_mlp: Pos = 50
-    n_layers: Pos = 1
-    embed_seed: NonNeg = 0
-    bias: bool = False  # MLP biases; the canonical ResidMLP-1 has none
+    """Fixed unit-norm embedding, residual MLP layers (sites layers.N.mlp_in, layers.N.mlp_out)."""
+
+    kind: Literal["resid_mlp"] = Field("resid_mlp", description=_KIND)
+    n_features: Pos = Field(100, description="input/output features")
+    d_embed: Pos = Field(1000, description="residual stream width")
+    d_mlp: Pos = Field(50, description="MLP hidden width")
+    n_layers: Pos = Field(1, description="residual MLP layers")
+    embed_seed: NonNeg = Field(0, description="seed of the fixed random embedding W_E")
+    bias: bool = Field(False, description="MLP biases (the canonical ResidMLP-1 has none)")
 
 
 class LlamaTarget(Section):
-    kind: Literal["llama_mlp"] = "llama_mlp"
-    vocab_size: Pos = 256
-    d_model: Pos = 64
-    n_layers: Pos = 2
-    n_heads: Pos = 4
-    d_mlp: Pos = 256
-    glu: bool = False
-    tied_embeddings: bool = True
-    rope_theta: PosF = 10000.0
+    """Llama-style LM (RMSNorm, RoPE causal attention, MLP), sites layers.N.mlp.*."""
+
+    kind: Literal["llama_mlp"] = Field("llama_mlp", description=_KIND)
+    vocab_size: Pos = Field(256, description="tokens (256: bytes)")
+    d_model: Pos = Field(
+        64, description="residual width (divisible by n_heads, d_model / n_heads even)"
+    )
+    n_layers: Pos = Field(2, description="transformer blocks")
+    n_heads: Pos = Field(4, description="attention heads")
+    d_mlp: Pos = Field(256, description="MLP hidden width")
+    glu: bool = Field(False, description="true: gate/up/down GLU MLP; false: up -> GELU -> down")
+    tied_embeddings: bool = Field(True, description="logits through the embedding's transpose")
+    rope_theta: PosF = Field(10000.0, description="RoPE base frequency")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> LlamaTarget:
@@ -81,29 +106,54 @@ class LlamaTarget(Section):
 
 
 class HfTarget(Section):
-    """A pretrained Hugging Face causal LM from a local directory (config.json, safetensors,
-    tokenizer.json): LlamaForCausalLM, Qwen2ForCausalLM or GPT2LMHeadModel."""
+    """A pretrained Hugging Face causal LM (LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel)
+    read from a local directory; sites are its module paths (model.layers.N.mlp.down_proj,
+    transformer.h.N.attn.c_attn, ...); no pretrain stage."""
 
-    kind: Literal["hf"] = "hf"
-    path: Annotated[str, Field(min_length=1)]
+    kind: Literal["hf"] = Field("hf", description=_KIND)
+    path: Annotated[str, Field(min_length=1)] = Field(
+        description="the directory with config.json, *.safetensors and tokenizer.json "
+        "(relative paths are relative to the run directory)",
+        examples=["model"],
+    )
 
 
 Target = Annotated[TmsTarget | ResidMlpTarget | LlamaTarget | HfTarget, Field(discriminator="kind")]
 
 
 class DataConfig(Section):
-    feature_probability: Frac = 0.05
-    path: str = ""
-    text_field: Annotated[str, Field(min_length=1)] = "text"
-    eos_id: NonNeg | None = None
-    seq_len: Pos = 64
-    synthetic_bytes: Pos = 2_000_000
+    feature_probability: Frac = Field(
+        0.05, description="toys: each feature active with this probability, value U[0,1]"
+    )
+    path: str = Field(
+        "",
+        description='llama_mlp: local text file (read as bytes); "" = synthetic corpus\n'
+        "hf: .txt / .jsonl / .parquet file or a directory (required)",
+    )
+    text_field: Annotated[str, Field(min_length=1)] = Field(
+        "text", description="hf: the .jsonl field / .parquet column with each document"
+    )
+    eos_id: NonNeg | None = Field(
+        None,
+        description="hf: the id between documents (default: the tokenizer's EOS)",
+        examples=[0],
+    )
+    seq_len: Pos = Field(64, description="llama_mlp, hf: tokens per sequence")
+    synthetic_bytes: Pos = Field(
+        2_000_000, description="llama_mlp: size of the seeded synthetic corpus in bytes"
+    )
 
 
 class MeshConfig(Section):
-    data: int = Field(-1, ge=-1)
-    fsdp: int = Field(1, ge=-1)
-    fsdp_min_param_size: NonNeg = 1024
+    data: int = Field(
+        -1, ge=-1, description="data-parallel mesh axis size (-1 = all devices left after fsdp)"
+    )
+    fsdp: int = Field(
+        1, ge=-1, description="parameter-sharding mesh axis size (-1 = all devices left after data)"
+    )
+    fsdp_min_param_size: NonNeg = Field(
+        1024, description="arrays with fewer elements than this stay replicated"
+    )
 
     @model_validator(mode="after")
     def _one_wildcard(self) -> MeshConfig:
@@ -115,110 +165,214 @@ class MeshConfig(Section):
 
 
 class DistributedConfig(Section):
-    coordinator: str = ""
-    num_processes: NonNeg = 0
-    process_id: int = Field(-1, ge=-1)
-    local_device_ids: list[NonNeg] = []
-    init_timeout_s: Pos = 300
-    heartbeat_timeout_s: Pos = 100
+    """Left at the defaults, pdctl detects SLURM / TPU pods or runs one process."""
+
+    coordinator: str = Field(
+        "", description='"host:port" of process 0 ("" = from the environment, or a single host)'
+    )
+    num_processes: NonNeg = Field(0, description="processes in the job (0 = from the environment)")
+    process_id: int = Field(
+        -1, ge=-1, description="this process's index (-1 = from the environment)"
+    )
+    local_device_ids: list[NonNeg] = Field(
+        [], description="devices this process uses ([] = all local devices)"
+    )
+    init_timeout_s: Pos = Field(300, description="seconds to wait for every process to join")
+    heartbeat_timeout_s: Pos = Field(
+        100, description="seconds of silence after which a lost process stops the others"
+    )
 
 
 class PrecisionConfig(Section):
-    param_dtype: DType = "float32"
-    compute_dtype: DType = "float32"
-    output_dtype: DType = "float32"
+    """Each dtype is one of float32 | bfloat16 | float16."""
+
+    param_dtype: DType = Field("float32", description="dtype parameters are stored and updated in")
+    compute_dtype: DType = Field("float32", description="dtype of matmuls and activations")
+    output_dtype: DType = Field(
+        "float32", description="dtype of model outputs (losses are computed from these)"
+    )
 
 
 class CompileConfig(Section):
-    cache_dir: str = ""
+    cache_dir: str = Field("", description='persistent JAX compilation cache directory ("" = none)')
 
 
 class CheckpointConfig(Section):
-    every: Pos = 1000
-    keep: Pos = 3
+    every: Pos = Field(
+        1000, description="steps between checkpoints (also saved at the end and on SIGTERM)"
+    )
+    keep: Pos = Field(3, description="newest checkpoints kept per stage")
 
 
 class TrackingConfig(Section):
-    wandb: Literal["disabled", "offline", "online"] = "disabled"
-    project: str = "pdctl"
-    entity: str = ""
+    wandb: Literal["disabled", "offline", "online"] = Field(
+        "disabled",
+        description="disabled | offline | online (metrics always go to metrics/<stage>.jsonl)",
+    )
+    project: str = Field("pdctl", description="wandb project")
+    entity: str = Field("", description='wandb entity (team or user; "" = your default)')
 
 
 class MeasureConfig(Section):
-    peak_tflops: NonNegF = 0.0
+    peak_tflops: NonNegF = Field(
+        0.0, description="device peak TFLOP/s for the MFU estimate (0 = look up by device kind)"
+    )
+
+
+_REMAT = "rematerialisation policy: none | dots_saveable | full"
+_BATCH = "examples (sequences for LMs) per step, global across devices"
 
 
 class OptimConfig(Section):
-    lr: PosF = 1e-3
-    weight_decay: NonNegF = 0.0
-    b1: Frac = 0.9
-    b2: Frac = 0.999
-    schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_frac: Frac = 0.0
-    final_lr_frac: Frac = 0.0
-    grad_clip: NonNegF = 0.0
+    """AdamW with a learning-rate schedule. The same keys make up [train.optim] and
+    [train.ci_optim]."""
+
+    lr: PosF = Field(1e-3, description="peak learning rate (> 0)")
+    weight_decay: NonNegF = Field(0.0, description="AdamW weight decay")
+    b1: Frac = Field(0.9, description="Adam beta1")
+    b2: Frac = Field(0.999, description="Adam beta2")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "cosine",
+        description="constant | linear | cosine (decay from the peak to final_lr_frac * lr)",
+    )
+    warmup_frac: Frac = Field(
+        0.0, description="fraction of steps with a linear warmup from 0 to the peak"
+    )
+    final_lr_frac: Frac = Field(0.0, description="lr at the last step, as a fraction of the peak")
+    grad_clip: NonNegF = Field(0.0, description="global-norm gradient clipping (0 = off)")
 
 
 class PretrainConfig(Section):
-    steps: Pos = 1000
-    batch_size: Pos = 1024
-    log_every: Pos = 100
-    max_bad_steps: Pos = 10
-    grad_accum_steps: Pos = 1
-    remat: Literal["none", "dots_saveable", "full"] = "none"
-    optim: OptimConfig = OptimConfig()
+    """Skipped when you bring your own weights (target.kind = "hf")."""
+
+    steps: Pos = Field(1000, description="optimizer steps")
+    batch_size: Pos = Field(1024, description=_BATCH)
+    log_every: Pos = Field(100, description="steps between logged metrics")
+    max_bad_steps: Pos = Field(
+        10, description="consecutive non-finite steps (update skipped) before failing"
+    )
+    grad_accum_steps: Pos = Field(1, description="micro-batches accumulated per optimizer step")
+    remat: Literal["none", "dots_saveable", "full"] = Field("none", description=_REMAT)
+    optim: OptimConfig = Field(OptimConfig(), description="optimizer of the target model")
 
 
 class SiteConfig(Section):
-    pattern: Annotated[str, Field(min_length=1)]
-    C: Pos
+    """One entry of decomp.sites."""
+
+    pattern: Annotated[str, Field(min_length=1)] = Field(
+        description='glob over the target\'s site paths, such as "layers.*.mlp.up"'
+    )
+    C: Pos = Field(description="components of every site the pattern matches")
 
 
 class CiFnConfig(Section):
-    type: Literal["mlp", "vector_mlp", "shared_mlp"] = "mlp"
-    hidden: list[Pos] = [16]
+    """mlp: one MLP per component on (x @ V)_c; vector_mlp: one MLP per component on x;
+    shared_mlp: one MLP from x to all C logits."""
+
+    type: Literal["mlp", "vector_mlp", "shared_mlp"] = Field(
+        "mlp", description="mlp | vector_mlp | shared_mlp"
+    )
+    hidden: list[Pos] = Field([16], description="hidden layer widths")
 
 
 class DecompConfig(Section):
-    sites: list[SiteConfig] = []
-    delta_component: bool = True
-    sigmoid: Literal["leaky_hard", "hard"] = "leaky_hard"
-    sampling: Literal["continuous", "binomial"] = "continuous"
-    n_mask_samples: Pos = 1
-    ci_threshold: Frac = 0.1
-    ci_fn: CiFnConfig = CiFnConfig()
+    sites: list[SiteConfig] = Field(
+        [],
+        description='which weight matrices ("sites") to decompose: glob patterns over the '
+        "target's site paths, each with its component count C. Default: [] (no sites; list at "
+        "least one). A pattern that matches nothing, or a site matched by two patterns, is an "
+        "error",
+        examples=[[{"pattern": "linear1", "C": 20}, {"pattern": "linear2", "C": 20}]],
+    )
+    delta_component: bool = Field(
+        True, description="add W - V U as one more maskable component per site"
+    )
+    sigmoid: Literal["leaky_hard", "hard"] = Field(
+        "leaky_hard",
+        description="CI squashing: leaky_hard (sign-gated leaky gradient) | hard (plain clip)",
+    )
+    sampling: Literal["continuous", "binomial"] = Field(
+        "continuous",
+        description="masks ci + (1 - ci) r: r ~ U[0,1] (continuous) | r in {0,1} (binomial)",
+    )
+    n_mask_samples: Pos = Field(1, description="stochastic masks drawn per example")
+    ci_threshold: Frac = Field(
+        0.1, description="a component counts as active (L0, evals) when its CI exceeds this"
+    )
+    ci_fn: CiFnConfig = Field(
+        CiFnConfig(), description="the causal-importance (CI) function of each site"
+    )
 
 
 class WarmupConfig(Section):
-    steps: NonNeg = 400
-    lr: PosF = 0.01
-    weight_decay: NonNegF = 0.1
-    log_every: Pos = 100
-    max_bad_steps: Pos = 10
+    """AdamW on V, U only (loss = faithfulness); its optimizer is discarded."""
+
+    steps: NonNeg = Field(400, description="optimizer steps (0 = skip)")
+    lr: PosF = Field(0.01, description="constant learning rate (> 0)")
+    weight_decay: NonNegF = Field(0.1, description="AdamW weight decay")
+    log_every: Pos = Field(100, description="steps between logged metrics")
+    max_bad_steps: Pos = Field(
+        10, description="consecutive non-finite steps before the stage fails"
+    )
 
 
 Routing = Literal["uniform_k", "static_p"]
 
 
 class LossConfig(Section):
-    faithfulness: NonNegF = 0.0
-    importance_minimality: NonNegF = 3e-3
-    p: PosF = 1.0
-    p_final: PosF | None = None
-    p_anneal_start: Frac = 0.0
-    p_anneal_end: Frac = 1.0
-    beta: NonNegF = 0.0
-    eps: NonNegF = 1e-12
-    stochastic_recon: NonNegF = 1.0
-    stochastic_recon_layerwise: NonNegF = 1.0
-    stochastic_recon_subset: NonNegF = 0.0
-    subset_routing: Routing = "uniform_k"
-    subset_p: Prob = 0.5
-    ppgd_recon: NonNegF = 0.0
-    pgd_recon: NonNegF = 0.0
-    ci_masked_recon: NonNegF = 0.0
-    unmasked_recon: NonNegF = 0.0
-    output: Literal["mse", "kl"] = "mse"
+    """total = sum of coefficient * term; every coefficient is explicit (0 = the term is not
+    computed)."""
+
+    faithfulness: NonNegF = Field(
+        0.0, description="coefficient: ||W - V U||^2 / numel(W), over every site"
+    )
+    importance_minimality: NonNegF = Field(
+        3e-3, description="coefficient: sum of (ci_upper + eps)^p per component"
+    )
+    p: PosF = Field(1.0, description="importance minimality exponent (at the start of the anneal)")
+    p_final: PosF | None = Field(
+        None,
+        description="exponent at the end of the anneal (default unset: p constant)",
+        examples=[1.0],
+    )
+    p_anneal_start: Frac = Field(
+        0.0, description="fraction of training where p starts moving towards p_final"
+    )
+    p_anneal_end: Frac = Field(
+        1.0, description="fraction of training where it reaches p_final (>= start)"
+    )
+    beta: NonNegF = Field(
+        0.0, description="weight of the m_c * log2(1 + S_c) term of importance minimality"
+    )
+    eps: NonNegF = Field(1e-12, description="added to ci before the power")
+    stochastic_recon: NonNegF = Field(
+        1.0, description="coefficient: reconstruction, all sites stochastically masked"
+    )
+    stochastic_recon_layerwise: NonNegF = Field(
+        1.0, description="coefficient: one site masked at a time"
+    )
+    stochastic_recon_subset: NonNegF = Field(
+        0.0, description="coefficient: a routed random subset of sites masked"
+    )
+    subset_routing: Routing = Field(
+        "uniform_k",
+        description="subset: uniform_k (k ~ U{1..n_sites} per example, then k random sites) | "
+        "static_p (each site with probability p)",
+    )
+    subset_p: Prob = Field(0.5, description="static_p routing: probability that a site is masked")
+    ppgd_recon: NonNegF = Field(
+        0.0,
+        description="coefficient: reconstruction with persistent adversarial sources "
+        "([train.ppgd])",
+    )
+    pgd_recon: NonNegF = Field(
+        0.0, description="coefficient: reconstruction with per-step PGD sources ([train.pgd])"
+    )
+    ci_masked_recon: NonNegF = Field(0.0, description="coefficient: reconstruction with mask = ci")
+    unmasked_recon: NonNegF = Field(0.0, description="coefficient: reconstruction with mask = 1")
+    output: Literal["mse", "kl"] = Field(
+        "mse", description="reconstruction distance: mse | kl (KL(target || masked), LMs)"
+    )
 
     @model_validator(mode="after")
     def _anneal_order(self) -> LossConfig:
@@ -234,24 +388,43 @@ _PPGD_REMOVED = {
     "warmup_steps": "removed: use `n_warmup_steps` (extra ascent steps on EVERY train step)",
 }
 _PPGD_RENAMED_SCOPES = {"batch": "shared", "position": "per_position"}
+_ROUTING = "all | uniform_k | static_p: which sites the adversary masks"
 
 
 class PpgdConfig(Section):
-    """Persistent adversarial sources (the reference's PersistentPGDReconLoss)."""
+    """Persistent adversarial sources (persistent PGD; PersistentPGDReconLoss in the SPD
+    reference code). Each train step: n_warmup_steps extra ascent steps on the batch, the PPGD
+    loss with the sources as they then are, and after the main update ONE ascent step from that
+    loss's gradient. The sources persist across steps and are checkpointed; masks are
+    ci + (1 - ci) * source."""
 
-    scope: Literal["shared", "per_position", "per_batch_per_position"] = "shared"
-    optimizer: Literal["adam", "sign"] = "adam"
-    lr: PosF = 0.01
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_frac: Frac = 0.0
-    final_lr_frac: Frac = 0.0
-    b1: Frac = 0.9
-    b2: Frac = 0.999
-    eps: NonNegF = 1e-8
-    n_warmup_steps: NonNeg = 0
-    sigmoid: bool = False
-    routing: Literal["all", "uniform_k", "static_p"] = "all"
-    routing_p: Prob = 0.5
+    scope: Literal["shared", "per_position", "per_batch_per_position"] = Field(
+        "shared",
+        description="shared: one source per component | per_position: one per position (LMs) | "
+        "per_batch_per_position: one per example (and position)",
+    )
+    optimizer: Literal["adam", "sign"] = Field("adam", description="source ascent: adam | sign")
+    lr: PosF = Field(0.01, description="source learning rate (peak of its schedule)")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="constant | linear | cosine, like the optimizers' schedules"
+    )
+    warmup_frac: Frac = Field(
+        0.0, description="fraction of train steps with a linear warmup of the source lr"
+    )
+    final_lr_frac: Frac = Field(
+        0.0, description="linear/cosine: source lr at the last step, as a fraction of lr"
+    )
+    b1: Frac = Field(0.9, description="Adam beta1 of the sources")
+    b2: Frac = Field(0.999, description="Adam beta2 of the sources")
+    eps: NonNegF = Field(1e-8, description="Adam epsilon of the sources")
+    n_warmup_steps: NonNeg = Field(
+        0, description="extra ascent steps on each batch, before the loss, on EVERY step"
+    )
+    sigmoid: bool = Field(
+        False, description="unconstrained sources seen through a sigmoid (no clipping)"
+    )
+    routing: Literal["all", "uniform_k", "static_p"] = Field("all", description=_ROUTING)
+    routing_p: Prob = Field(0.5, description="static_p routing: probability per site")
 
     @model_validator(mode="before")
     @classmethod
@@ -267,50 +440,96 @@ class PpgdConfig(Section):
 
 
 class PgdConfig(Section):
-    """Non-persistent PGD sources (the reference's PGDReconLoss): re-initialised on every step,
-    `n_steps` sign-ascent steps of size `step_size`, then the loss with the final sources."""
+    """Non-persistent PGD sources (PGDReconLoss in the SPD reference code): re-initialised on
+    every step, n_steps sign-ascent steps of size step_size, then the loss with the final
+    sources."""
 
-    init: Literal["random", "ones", "zeroes"] = "random"
-    step_size: PosF = 0.1
-    n_steps: NonNeg = 1
-    scope: Literal["per_example", "shared"] = "per_example"
-    routing: Literal["all", "uniform_k", "static_p"] = "all"
-    routing_p: Prob = 0.5
+    init: Literal["random", "ones", "zeroes"] = Field(
+        "random", description="random (U[0,1)) | ones | zeroes"
+    )
+    step_size: PosF = Field(0.1, description="size of each sign step")
+    n_steps: NonNeg = Field(1, description="ascent steps per train step")
+    scope: Literal["per_example", "shared"] = Field(
+        "per_example",
+        description="per_example: one source per example (and position) | shared",
+    )
+    routing: Literal["all", "uniform_k", "static_p"] = Field("all", description=_ROUTING)
+    routing_p: Prob = Field(0.5, description="static_p routing: probability per site")
 
 
 class TrainConfig(Section):
-    steps: Pos = 10000
-    batch_size: Pos = 4096
-    log_every: Pos = 100
-    eval_every: Pos = 1000
-    eval_batch_size: Pos = 1024
-    eval_rounding_threshold: Frac = 0.0
-    max_bad_steps: Pos = 10
-    grad_accum_steps: Pos = 1
-    remat: Literal["none", "dots_saveable", "full"] = "none"
-    optim: OptimConfig = OptimConfig()
-    ci_optim: OptimConfig | None = None
-    loss: LossConfig = LossConfig()
-    ppgd: PpgdConfig = PpgdConfig()
-    pgd: PgdConfig = PgdConfig()
+    steps: Pos = Field(10000, description="optimizer steps")
+    batch_size: Pos = Field(4096, description=_BATCH)
+    log_every: Pos = Field(100, description="steps between logged metrics")
+    eval_every: Pos = Field(
+        1000, description="steps between evaluations (CI errors, L0, masked CE/KL for LMs)"
+    )
+    eval_batch_size: Pos = Field(1024, description="examples per evaluation")
+    eval_rounding_threshold: Frac = Field(
+        0.0, description='LMs: the "rounded" masking evaluates ci > this as 1, else 0'
+    )
+    max_bad_steps: Pos = Field(
+        10, description="consecutive non-finite steps (update skipped) before failing"
+    )
+    grad_accum_steps: Pos = Field(1, description="micro-batches accumulated per optimizer step")
+    remat: Literal["none", "dots_saveable", "full"] = Field("none", description=_REMAT)
+    optim: OptimConfig = Field(
+        OptimConfig(),
+        description="optimizer of the components (and of the CI functions unless "
+        "[train.ci_optim] is given)",
+    )
+    ci_optim: OptimConfig | None = Field(
+        None,
+        description="optional: a separate optimizer for the CI functions. When the table is "
+        "absent they use train.optim; when present, a key left out takes the default below "
+        "(not train.optim's value)",
+    )
+    loss: LossConfig = Field(LossConfig(), description="the SPD loss")
+    ppgd: PpgdConfig = Field(
+        PpgdConfig(), description="persistent PGD, used when train.loss.ppgd_recon > 0"
+    )
+    pgd: PgdConfig = Field(
+        PgdConfig(), description="per-step PGD, used when train.loss.pgd_recon > 0"
+    )
 
 
 class Config(Section):
-    schema_: int = Field(SCHEMA_VERSION, alias="schema")
-    run: RunConfig = RunConfig()
-    target: Target = TmsTarget()
-    data: DataConfig = DataConfig()
-    mesh: MeshConfig = MeshConfig()
-    distributed: DistributedConfig = DistributedConfig()
-    precision: PrecisionConfig = PrecisionConfig()
-    compile: CompileConfig = CompileConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    tracking: TrackingConfig = TrackingConfig()
-    measure: MeasureConfig = MeasureConfig()
-    pretrain: PretrainConfig = PretrainConfig()
-    decomp: DecompConfig = DecompConfig()
-    warmup: WarmupConfig = WarmupConfig()
-    train: TrainConfig = TrainConfig()
+    schema_: int = Field(
+        SCHEMA_VERSION,
+        alias="schema",
+        description=f"pdctl.toml schema version (required; this pdctl reads {SCHEMA_VERSION})",
+    )
+    run: RunConfig = Field(RunConfig(), description="the run as a whole")
+    target: Target = Field(
+        TmsTarget(),
+        description="the network to decompose; `kind` picks the variant, each with only its own "
+        "keys",
+    )
+    data: DataConfig = Field(DataConfig(), description="what the stages train and evaluate on")
+    mesh: MeshConfig = Field(MeshConfig(), description="the device mesh, axes ('data', 'fsdp')")
+    distributed: DistributedConfig = Field(DistributedConfig(), description="multi-host runs")
+    precision: PrecisionConfig = Field(
+        PrecisionConfig(), description="one precision policy for every stage"
+    )
+    compile: CompileConfig = Field(CompileConfig(), description="JAX compilation")
+    checkpoint: CheckpointConfig = Field(
+        CheckpointConfig(), description="orbax checkpoints, one manager per stage"
+    )
+    tracking: TrackingConfig = Field(TrackingConfig(), description="experiment tracking")
+    measure: MeasureConfig = Field(MeasureConfig(), description="performance figures")
+    pretrain: PretrainConfig = Field(
+        PretrainConfig(), description="stage pretrain: trains the target model"
+    )
+    decomp: DecompConfig = Field(
+        DecompConfig(),
+        description="the decomposition: which weights, how many components, how masks are drawn",
+    )
+    warmup: WarmupConfig = Field(
+        WarmupConfig(), description="stage warmup: fits the components to the target's weights"
+    )
+    train: TrainConfig = Field(
+        TrainConfig(), description="stage train: SPD training of the components and CI functions"
+    )
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
 
@@ -488,3 +707,258 @@ def match_sites(cfg: Config, site_paths: list[str]) -> dict[str, int]:
                 )
             owner[p] = i
     return {p: cfg.decomp.sites[owner[p]].C for p in site_paths if p in owner}
+
+
+# ---- pdctl.toml.example, rendered from the schema above ------------------------------------------
+
+EXAMPLE_COMMAND = "python -m pdctl.config --example > pdctl.toml.example"
+
+# Text blocks below are laid out as they appear in the file, each line behind "# ".
+EXAMPLE_HEADER = f"""\
+pdctl.toml.example: every key pdctl reads, in schema order, each set to its default.
+Generated from the schema in pdctl/config.py (its field descriptions and docstrings); after
+changing the schema, regenerate it with
+  {EXAMPLE_COMMAND}
+(tests/test_config.py fails while this file and the schema differ).
+
+A run directory holds one pdctl.toml (`pdctl new NAME -t TEMPLATE` writes one from a template).
+Every table and key is optional except `schema`; a key left out takes the default shown here.
+Unknown keys and wrong types are errors that name the key (TOML types are strict: write
+`steps = 5`, not `steps = "5"` or `steps = 5.0`; a float key accepts an integer).
+Lines that start with `# key =` document keys that are off by default or belong to another
+variant; remove the `# ` to use them."""
+
+STATE_TABLES_DOC = """\
+pdctl appends its own tables after a marker line at the end of this file and rewrites only
+those (atomically); everything above them stays byte for byte as you wrote it. Do not edit them.
+One table per stage, [state.init_weights], [state.pretrain], [state.warmup], [state.train]:
+  status       running | done | failed | interrupted (`pdctl status` shows "pending" if absent)
+  step, steps  last completed step, and the stage's total
+  checkpoint   path of the latest checkpoint
+  metrics      last logged metrics (a table; nested per site where it applies)
+  wall_s       wall-clock seconds of the stage
+  compile_s    compile seconds per jitted function (a table)
+  step_ms      mean step time in milliseconds (with samples/s, tokens/s, MFU where measured)
+  fingerprint  hash of the config tables the stage depends on; an edit that changes it makes
+               the stage (and every later one) "stale" in `pdctl status`. mesh, distributed,
+               tracking, checkpoint, compile and measure do not count.
+  devices, mesh  device count/kind and the mesh shape the stage ran on
+  versions     pdctl and JAX versions
+  updated_at   UTC time of the last write; plus e.g. the wandb run id (a resume continues it)"""
+
+_WIDTH = 100
+# A key line longer than this keeps its comment two spaces after it instead of pushing the
+# comment column of its whole block to the right.
+_ALIGN_MAX = 40
+
+
+def example_toml() -> str:
+    """pdctl.toml.example: every table in schema order, every key at its default with its
+    description as a comment, the other variants and optional keys commented out."""
+    cfg = Config()
+    seen: set[type[BaseModel]] = set()
+    lines = _commented(EXAMPLE_HEADER)
+    lines += ["", *_keys(Config, cfg, describe=True, off=False)]
+    for name, field in Config.model_fields.items():
+        if _is_table(field):
+            lines += ["", *_table(name, field, getattr(cfg, name), seen)]
+    rule = "# ---- What pdctl writes "
+    lines += ["", rule + "-" * (_WIDTH - len(rule)), *_commented(STATE_TABLES_DOC)]
+    return "\n".join(lines) + "\n"
+
+
+def _commented(text: str) -> list[str]:
+    return [f"# {line}".rstrip() for line in text.splitlines()]
+
+
+def _submodels(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _submodels(arg)]
+
+
+def _is_table(field: FieldInfo) -> bool:
+    """A nested model is a [table]; a list of models (decomp.sites) is an array of inline tables."""
+    return bool(_submodels(field.annotation)) and typing.get_origin(field.annotation) is not list
+
+
+def _table(
+    path: str, field: FieldInfo, value: Any, seen: set[type[BaseModel]], off: bool = False
+) -> list[str]:
+    """A table: its header, what it is (the field's description on the header line, the model's
+    docstring the first time the model appears), its keys, then its sub-tables."""
+    models = _submodels(field.annotation)
+    if len(models) > 1:
+        return _variants(path, field, value)
+    [model] = models
+    off = off or value is None  # an optional table ([train.ci_optim]) is shown commented out
+    pre = "# " if off else ""
+    header = f"{pre}[{path}]"
+    desc = field.description or ""
+    if len(header) + 4 + len(desc) <= _WIDTH and "\n" not in desc:
+        lines = [f"{header}  # {desc}" if desc else header]
+    else:
+        lines = [header, *_paragraph(desc)]
+    first = model not in seen
+    seen.add(model)
+    if first and _doc(model):
+        lines += _paragraph(_doc(model), sentence=False)
+    lines += _keys(model, value, describe=first, off=off)
+    for name, sub in model.model_fields.items():
+        if _is_table(sub):
+            sub_value = getattr(value, name) if value is not None else sub.default
+            lines += ["", *_table(f"{path}.{name}", sub, sub_value, seen, off)]
+    return lines
+
+
+def _variants(path: str, field: FieldInfo, value: BaseModel) -> list[str]:
+    """A discriminated union ([target]): the default variant's keys, then every other variant's
+    keys commented out under a `# kind = "...": what it is` line."""
+    tag = field.discriminator
+    if not isinstance(tag, str):
+        raise TypeError(f"{path}: a union of tables needs a discriminator key")
+    lines = [f"[{path}]  # {field.description}"]
+    default = type(value)
+    lines += _block(
+        [(f"{tag} = {_toml(getattr(value, tag))}", default.model_fields[tag].description)]
+    )
+    others = [m for m in _submodels(field.annotation) if m is not default]
+    for model in (default, *others):
+        is_default = model is default
+        if not is_default:
+            lines.append("#")
+        wrap = textwrap.TextWrapper(
+            _WIDTH,
+            initial_indent=f"# {tag} = {_toml(model.model_fields[tag].default)}: ",
+            subsequent_indent="# ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        lines += wrap.wrap(_doc(model))
+        lines += _keys(
+            model, value if is_default else None, describe=True, off=not is_default, skip=tag
+        )
+    return lines
+
+
+def _doc(model: type[BaseModel]) -> str:
+    doc = model.__dict__.get("__doc__")  # not inherited: a model without one has none
+    return " ".join(doc.split()) if doc else ""
+
+
+def _sentence(text: str) -> str:
+    text = text[:1].upper() + text[1:]
+    return text if text.endswith(".") else text + "."
+
+
+def _paragraph(text: str, prefix: str = "# ", sentence: bool = True) -> list[str]:
+    wrap = textwrap.TextWrapper(
+        _WIDTH,
+        initial_indent=prefix,
+        subsequent_indent=prefix,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+    parts = [_sentence(p) if sentence else p for p in text.split("\n") if p]
+    return [line for part in parts for line in wrap.wrap(part)]
+
+
+def _keys(
+    model: type[BaseModel], value: Any, *, describe: bool, off: bool, skip: str = ""
+) -> list[str]:
+    """The key = value lines of one table, each with its description as a trailing comment
+    (when `describe`; a model shown before is not described again), comments aligned per run of
+    one-line keys. `value` is the table's default (None: the fields' own defaults)."""
+    lines: list[str] = []
+    run: list[tuple[str, str]] = []
+    for name, field in model.model_fields.items():
+        if name == skip or _is_table(field):
+            continue
+        key = field.alias or name
+        current = getattr(value, name) if value is not None else field.default
+        shown = field.examples[0] if field.examples else current
+        if shown is None or shown is PydanticUndefined:
+            raise ValueError(f"{model.__name__}.{name}: no default or example to show")
+        desc = (field.description or "") if describe else ""
+        pre = "# " if off or current is None else ""
+        if isinstance(shown, list) and shown and _submodels(field.annotation):
+            # An array of inline tables (decomp.sites): one table per line, the item keys
+            # described above them.
+            lines += _block(run, off)
+            run = []
+            lines += _paragraph(desc, prefix=pre + "# ")
+            lines.append(f"{pre}{key} = [")
+            [item] = _submodels(field.annotation)
+            for sub_name, sub in item.model_fields.items() if describe else ():
+                text = f"{sub.alias or sub_name}: {sub.description}"
+                lines += _paragraph(text, prefix=pre + "  # ", sentence=False)
+            lines += [f"{pre}  {_toml(x)}," for x in shown]
+            lines.append(f"{pre}]")
+        else:
+            run.append((f"{pre}{key} = {_toml(shown)}", desc))
+    return lines + _block(run, off)
+
+
+def _block(run: list[tuple[str, str]], off: bool = False) -> list[str]:
+    """`key = value` lines with their comments in one column; a wrapped comment continues in
+    that column, indented by two, and a description's second paragraph (after a newline) starts
+    there unindented."""
+    widths = [len(code) for code, _ in run if len(code) <= _ALIGN_MAX]
+    column = max(widths, default=0) + 2
+    lines = []
+    for code, desc in run:
+        if not desc:
+            lines.append(code)
+            continue
+        col = column if len(code) <= _ALIGN_MAX else len(code) + 2
+        pad = "#" + " " * (col - 1) if off else " " * col
+        for i, part in enumerate(desc.split("\n")):
+            wrap = textwrap.TextWrapper(
+                _WIDTH - col,
+                initial_indent="# ",
+                subsequent_indent="#   ",
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+            for j, text in enumerate(wrap.wrap(part)):
+                lines.append((code.ljust(col) if i == j == 0 else pad) + text)
+    return lines
+
+
+def _toml(value: Any) -> str:
+    """A TOML literal for a default: the types a config field can hold."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump(by_alias=True)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return re.sub(r"e([+-])0*(\d)", r"e\1\2", repr(value))  # 1e-08 -> 1e-8
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"no TOML literal for {value!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdctl.config", description="The pdctl.toml schema."
+    )
+    parser.add_argument(
+        "--example",
+        action="store_true",
+        help="print pdctl.toml.example (every key, its default and description)",
+    )
+    args = parser.parse_args(argv)
+    if not args.example:
+        parser.error("nothing to do: pass --example")
+    sys.stdout.write(example_toml())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 import typing
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from pdctl.config import (
+    EXAMPLE_COMMAND,
     STAGES,
     CiFnConfig,
     Config,
@@ -21,7 +24,9 @@ from pdctl.config import (
     ResidMlpTarget,
     SiteConfig,
     TmsTarget,
+    example_toml,
     fingerprint,
+    main,
     match_sites,
     parse_config,
 )
@@ -159,6 +164,36 @@ def test_example_ci_optim_block_shows_optim_defaults() -> None:
     raw["train"]["ci_optim"] = block
     assert parse_config(raw).train.ci_optim == OptimConfig()
     assert parse_config(_load(EXAMPLE)).train.ci_optim is None
+
+
+def test_example_is_generated_from_the_schema() -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    assert text == example_toml(), f"pdctl.toml.example is stale: run `{EXAMPLE_COMMAND}`"
+    assert EXAMPLE_COMMAND in text  # the file says how it is made
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_example_command_prints_the_example() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdctl.config", "--example"], cwd=ROOT, capture_output=True
+    )
+    assert (out.returncode, out.stderr) == (0, b"")
+    assert out.stdout == example_toml().encode()
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+
+
+def test_every_field_is_described() -> None:
+    seen: set[type[BaseModel]] = set()
+    _schema_keys(Config, "", seen)
+    bare = [
+        f"{model.__name__}.{name}"
+        for model in seen
+        for name, field in model.model_fields.items()
+        if not field.description
+    ]
+    assert not bare, f"fields without Field(description=...): {sorted(bare)}"
 
 
 def _reversed(value: typing.Any) -> typing.Any:
