@@ -273,3 +273,22 @@ def test_match_sites_site_matched_twice_is_an_error() -> None:
         match_sites(cfg, PATHS)
     with pytest.raises(PdctlError, match="already matched"):
         match_sites(cfg, PATHS)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # issue 12 item 7: nothing to decompose is a mistake, not a no-op run
+        (lambda raw: raw["decomp"].__setitem__("sites", []), "decomp.sites: empty"),
+        # issue 12 item 12: every float in the config is finite
+        (lambda raw: raw["train"]["optim"].__setitem__("lr", float("inf")), "train.optim.lr"),
+        (lambda raw: raw["train"]["optim"].__setitem__("lr", float("nan")), "train.optim.lr"),
+    ],
+)
+def test_mistakes_are_one_line_errors_naming_the_key(edit, message):
+    raw = _load(ROOT / "templates" / "tms" / "pdctl.toml")
+    edit(raw)
+    with pytest.raises(PdctlError) as err:
+        parse_config(raw)
+    text = str(err.value)
+    assert message in text and "\n" not in text, text
