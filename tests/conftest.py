@@ -1,13 +1,49 @@
-"""Test setup: 4 simulated CPU devices, set before JAX initialises.
+"""Test setup: 4 simulated CPU devices, set before JAX initialises, and one persistent
+compilation cache for the session.
 
 Tests that need one device build their mesh over ``jax.devices()[:1]``; tests that need a
 fresh JAX with another device count run a subprocess.
+
+Tiers: `python -m pytest -q` runs the fast tier (pyproject's `addopts` deselects tests marked
+`slow`); `-m slow` runs the rest and `-m ""` everything.
 """
 
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory):
+    """In this process, compiled programs go through a persistent cache under the session's
+    temporary directory: many tests run the same tiny stage again (a copied run resumed,
+    retrained or failed on purpose), and each run builds new jit objects, so without it every
+    one of them recompiles the same step. A cache hit loads the executable XLA compiled for
+    the identical program, so numerics are unchanged (test_resume's bit-exact resumes already
+    run through such a cache). Child processes are not affected: they see only what their
+    run's `[compile] cache_dir` says. PDCTL_TEST_COMPILE_CACHE=0 turns it off."""
+    if os.environ.get("PDCTL_TEST_COMPILE_CACHE", "1") == "0":
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    keys = {
+        "jax_compilation_cache_dir": str(tmp_path_factory.getbasetemp() / "jax-session-cache"),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {k: getattr(jax.config, k) for k in keys}
+    for k, v in keys.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -134,6 +137,57 @@ def error_lines(result: Any) -> list[str]:
 
 def state(run: Path, stage: str) -> dict[str, Any]:
     return Project.load(run / "pdctl.toml").stage(stage)
+
+
+# ---- the CLI in a fresh process --------------------------------------------------------------
+
+
+def pdctl_env(devices: int = 1, **extra: str) -> dict[str, str]:
+    """This environment for a child process: JAX on `devices` simulated CPU devices (the flag
+    replaced, other XLA flags kept), wandb off, unbuffered output, then `extra`."""
+    env = dict(os.environ)
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if "xla_force_host_platform_device_count" not in f
+    ]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env.update(
+        XLA_FLAGS=" ".join(flags),
+        JAX_PLATFORMS="cpu",
+        WANDB_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def pdctl_argv(*args: Any, project: Path | None = None) -> list[str]:
+    """`python -m pdctl [--project PROJECT] ARGS` for this interpreter."""
+    head = ["--project", str(project)] if project is not None else []
+    return [sys.executable, "-m", "pdctl", *head, *(str(a) for a in args)]
+
+
+def pdctl_process(
+    *args: Any,
+    project: Path | None = None,
+    cwd: Path | None = None,
+    devices: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """`python -m pdctl [--project PROJECT] ARGS` run to completion in a fresh process on
+    `devices` CPU devices (`env` added to `pdctl_env`), with stdout/stderr captured as text.
+    For a process to signal or kill, `subprocess.Popen(pdctl_argv(...), env=pdctl_env(n))`."""
+    return subprocess.run(
+        pdctl_argv(*args, project=project),
+        cwd=cwd,
+        env=pdctl_env(devices, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 # ---- the pretrain step on a hand-made mesh ---------------------------------------------------

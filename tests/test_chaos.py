@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import pdctl_argv, pdctl_env
 from test_resume import (
     SUB,
     SUB_STEPS,
@@ -30,9 +31,7 @@ from test_resume import (
     checkpoint_arrays,
     exported,
     metric_lines,
-    pdctl_cmd,
     sub_run,
-    subprocess_env,
     tms_base,
     tms_reference,
 )
@@ -98,8 +97,8 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_exact(
         start = max(_finished_steps(ckpt_dir), default=0)
         stderr = open(tmp_path / f"stderr-{cycle}.txt", "w")  # noqa: SIM115
         proc = subprocess.Popen(
-            pdctl_cmd(run, *args),
-            env=subprocess_env(1),
+            pdctl_argv(*args, project=run),
+            env=pdctl_env(1),
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )

@@ -8,9 +8,7 @@ The steps are built as `warmup.run` / `train.run` build them (`make_step`, `buil
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers import cli, edit_config, error_lines, make_run, state
+from helpers import cli, edit_config, error_lines, make_run, pdctl_process, state
 
 from pdctl.config import match_sites
 from pdctl.engine import donation, sharding
@@ -119,11 +117,10 @@ def _host(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
 
 
-def _check_donating_calls(step, params, st, n_calls: int = 2) -> list[float]:
+def _check_donating_calls(step, params, st, n_calls: int = 2) -> None:
     """Call `step(params, st, None)` n times, as the loop does; for every call: >= 95% of the
     state's bytes reused, and the target parameters (not donated) alive and unchanged."""
     params_before = _host(params)
-    fractions = []
     for _ in range(n_calls):
         before = donation.buffer_bytes_by_ptr(st)
         assert sum(before.values()) > 0
@@ -131,14 +128,12 @@ def _check_donating_calls(step, params, st, n_calls: int = 2) -> list[float]:
         st, metrics = step(params, st, None)
         jax.block_until_ready((st, metrics))
         fraction, missed = donation.reused_fraction(before, st)
-        fractions.append(fraction)
         assert fraction >= donation.THRESHOLD, (fraction, missed)
         assert all(x.is_deleted() for x in jax.tree.leaves(st_in))  # really donated
         for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(params_before), strict=True):
             assert not leaf.is_deleted()
             np.testing.assert_array_equal(np.asarray(leaf), want)
         assert np.isfinite(float(metrics["loss"]))
-    return fractions
 
 
 @pytest.mark.parametrize("n_devices", [1, 4])
@@ -150,8 +145,8 @@ def test_warmup_and_train_steps_donate_the_state_but_not_the_target(
     if n_devices == 4:  # the state really is sharded, so donation is per shard
         V = st["trainable"]["components"]["linear1"]["V"]
         assert V.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
-    assert _check_donating_calls(steps.warmup_step, steps.params, steps.fresh_warmup())
-    assert _check_donating_calls(steps.train_step, steps.params, st)
+    _check_donating_calls(steps.warmup_step, steps.params, steps.fresh_warmup())
+    _check_donating_calls(steps.train_step, steps.params, st)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +205,7 @@ def _jsonl(run: Path, stage: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # ~20-30 s; test_faults' `done` run and test_resume's run every stage fast
 def test_cli_new_to_train_on_tiny_tms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     _ok("new", "tiny", "--template", "tms")
@@ -278,17 +274,7 @@ def test_cli_new_to_train_on_tiny_tms(tmp_path: Path, monkeypatch: pytest.Monkey
 def _pdctl(cwd: Path, *args: str, devices: int = 2) -> subprocess.CompletedProcess:
     """The installed CLI in a fresh process on `devices` simulated CPU devices (mesh data = all:
     the configuration benchmarks/recovery.py measured, see docs/results.md)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
-    return subprocess.run(
-        [sys.executable, "-m", "pdctl", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=2400,
-    )
+    return pdctl_process(*args, cwd=cwd, devices=devices, timeout=2400)
 
 
 @pytest.mark.slow

@@ -9,18 +9,16 @@ gloo collectives, against a single process with 4 devices.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli, make_run
+from helpers import cli, make_run, pdctl_argv, pdctl_env, pdctl_process
 
 pytestmark = pytest.mark.slow
 
@@ -40,34 +38,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def _spawn(run: Path, *args: str) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for pid in (0, 1):
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdctl",
-            "--project",
-            str(run),
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--num-processes",
-            "2",
-            "--process-id",
-            str(pid),
+        cmd = pdctl_argv(
+            *("--coordinator", f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", pid),
             *args,
-        ]
+            project=run,
+        )
         procs.append(
             subprocess.Popen(
-                cmd, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                cmd, env=pdctl_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
     return procs
@@ -95,13 +77,7 @@ def prepared(tmp_path_factory) -> Path:
 def test_two_processes_match_one_and_resume_in_one(prepared: Path, tmp_path: Path):
     single = tmp_path / "single"
     shutil.copytree(prepared, single)
-    r = subprocess.run(
-        [sys.executable, "-m", "pdctl", "--project", str(single), "train"],
-        env=_env(4),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = pdctl_process("train", project=single, devices=4, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
 
     multi = tmp_path / "multi"
@@ -122,13 +98,7 @@ def test_two_processes_match_one_and_resume_in_one(prepared: Path, tmp_path: Pat
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert (half / "checkpoints" / "train" / "10").is_dir()
-    r = subprocess.run(
-        [sys.executable, "-m", "pdctl", "--project", str(half), "resume"],
-        env=_env(4),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = pdctl_process("resume", project=half, devices=4, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     c = _losses(half)
     np.testing.assert_allclose([c[s] for s in sorted(c)], [a[s] for s in sorted(a)], rtol=1e-5)

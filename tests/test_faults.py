@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers import cli, edit_config, error_lines
+from helpers import cli, edit_config, error_lines, pdctl_argv, pdctl_env, pdctl_process
 
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.sharding import path_str
@@ -106,26 +106,8 @@ def _arrays(run: Path, stage: str, step: int | None = None) -> dict[str, np.ndar
     }
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
-        JAX_PLATFORMS="cpu",
-        WANDB_MODE="disabled",
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(extra)
-    return env
-
-
 def _pdctl(run: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pdctl", "--project", str(run), *args],
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return pdctl_process(*args, project=run, env=env, timeout=300)
 
 
 def _inject(run: Path, hook: str, *args: str) -> subprocess.CompletedProcess:
@@ -145,7 +127,7 @@ def _inject(run: Path, hook: str, *args: str) -> subprocess.CompletedProcess:
     )
     return subprocess.run(
         [sys.executable, "-c", code, str(run), *args],
-        env=_env(),
+        env=pdctl_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -429,8 +411,8 @@ def test_6_kill_9_before_the_first_checkpoint_then_resume(done: Path, tmp_path: 
     run = _copy(done, tmp_path)
     edit_config(run, {"pretrain": {"steps": 10**7}, "checkpoint": {"every": 10**7}})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdctl", "--project", str(run), "pretrain", "--fresh"],
-        env=_env(),
+        pdctl_argv("pretrain", "--fresh", project=run),
+        env=pdctl_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -568,11 +550,11 @@ def test_12_conflicting_flags_are_one_line_errors(
 def _ro_mount(run: Path, *args: str) -> subprocess.CompletedProcess:
     """`pdctl ARGS` with `run` read-only: chmod for a normal user; root ignores modes, so a
     read-only bind mount in a private mount namespace instead."""
-    cmd = [sys.executable, "-m", "pdctl", "--project", str(run), *args]
+    cmd = pdctl_argv(*args, project=run)
     if os.geteuid() != 0:
         run.chmod(0o555)
         try:
-            return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+            return subprocess.run(cmd, env=pdctl_env(), capture_output=True, text=True, timeout=300)
         finally:
             run.chmod(0o755)
     if not shutil.which("unshare"):
@@ -580,7 +562,7 @@ def _ro_mount(run: Path, *args: str) -> subprocess.CompletedProcess:
     script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
     proc = subprocess.run(
         ["unshare", "-m", "sh", "-c", script, str(run), *cmd],
-        env=_env(),
+        env=pdctl_env(),
         capture_output=True,
         text=True,
         timeout=300,

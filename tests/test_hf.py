@@ -456,6 +456,7 @@ def test_gpt2_seq_len_beyond_positions_is_a_config_error(tmp_path):
         HFCausalLM(spec=spec, seq_len=32)
 
 
+@pytest.mark.slow  # ~8 s; test_scale.py keeps remat in the fast tier
 def test_remat_keeps_loss_and_grads():
     cfg = {**LLAMA_CFG, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
            "num_hidden_layers": 1}  # fmt: skip

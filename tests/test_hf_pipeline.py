@@ -208,6 +208,7 @@ def test_bad_imports_are_one_line_and_write_nothing(tmp_path, assets):
     (run / "pdctl.toml").write_bytes(before)
 
 
+@pytest.mark.slow  # init-weights of the imported model compiles for ~25 s
 def test_pretrain_of_an_imported_model_is_refused(tmp_path, assets):
     run = _run(tmp_path, assets)
     assert cli("--project", run, "init-weights").exit_code == 0

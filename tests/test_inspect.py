@@ -8,92 +8,58 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import edit_config, make_run, pdctl_process
 from typer.testing import CliRunner
 
 from pdctl.cli import app
-from pdctl.templates import create_run
 
 # ---- tiny runs -------------------------------------------------------------------------------
 
 
-def _toml(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    return str(v)
-
-
-def edit(text: str, table: str, **values) -> str:
-    """Set keys of `[table]` in a pdctl.toml (no state tables yet), keeping everything else."""
-    out, cur, found = [], None, False
-    for line in text.splitlines(keepends=True):
-        m = re.match(r"\s*\[([^\[\]]+)\]\s*(#.*)?$", line)
-        if m:
-            cur = m.group(1).strip()
-            out.append(line)
-            if cur == table:
-                found = True
-                out.append("".join(f"{k} = {_toml(v)}\n" for k, v in values.items()))
-            continue
-        k = re.match(r"\s*(\w+)\s*=", line)
-        if cur == table and k and k.group(1) in values:
-            continue  # replaced by the line written after the header
-        out.append(line)
-    text = "".join(out)
-    if not found:
-        text += f"\n[{table}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
-    return text
-
-
 def tiny_llama(parent: Path, name: str = "llama", data: int = 1, fsdp: int = -1) -> Path:
-    run = create_run(name, "llama-mlp", parent)
-    p = run / "pdctl.toml"
-    t = p.read_text()
-    t = edit(t, "target", vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_mlp=64)
-    t = edit(t, "data", seq_len=8, synthetic_bytes=20000)
-    t = edit(t, "mesh", data=data, fsdp=fsdp, fsdp_min_param_size=256)
-    t = re.sub(r"C = \d+", "C = 16", t)
-    t = edit(t, "pretrain", steps=4, batch_size=8, log_every=2)
-    t = edit(t, "warmup", steps=4, log_every=2)
-    t = edit(t, "train", steps=4, batch_size=8, log_every=2, eval_every=4, eval_batch_size=8)
-    p.write_text(t)
-    return run
+    sites = [{"pattern": "layers.*.mlp.up", "C": 16}, {"pattern": "layers.*.mlp.down", "C": 16}]
+    return make_run(
+        parent,
+        "llama-mlp",
+        name,
+        tiny=False,
+        target={"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_mlp": 64},
+        data={"seq_len": 8, "synthetic_bytes": 20000},
+        mesh={"data": data, "fsdp": fsdp, "fsdp_min_param_size": 256},
+        decomp={"sites": sites},
+        pretrain={"steps": 4, "batch_size": 8, "log_every": 2},
+        warmup={"steps": 4, "log_every": 2},
+        train={
+            "steps": 4,
+            "batch_size": 8,
+            "log_every": 2,
+            "eval_every": 4,
+            "eval_batch_size": 8,
+        },
+    )
 
 
 def tiny_tms(parent: Path, name: str = "tms", **compile_table) -> Path:
-    run = create_run(name, "tms", parent)
-    p = run / "pdctl.toml"
-    t = p.read_text()
-    t = edit(t, "pretrain", steps=6, batch_size=64, log_every=2)
-    t = edit(t, "warmup", steps=4, log_every=2)
-    t = edit(t, "train", steps=4, batch_size=64, log_every=2, eval_every=4)
-    if compile_table:
-        t = edit(t, "compile", **compile_table)
-    p.write_text(t)
-    return run
+    return make_run(
+        parent,
+        "tms",
+        name,
+        tiny=False,
+        pretrain={"steps": 6, "batch_size": 64, "log_every": 2},
+        warmup={"steps": 4, "log_every": 2},
+        train={"steps": 4, "batch_size": 64, "log_every": 2, "eval_every": 4},
+        **({"compile": compile_table} if compile_table else {}),
+    )
 
 
 def pdctl(run: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300):
-    full = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled", **(env or {})}
-    full["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    return subprocess.run(
-        [sys.executable, "-m", "pdctl", "--project", str(run), *args],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return pdctl_process(*args, project=run, env=env, timeout=timeout)
 
 
 def invoke(*args: str):
@@ -188,8 +154,7 @@ def test_preview_8_devices_bytes_match_shapes(tmp_path: Path) -> None:
 def test_groups_expand_with_all(tmp_path: Path) -> None:
     """Same-shaped sites of several layers are one row; --all lists each; same totals."""
     run = tiny_llama(tmp_path, fsdp=-1)
-    p = run / "pdctl.toml"
-    p.write_text(edit(p.read_text(), "target", n_layers=3))
+    edit_config(run, {"target": {"n_layers": 3}})
     args = ("--project", str(run), "inspect-sharding", "--stage", "warmup")
     grouped = ok_json(*args)
     full = ok_json(*args, "--all")
@@ -281,6 +246,7 @@ def tms_initialized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.slow  # three fresh processes, each importing JAX and compiling: ~12 s
 def test_second_process_hits_the_compile_cache(tms_initialized: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(tms_initialized, run)
@@ -358,8 +324,7 @@ def test_bad_options_are_one_line_errors(tmp_path: Path, argv: list[str], expect
 def test_child_error_is_relayed(tmp_path: Path) -> None:
     """A config error in the --devices child comes back as its one line and exit code 2."""
     run = tiny_tms(tmp_path)
-    p = run / "pdctl.toml"
-    p.write_text(edit(p.read_text(), "mesh", data=3, fsdp=1))
+    edit_config(run, {"mesh": {"data": 3, "fsdp": 1}})
     result = invoke("--project", str(run), "inspect-sharding", "--devices", "8")
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines() == [

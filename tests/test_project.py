@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import edit_config
 
 import pdctl.project as project_mod
 from pdctl.config import STAGES
 from pdctl.errors import PdctlError
-from pdctl.project import STATE_MARKER, Project
+from pdctl.project import STATE_MARKER, Project, split_state
 from pdctl.templates import create_run
 
 USER_TOML = (
@@ -202,29 +203,25 @@ def test_lock_is_reentrant_within_a_process(tmp_path: Path) -> None:
     assert proj.lock_is_free()
 
 
-def _set_key(text: str, table: str, key: str, value: str) -> str:
-    """Change `key = ...` in `[table]` (the first such line after the header), keep the rest."""
-    head = text.index(f"[{table}]\n")
-    m = re.compile(rf"^{re.escape(key)} = [^#\n]*?(?=\s*(#|$))", re.MULTILINE).search(text, head)
-    assert m, (table, key)
-    return text[: m.start()] + f"{key} = {value}" + text[m.end() :]
+def _user_config(path: Path) -> dict:
+    return tomllib.loads(split_state(path.read_text(encoding="utf-8"))[0])
 
 
 @pytest.mark.parametrize(
     ("table", "key", "value", "stale"),
     [
-        ("pretrain", "steps", "4001", {"pretrain", "warmup", "train"}),
-        ("run", "seed", "1", set(STAGES)),
-        ("decomp", "n_mask_samples", "2", set(STAGES)),
-        ("warmup", "lr", "0.02", {"warmup", "train"}),
-        ("train", "batch_size", "128", {"train"}),
-        ("mesh", "data", "1", set()),
-        ("tracking", "wandb", '"offline"', set()),
-        ("checkpoint", "every", "7", set()),
+        ("pretrain", "steps", 4001, {"pretrain", "warmup", "train"}),
+        ("run", "seed", 1, set(STAGES)),
+        ("decomp", "n_mask_samples", 2, set(STAGES)),
+        ("warmup", "lr", 0.02, {"warmup", "train"}),
+        ("train", "batch_size", 128, {"train"}),
+        ("mesh", "data", 1, set()),
+        ("tracking", "wandb", "offline", set()),
+        ("checkpoint", "every", 7, set()),
     ],
 )
 def test_editing_config_makes_dependent_stages_stale(
-    tmp_path: Path, table: str, key: str, value: str, stale: set[str]
+    tmp_path: Path, table: str, key: str, value: object, stale: set[str]
 ) -> None:
     run = create_run("run1", "tms", tmp_path)
     proj = Project.load(run / "pdctl.toml")
@@ -232,10 +229,9 @@ def test_editing_config_makes_dependent_stages_stale(
         proj.update_stage(stage, status="done", fingerprint=proj.fingerprint(stage))
     assert not any(s["stale"] for s in Project.load(proj.path).status_report().values())
 
-    text = proj.path.read_text(encoding="utf-8")
-    edited = _set_key(text, table, key, value)
-    assert edited != text
-    proj.path.write_text(edited, encoding="utf-8")
+    assert _user_config(proj.path)[table][key] != value
+    edit_config(run, {table: {key: value}})
+    assert _user_config(proj.path)[table][key] == value
 
     report = Project.load(proj.path).status_report()
     assert {s for s, st in report.items() if st["stale"]} == stale

@@ -80,6 +80,7 @@ def spd_step(cfg):
     return step(tp, state, batch)
 
 
+@pytest.mark.slow  # ~8-14 s; the pretrain accumulation test and the next one stay fast
 def test_train_grad_accumulation_equals_big_batch():
     # Deterministic terms only (no mask sampling), so k micro-batches and one batch see the same
     # computation; beta > 0 makes importance minimality non-linear in the batch sums, which is
@@ -168,6 +169,7 @@ def test_remat_gives_equal_gradients(policy):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # ~30 s; test_remat_gives_equal_gradients keeps remat in the fast tier
 def test_remat_in_spd_train_step_equal_losses():
     base = template("llama-mlp", **TINY_LM, train={"batch_size": 4})
     base["train"]["loss"]["ppgd_recon"] = 0.0
@@ -186,6 +188,7 @@ def test_remat_in_spd_train_step_equal_losses():
 BF16_RTOL = 0.05
 
 
+@pytest.mark.slow  # 12-35 s per target (two SPD train steps each, per-site reference init)
 @pytest.mark.parametrize("name", ["tms", "resid-mlp", "llama-mlp"])
 def test_bfloat16_compute_changes_loss_little(name):
     extra = (

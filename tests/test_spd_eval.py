@@ -166,17 +166,27 @@ def test_toy_ci_matrix_and_toy_eval_on_tms():
 
 
 def test_ci_stats_on_tms_batch():
-    target, params, comps, ci_fns, cfg = _tms_exact()
-    x = jnp.asarray(np.random.default_rng(0).uniform(size=(32, 5)), jnp.float32)
-    stats = E.ci_stats(target, params, comps, ci_fns, cfg, x)
-    assert set(stats) == {"l0/linear1", "l0/linear2", "alive/linear1", "alive/linear2"}
-    ci_lower, _ = E.compute_ci_jit(target, params, comps, ci_fns, cfg, x)
-    for site, ci in ci_lower.items():
-        ci = np.asarray(ci)
-        assert stats[f"l0/{site}"] == pytest.approx(float((ci > 0.1).sum(-1).mean()))
-        assert stats[f"alive/{site}"] == float((ci > 0.1).any(0).sum())
-    # the random CI functions light up some components on this dense batch, not all five
-    assert stats["alive/linear1"] == float((np.asarray(ci_lower["linear1"]) > 0.1).any(0).sum())
+    """L0 and alive counts on a batch whose CI is known by hand.
+
+    linear1: V = I, so component c sees h_c = x_c, and the CI function 4 gelu(h) - 0.5 gives
+    ci 1 at h = 0.75 and 0 at h = 0 (see `_tms_id_perfect`): the CI is the batch's feature
+    mask. linear2: CI functions with zero weights and output biases (2, -1, 2, -1, -1): ci
+    (1, 0, 1, 0, 0) on every row, whatever the input."""
+    target, params, comps, _, _ = _tms_exact()
+    mask = np.array(
+        [[1, 0, 1, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 0, 0, 1, 0]], np.float32
+    )  # features 0, 2, 3 active somewhere (1 and 4 never); 2, 1, 0, 2 active per row
+    linear2 = _ci_mlp(0.0, 0.0, 0.0, 0.0, 5)
+    linear2["1"]["b"] = jnp.array([[2.0], [-1.0], [2.0], [-1.0], [-1.0]])
+    ci_fns = {"linear1": _ci_mlp(1.0, 0.0, 4.0, -0.5, 5), "linear2": linear2}
+    cfg = make_cfg("tms", [{"pattern": "linear*", "C": 5}], ci_fn={"type": "mlp", "hidden": [1]})
+    stats = E.ci_stats(target, params, comps, ci_fns, cfg, jnp.asarray(0.75 * mask))
+    assert stats == {
+        "l0/linear1": pytest.approx(5 / 4),  # mean active components per row
+        "alive/linear1": 3.0,  # components active on at least one row
+        "l0/linear2": pytest.approx(2.0),
+        "alive/linear2": 2.0,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -303,7 +303,8 @@ def _train_setup(ppgd: dict, loss: dict):
     return cfg, target, fns, params, state, step
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sign"])
+# Each case compiles a whole train step; sign stays in the fast tier, adam (~10 s) is slow.
+@pytest.mark.parametrize("optimizer", [pytest.param("adam", marks=pytest.mark.slow), "sign"])
 def test_ppgd_loss_uses_the_previous_sources_then_one_ascent_step_from_it(optimizer):
     # ppgd_recon = 0.5 (a power of two: the step's d total / d s / coeff is exact)
     loss = {"ppgd_recon": 0.5, "stochastic_recon": 1.0, "stochastic_recon_layerwise": 0.0}
@@ -340,6 +341,7 @@ def test_ppgd_loss_uses_the_previous_sources_then_one_ascent_step_from_it(optimi
     assert float(new["src_opt"]["count"]) == float(want_opt["count"]) == 1
 
 
+@pytest.mark.slow  # ~10-14 s: a train step with three source steps inside
 def test_n_warmup_steps_ascend_every_step_before_the_loss():
     # n_warmup_steps = 2: three source steps per train step (2 before the loss, 1 after), on
     # every step, not only the first.
