@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from pdctl.engine import sharding
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.loop import Loop
-from pdctl.engine.precision import Policy
+from pdctl.engine.program import StepProgram
 from pdctl.engine.tracking import JsonlWriter, NoopTracker
 from pdctl.project import Project, split_state
 from pdctl.stages import pretrain
@@ -141,16 +141,11 @@ def state(run: Path, stage: str) -> dict[str, Any]:
 
 @dataclass
 class Pretrain:
-    """The pretrain stage's pieces (via `pretrain.build` / `pretrain.make_step`) on `mesh`."""
+    """The pretrain stage's program (`pretrain.program`, what `pdctl pretrain` compiles) on
+    `mesh`, with fresh sharded states and batches for it."""
 
     env: StageEnv
-    tx: Any
-    abstract: Any
-    state_sh: Any
-    make_state: Any
-    abstract_params: Any
-    batch_sh: Any
-    total: int
+    prog: StepProgram
 
     @property
     def target(self) -> Any:
@@ -161,8 +156,28 @@ class Pretrain:
         return self.env.cfg
 
     @property
+    def abstract(self) -> Any:
+        return self.prog.abstract_state
+
+    @property
+    def state_sh(self) -> Any:
+        return self.prog.state_shardings
+
+    @property
+    def abstract_params(self) -> Any:
+        return self.prog.abstract_state["params"]
+
+    @property
+    def batch_sh(self) -> Any:
+        return sharding.batch_sharding(self.env.mesh, 2)
+
+    @property
+    def total(self) -> int:
+        return self.prog.total_steps
+
+    @property
     def is_text(self) -> bool:
-        return self.target.output_kind == "logits"
+        return not self.prog.makes_own_batch
 
     _jits: dict[str, Any] = field(default_factory=dict)
 
@@ -180,28 +195,16 @@ class Pretrain:
     def init_state(self, params: Any | None = None) -> Any:
         """The whole pretrain state born sharded, as `pretrain.run` makes it."""
         params = self.init_params() if params is None else params
-        make = self._jit("state", lambda: jax.jit(self.make_state, out_shardings=self.state_sh))
+        make = self._jit("state", self.prog.jit_make_state)
         return make(params)
 
     def step_fn(self, *, donate: bool = True, target: Any = None) -> Any:
-        """The jitted step exactly as `pretrain.run` builds it. `donate=False`: the same step
-        without donation; `target`: the same step around another target (not cached)."""
-
-        def make() -> Any:
-            return jax.jit(
-                pretrain.make_step(
-                    target or self.target,
-                    self.tx,
-                    self.cfg.pretrain.batch_size,
-                    self.batch_sh,
-                    Policy.from_config(self.cfg.precision),
-                ),
-                in_shardings=(self.state_sh, self.batch_sh if self.is_text else None),
-                out_shardings=(self.state_sh, sharding.replicated(self.env.mesh)),
-                donate_argnums=(0,) if donate else (),
-            )
-
-        return make() if target is not None else self._jit(f"step-{donate}", make)
+        """The jitted step exactly as `pretrain.run` compiles it. `donate=False`: the same
+        step without donation; `target`: the same program around another target (not
+        cached)."""
+        if target is not None:
+            return pretrain.program(self.cfg, self.env.mesh, target, steps=self.total).jit(donate)
+        return self._jit(f"step-{donate}", lambda: self.prog.jit(donate))
 
     def batch(self, i: int) -> Any:
         """Batch `i`: None for the toys (generated on device from the step), else random tokens
@@ -216,13 +219,10 @@ class Pretrain:
 
 
 def pretrain_on(run: Path, mesh: jax.sharding.Mesh, total: int | None = None) -> Pretrain:
-    """The pretrain pieces of run/pdctl.toml on `mesh` (no lock, no checkpoints)."""
+    """The pretrain program of run/pdctl.toml on `mesh` (no lock, no checkpoints)."""
     proj = Project.load(run / "pdctl.toml")
     env = StageEnv(proj, "pretrain", mesh, target_from_config(proj.config))
-    total = total or proj.config.pretrain.steps
-    tx, abstract, state_sh, make_state, abstract_params = pretrain.build(env, total)
-    batch_sh = sharding.batch_sharding(mesh, 2)
-    return Pretrain(env, tx, abstract, state_sh, make_state, abstract_params, batch_sh, total)
+    return Pretrain(env, pretrain.program(proj.config, mesh, env.target, steps=total))
 
 
 def run_steps(pt: Pretrain, state: Any, n: int, step_fn: Any = None) -> tuple[Any, np.ndarray]:

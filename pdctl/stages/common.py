@@ -665,3 +665,94 @@ def run_loop(
         tracker.finish()
         if batches is not None:
             batches.close()
+
+
+# ---- the one way a training stage runs --------------------------------------------------------
+
+
+def text_batch_spec(cfg: Config, target: Target, batch_size: int, mesh: Mesh) -> tuple[Any, Any]:
+    """(abstract batch, its shardings) of a text target's step: `{"tokens": (batch, seq_len +
+    1) int32}` split over the batch axes; (None, None) for the toys, whose step makes its own."""
+    if target.output_kind != "logits":
+        return None, None
+    tokens = jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len + 1), jnp.int32)
+    return {"tokens": tokens}, {"tokens": sharding.batch_sharding(mesh, 2)}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a training stage is, besides its program: which stages it needs, what a fresh run
+    starts from (the upstream arrays `make_state` takes), its frozen arguments (the trained
+    target, for warmup and train) and, optionally, how it evaluates."""
+
+    name: str
+    requires: tuple[str, ...]
+    program: Callable[..., Any]  # (cfg, mesh, target, **options) -> StepProgram
+    fresh_inputs: Callable[[StageEnv, Any], tuple[Any, ...]]
+    frozen: Callable[[StageEnv, Any], tuple[Any, ...]] | None = None
+    evaluation: Callable[[StageEnv, tuple[Any, ...], Any], Callable[[Any], dict]] | None = None
+
+
+def run_stage(
+    project: Project,
+    spec: StageSpec,
+    *,
+    until: int | None = None,
+    resume: bool = False,
+    fresh: bool = False,
+    profile: tuple[int, int] | None = None,
+    overrides: dict[str, Any] | None = None,
+    program_options: dict[str, Any] | None = None,
+):
+    """Run any training stage: open the run, find where to start (fresh or a checkpoint), build
+    the stage's program, make or restore its state, feed it batches and hand it to the loop."""
+    env = StageEnv.open(project, spec.name, requires=spec.requires)
+    env.overrides.update(overrides or {})
+    cfg = env.cfg
+    prog = spec.program(cfg, env.mesh, env.target, **(program_options or {}))
+    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
+    frozen = spec.frozen(env, prog) if spec.frozen else ()
+    data_state = None
+    if ckpt_step is None:
+        env.begin(fresh=True, steps=prog.total_steps)
+        state = prog.jit_make_state()(*spec.fresh_inputs(env, prog))
+        start = 0
+    else:
+        env.begin(fresh=False, steps=prog.total_steps)
+        state, meta = env.restore_state(ckpt_step, prog.abstract_state, prog.state_shardings)
+        start, data_state = int(meta["step"]), meta.get("data")
+    batches = None
+    if not prog.makes_own_batch:
+        batches = text_batches(
+            env,
+            prog.examples_per_step,
+            seed=cfg.run.seed,
+            state=data_state,
+            sharding=prog.batch_shardings["tokens"],
+        )
+    table = getattr(cfg, spec.name)
+    result = run_loop(
+        env,
+        step_fn=prog.jit(),
+        state=state,
+        frozen=frozen,
+        total=prog.total_steps,
+        start=start,
+        until=until,
+        log_every=table.log_every,
+        max_bad_steps=table.max_bad_steps,
+        batches=batches,
+        eval_fn=spec.evaluation(env, frozen, prog) if spec.evaluation else None,
+        eval_every=getattr(table, "eval_every", 0),
+        examples_per_step=prog.examples_per_step,
+        lr_fn=prog.lr_fn,
+        profile=profile,
+    )
+    if result.status == "done" and result.eval:
+        env.on_state(eval=result.eval)
+    return result
+
+
+def frozen_target(env: StageEnv, prog: Any) -> tuple[Any, ...]:
+    """The frozen first argument of warmup and train: the trained (or imported) target."""
+    return (pretrained_target(env),)

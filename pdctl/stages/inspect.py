@@ -19,7 +19,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -28,10 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pydantic import ValidationError
 
-from pdctl.config import Config, MeshConfig, match_sites
+from pdctl.config import Config, MeshConfig
 from pdctl.engine import sharding
 from pdctl.errors import PdctlError
-from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
+from pdctl.stages.common import STREAM_TARGET, stream_key, target_from_config
 
 STAGES = ("init_weights", "pretrain", "warmup", "train")
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
@@ -121,92 +120,50 @@ class Plan:
     cfg: Config
     mesh: Any
     args: list[Arg]
-    step: Any = None  # the pure step function (None: init_weights has no step)
-    out_specs: Any = None  # the state specs the step returns
+    program: Any = None  # the stage's StepProgram (None: init_weights has no step)
     notes: list[str] = field(default_factory=list)
-
-
-def _env(cfg: Config, stage: str, mesh, target) -> StageEnv:
-    # A StageEnv without StageEnv.open: no lock, no prerequisite checks, no files touched.
-    return StageEnv(project=SimpleNamespace(config=cfg), stage=stage, mesh=mesh, target=target)
 
 
 def _specs(abstract: Any, cfg: Config, mesh) -> Any:
     return sharding.tree_specs(abstract, mesh, cfg.mesh.fsdp_min_param_size)
 
 
-def _batch_abstract(cfg: Config, target, batch_size: int, mesh, key: str) -> tuple[Any, Any]:
-    """(abstract batch, its spec) for text targets; (None, None) where the step makes its own."""
-    if target.output_kind != "logits":
-        return None, None
-    if batch_size % sharding.batch_shards(mesh):
-        raise PdctlError(
-            f"{key}: {batch_size} is not divisible by the {sharding.batch_shards(mesh)} devices "
-            f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']})"
-        )
-    abstract = {"tokens": jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len + 1), jnp.int32)}
-    return abstract, {"tokens": P(sharding.BATCH_AXES, None)}
+def _spec_tree(shardings: Any) -> Any:
+    return jax.tree.map(lambda s: s.spec, shardings)
 
 
 def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
-    """The abstract arguments of `stage`'s step (or, for init_weights, what it creates);
-    `root` is the run directory (an imported model's relative path starts there)."""
+    """The abstract arguments of `stage`'s step (or, for init_weights, what it creates), from
+    the stage's own `program` (the one the stage compiles); `root` is the run directory (an
+    imported model's relative path starts there)."""
     from pdctl.stages import init_weights, pretrain, train, warmup
 
     target = target_from_config(cfg, root)
-    env = _env(cfg, stage, mesh, target)
-    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
-    target_specs = _specs(abstract_params, cfg, mesh)
-    notes: list[str] = []
     if stage == "init_weights":
+        abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
         dec = init_weights.init_decomposition_abstract(cfg, target)
         return Plan(
             stage,
             cfg,
             mesh,
             [
-                Arg("target", abstract_params, target_specs, False, "target"),
+                Arg("target", abstract_params, _specs(abstract_params, cfg, mesh), False, "target"),
                 Arg("decomposition", dec, _specs(dec, cfg, mesh), False),
             ],
             notes=["init_weights has no step; rows are what it creates"],
         )
     if stage == "pretrain" and target.kind == "hf":
         raise PdctlError("--stage: an imported model (target.kind = hf) has no pretrain stage")
-    if stage == "pretrain":
-        pc = cfg.pretrain
-        tx, abstract, _, _, _ = pretrain.build(env, pc.steps)
-        batch, batch_specs = _batch_abstract(
-            cfg, target, pc.batch_size, mesh, "pretrain.batch_size"
-        )
-        state_specs = _specs(abstract, cfg, mesh)
-        step = pretrain.make_step(
-            target, tx, pc.batch_size, NamedSharding(mesh, P(sharding.BATCH_AXES, None))
-        )
-        args = [Arg("state", abstract, state_specs, True)]
-        args.append(Arg("batch", batch, batch_specs, False, "batch"))
-        return Plan(stage, cfg, mesh, args, step, state_specs, notes)
-    dec = init_weights.init_decomposition_abstract(cfg, target)
-    frozen = Arg("target", abstract_params, target_specs, False, "target")
-    if stage == "warmup":
-        tx, _, abstract, _ = warmup.build(env, dec["components"], cfg.warmup.steps)
-        paths, ties = warmup.site_layout(env)
-        step = warmup.make_step(target, paths, tx, ties)
-        state_specs = _specs(abstract, cfg, mesh)
-        args = [frozen, Arg("state", abstract, state_specs, True), Arg("batch", None, None, False)]
-        return Plan(stage, cfg, mesh, args, step, state_specs, notes)
-    from pdctl.science.spd.losses import make_spd_fns
-
-    tc = cfg.train
-    fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
-    tx, _, abstract, state_sh, _ = train.build(env, fns, tc.steps)
-    batch, batch_specs = _batch_abstract(cfg, target, tc.batch_size, mesh, "train.batch_size")
-    step = train.make_step(
-        target, fns, tx, cfg, tc.steps, NamedSharding(mesh, P(sharding.BATCH_AXES, None))
-    )
-    state_specs = jax.tree.map(lambda s: s.spec, state_sh)
-    args = [frozen, Arg("state", abstract, state_specs, True)]
-    args.append(Arg("batch", batch, batch_specs, False, "batch"))
-    return Plan(stage, cfg, mesh, args, step, state_specs, notes)
+    module = {"pretrain": pretrain, "warmup": warmup, "train": train}[stage]
+    prog = module.program(cfg, mesh, target)
+    args = [
+        Arg("target", a, _spec_tree(s), False, "target")
+        for a, s in zip(prog.frozen_abstract, prog.frozen_shardings, strict=True)
+    ]
+    args.append(Arg("state", prog.abstract_state, _spec_tree(prog.state_shardings), True))
+    batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
+    args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
+    return Plan(stage, cfg, mesh, args, prog)
 
 
 # ---- rows ------------------------------------------------------------------------------------
@@ -391,37 +348,14 @@ def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
 
 
 # ---- compile -----------------------------------------------------------------------------------
-def _with_shardings(arg: Arg, mesh) -> Any:
-    if arg.abstract is None:
-        return None
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-        arg.abstract,
-        arg.specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
-
-
-def _named(specs: Any, mesh) -> Any:
-    if specs is None:
-        return None
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
 def compile_step(p: Plan, donate: bool = True) -> tuple[Any, float]:
-    """(compiled step, seconds to lower + compile) from abstract, sharded arguments; the jit is
-    built as the stage builds it (same in/out shardings and donated argument)."""
-    if p.step is None:
+    """(compiled step, seconds to lower + compile): the stage's own program, lowered from
+    abstract, sharded arguments (the same jit the stage runs: shardings, donation, remat,
+    precision, accumulation)."""
+    if p.program is None:
         raise PdctlError(f"--compile: {p.stage} has no step to compile")
-    donated = tuple(i for i, a in enumerate(p.args) if a.donated) if donate else ()
-    fn = jax.jit(
-        p.step,
-        in_shardings=tuple(_named(a.specs, p.mesh) for a in p.args),
-        out_shardings=(_named(p.out_specs, p.mesh), None),
-        donate_argnums=donated,
-    )
     t0 = time.perf_counter()
-    compiled = fn.lower(*(_with_shardings(a, p.mesh) for a in p.args)).compile()
+    compiled = p.program.lower(donate).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -483,7 +417,7 @@ def inspect(
         "notes": list(p.notes),
     }
     if compile:
-        if p.step is None:
+        if p.program is None:
             report["notes"].append("--compile: init_weights has no step to compile")
             report["memory"] = None
         else:
