@@ -6,7 +6,6 @@ Import with `from helpers import ...` (pytest puts `tests/` on sys.path).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import tomllib
 from collections.abc import Iterator
@@ -99,33 +98,11 @@ def make_run(
 # ---- the CLI, in-process ---------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _release_locks() -> Iterator[None]:
-    """A stage holds its run directory's lock until the process exits (one CLI call = one
-    process). In-process, release what a command took so that the next command can run."""
-    taken: list[Project] = []
-    original = Project.acquire_lock
-
-    def acquire(self: Project) -> None:
-        original(self)
-        taken.append(self)
-
-    Project.acquire_lock = acquire  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Project.acquire_lock = original  # type: ignore[method-assign]
-        for proj in taken:
-            while proj._lock_depth:
-                proj.release_lock()
-
-
 def cli(*args: str) -> Any:
     """Invoke the real Typer app in-process; the result has exit_code, stdout and stderr."""
     from pdctl.cli import app
 
-    with _release_locks():
-        return CliRunner().invoke(app, [str(a) for a in args])
+    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def error_lines(result: Any) -> list[str]:

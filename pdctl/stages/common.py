@@ -94,6 +94,7 @@ class StageEnv:
     overrides: dict[str, Any] = field(default_factory=dict)
     fresh_run: bool = False  # begun with begin(fresh=True): its checkpoints start from none
     _fresh_ckpt_given: bool = False
+    _closed: bool = False
 
     @property
     def cfg(self) -> Config:
@@ -120,12 +121,30 @@ class StageEnv:
                     f"`pdctl {CLI_NAME[req]}` before `pdctl {CLI_NAME[stage]}`"
                 )
         project.writer = runtime.is_writer()
-        if project.writer:  # held until the process exits: one writer per run directory
+        if project.writer:  # one writer per run directory, until the stage closes
             project.acquire_lock()
-        mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
-        target = target_from_config(project.config, project.root)
-        env = cls(project, stage, mesh, target, requires=requires)
-        return env
+        try:
+            mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
+            target = target_from_config(project.config, project.root)
+        except BaseException:
+            if project.writer:
+                project.release_lock()
+            raise
+        return cls(project, stage, mesh, target, requires=requires)
+
+    # `with StageEnv.open(...) as env:` holds the run directory's lock for the stage and
+    # releases it when the stage is over, however it ends.
+    def __enter__(self) -> StageEnv:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the run directory's lock that `open` took (idempotent)."""
+        if self.project.writer and not self._closed:
+            self._closed = True
+            self.project.release_lock()
 
     # ---- the config this stage runs with -------------------------------------------------
     def effective_config(self) -> Config:
@@ -706,7 +725,11 @@ def run_stage(
 ):
     """Run any training stage: open the run, find where to start (fresh or a checkpoint), build
     the stage's program, make or restore its state, feed it batches and hand it to the loop."""
-    env = StageEnv.open(project, spec.name, requires=spec.requires)
+    with StageEnv.open(project, spec.name, requires=spec.requires) as env:
+        return _run_stage(env, spec, until, resume, fresh, profile, overrides, program_options)
+
+
+def _run_stage(env, spec, until, resume, fresh, profile, overrides, program_options):
     env.overrides.update(overrides or {})
     cfg = env.cfg
     prog = spec.program(cfg, env.mesh, env.target, **(program_options or {}))

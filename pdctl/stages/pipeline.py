@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 
 from pdctl import __version__
 from pdctl.config import STAGES
+from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
 from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
@@ -120,7 +122,15 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
     """init-weights → pretrain → warmup → train: skip stages that are done and not stale,
     continue an interrupted one, (re)run the rest. Everything is checked first."""
     results: dict[str, Any] = {}
-    for stage, action in plan(project):
+    steps = plan(project)
+    # One writer for the whole pipeline: no other pdctl can start between two stages.
+    with project.locked() if runtime.is_writer() else contextlib.nullcontext():
+        _run_planned(project, steps, results, echo)
+    return results
+
+
+def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None:
+    for stage, action in steps:
         if action == "skip":
             echo(f"{stage}: {project.stage(stage).get('status', 'imported')}, skipped")
             continue
@@ -135,7 +145,6 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
             f"{stage}: {project.stage(stage).get('status')} at step "
             f"{project.stage(stage).get('step')}"
         )
-    return results
 
 
 def resume(project: Project) -> tuple[str, Any]:
