@@ -76,3 +76,26 @@ def test_inspect_compile_reports_the_stages_own_step(stage: str):
     # needs other memory (so an inspect that ignored remat/bf16/accumulation would fail above)
     plain = insp.inspect(_cfg(stage, tuned=False), stage, compile=True, devices=jax.devices()[:1])
     assert plain["memory"]["temp_bytes"] != got["temp_bytes"]
+
+
+def test_inspect_names_the_sharding_rule_of_every_array():
+    """Every row says which line of engine.sharding.RULES gave its spec (fsdp = 4, C = 8)."""
+    from pdctl.engine.sharding import RULES
+
+    raw = merge(_raw_tms(), {"mesh": {"data": 1, "fsdp": 4, "fsdp_min_param_size": 16}})
+    report = insp.inspect(parse_config(raw), "train", expand=True, devices=jax.devices()[:4])
+    names = {r["path"]: r["rule"] for r in report["rows"]}
+    assert names["trainable.components.linear1.V"] == RULES[2].name
+    assert names["trainable.components.linear1.U"] == RULES[3].name
+    assert names["loop.step"] == "scalar"
+    # the optimizer's moments of V inherit V's rule through their path
+    mu_v = [p for p in names if p.endswith("mu.components.linear1.V")]
+    assert mu_v and all(names[p] == RULES[2].name for p in mu_v)
+    assert {r["rule"] for r in report["rows"]} <= {rule.name for rule in RULES}
+
+
+def _raw_tms():
+    import tomllib
+
+    raw = tomllib.loads((templates_root() / "tms" / "pdctl.toml").read_text())
+    return merge(raw, {"decomp": {"sites": [{"pattern": "linear*", "C": 8}]}})

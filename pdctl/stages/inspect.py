@@ -226,18 +226,15 @@ def _group_path(keys: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _why_replicated(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> str:
-    if not shape:
-        return "scalar"
-    if fsdp == 1:
-        return "mesh has fsdp=1"
-    leaf = path.rsplit(".", 1)[-1]
-    if leaf in ("V", "U") and len(shape) == 2:
-        c = shape[1] if leaf == "V" else shape[0]
-        return f"C={c} not divisible by fsdp={fsdp}"
-    if math.prod(shape) < min_size:
-        return f"below fsdp_min_param_size={min_size}"
-    return f"no dimension divisible by fsdp={fsdp}"
+def rule_name(arg: str, path: str, shape: tuple[int, ...], axes: list[Any], p: Plan) -> str:
+    """The sharding rule (engine.sharding.RULES, by name) that gave this array its spec."""
+    if arg == "batch":
+        return "the batch: leading axis over (data, fsdp)"
+    fsdp, min_size = p.mesh.shape["fsdp"], p.cfg.mesh.fsdp_min_param_size
+    rule, spec = sharding.rule_for(path, shape, fsdp, min_size)
+    if _spec_axes(spec, len(shape)) != axes:
+        return "with the batch (per-example PPGD sources)"
+    return rule.name
 
 
 def array_rows(p: Plan) -> list[dict[str, Any]]:
@@ -251,6 +248,7 @@ def array_rows(p: Plan) -> list[dict[str, Any]]:
         specs = jax.tree.leaves(arg.specs, is_leaf=lambda x: isinstance(x, P))
         for (keys, x), spec in zip(leaves, specs, strict=True):
             path = sharding.path_str(keys)
+            tree_path = path
             group = _group_path(keys)
             if arg.prefix:
                 path, group = f"{arg.prefix}.{path}", f"{arg.prefix}.{group}"
@@ -276,6 +274,7 @@ def array_rows(p: Plan) -> list[dict[str, Any]]:
                     "bytes_per_device": int(per_device),
                     "sharded": shards > 1,
                     "donated": arg.donated,
+                    "rule": rule_name(arg.name, tree_path, shape, axes, p),
                 }
             )
     order = {k: i for i, k in enumerate(KINDS)}
@@ -321,7 +320,6 @@ def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
         logical[r["kind"]] += r["bytes"]
     used = [k for k in KINDS if logical[k]]
     sharded = sum(r["bytes_per_device"] for r in rows if r["sharded"])
-    fsdp, min_size = p.mesh.shape["fsdp"], p.cfg.mesh.fsdp_min_param_size
     replicated = sorted(
         (r for r in rows if not r["sharded"] and r["shape"]),
         key=lambda r: (-r["bytes_per_device"], r["path"]),
@@ -340,7 +338,7 @@ def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
                 "path": r["path"],
                 "shape": r["shape"],
                 "bytes_per_device": r["bytes_per_device"],
-                "why": _why_replicated(r["path"], tuple(r["shape"]), fsdp, min_size),
+                "why": r["rule"],
             }
             for r in replicated
         ],
@@ -506,6 +504,7 @@ def render(report: dict[str, Any], console: Any) -> None:
         ("bytes", "right"),
         ("per device", "right"),
         ("layout", "left"),
+        ("rule", "left"),
     ):
         table.add_column(col, justify=just, overflow="fold")
     for r in report["rows"]:
@@ -521,6 +520,7 @@ def render(report: dict[str, Any], console: Any) -> None:
             fmt_bytes(r["bytes"]),
             fmt_bytes(r["bytes_per_device"]),
             layout,
+            r["rule"],
         )
     console.print(table)
     if report["grouped"]:
