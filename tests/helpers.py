@@ -22,7 +22,7 @@ from pdctl.engine import sharding
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.loop import Loop
 from pdctl.engine.program import StepProgram
-from pdctl.engine.tracking import JsonlWriter, NoopTracker
+from pdctl.engine.tracking import JsonlTracker
 from pdctl.project import Project, split_state
 from pdctl.stages import pretrain
 from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
@@ -232,8 +232,7 @@ def make_loop(
         total_steps=total,
         checkpointer=Checkpointer(directory / "ckpt", keep=2),
         on_state=lambda **f: states.append(f),
-        jsonl=JsonlWriter(directory / "metrics.jsonl"),
-        tracker=NoopTracker(),
+        tracker=JsonlTracker(directory / "metrics.jsonl"),
         log_every=log_every,
         checkpoint_every=kw.pop("checkpoint_every", total),
         batches=batches,

@@ -9,8 +9,6 @@ import bisect
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,8 @@ from typing import Any
 
 import grain
 import numpy as np
+
+from pdctl.files import atomic_output
 
 log = logging.getLogger(__name__)
 
@@ -418,19 +418,11 @@ def _write_cache(file: Path, chunks: list, n_tokens: int) -> None:
     """Write the stream as a .npy under a temporary name, fsync, then rename: a reader sees
     the whole file or none, and concurrent writers of the same key just replace each other."""
     file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.stem}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_output(file, suffix=".npy") as tmp:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int32, shape=(n_tokens,))
         _fill(out, chunks)
         out.flush()
         del out
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_length(tokens: np.ndarray, path: Path, seq_len: int | None) -> np.ndarray:

@@ -27,7 +27,7 @@ from pdctl.engine.checkpoint import (
     rematerialize,
 )
 from pdctl.engine.loop import Interrupted, describe_exception
-from pdctl.engine.tracking import JsonlWriter, Tracker, make_tracker
+from pdctl.engine.tracking import JsonlTracker, Tracker, make_tracker
 from pdctl.errors import PdctlError, StageFailed
 from pdctl.project import Project
 from pdctl.science.targets import Target, build_target
@@ -229,12 +229,17 @@ class StageEnv:
     def shardings(self, abstract: Any) -> Any:
         return sharding.tree_shardings(abstract, self.mesh, self.cfg.mesh.fsdp_min_param_size)
 
-    def jsonl(self) -> JsonlWriter:
-        return JsonlWriter(self.project.metrics_path(self.stage), enabled=self.project.writer)
-
-    def tracker(self) -> Tracker:
+    def tracker(self, start: int) -> Tracker:
+        """The stage's metrics tracker (jsonl, and wandb when enabled). Its jsonl history keeps
+        what was logged up to `start` (a resumed run re-logs what follows; a fresh one starts
+        it over)."""
+        path = self.project.metrics_path(self.stage)
+        if self.project.writer:
+            JsonlTracker(path).truncate_after(-1 if self.fresh_run else start)
         t = self.cfg.tracking
         tr = make_tracker(
+            jsonl=path,
+            prefix=self.stage,
             mode=t.wandb,
             project=t.project,
             entity=t.entity,
@@ -646,10 +651,7 @@ def run_loop(
     """Run the engine loop with this stage's checkpointer, state writer and trackers."""
     from pdctl.engine.loop import Loop
 
-    jsonl = env.jsonl()
-    # A fresh run starts its metrics history over; a resumed one re-logs what follows `start`.
-    jsonl.truncate_after(-1 if env.fresh_run else start)
-    tracker = env.tracker()
+    tracker = env.tracker(start)
     target = env.target
     is_text = target.output_kind == "logits"
     try:
@@ -663,7 +665,6 @@ def run_loop(
             until=until,
             checkpointer=env.checkpointer(),
             on_state=env.on_state,
-            jsonl=jsonl,
             tracker=tracker,
             log_every=log_every,
             checkpoint_every=env.cfg.checkpoint.every,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
 from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
+from pdctl.files import atomic_output
 from pdctl.project import Project
 from pdctl.stages.common import CLI_NAME, checkpoint_changes, guarded, stale_reason
 
@@ -235,16 +235,12 @@ def export(
     _expand_tied(project, arrays)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        # Temp file + rename: never a half-written file under the name asked for.
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
-        try:
+        # never a half-written file under the name asked for
+        with atomic_output(out, suffix=out.suffix) as tmp:
             if fmt == "npz":
                 np.savez(tmp, **arrays)
             else:
                 _save_safetensors(project, stage, arrays, tmp)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
     except OSError as e:
         raise PdctlError(f"--out: cannot write {out} ({e.strerror or e})") from None
     return {k: tuple(v.shape) for k, v in arrays.items()}
