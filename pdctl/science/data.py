@@ -578,9 +578,27 @@ def make_text_iterator(
     fresh iterator built with the same arguments continues with exactly the next unseen batch.
     `prefetch` batches are prepared ahead on background threads.
     """
+    return iter(
+        make_text_iter_dataset(
+            tokens, seq_len, batch_size, seed, process_index, process_count, prefetch
+        )
+    )
+
+
+def make_text_iter_dataset(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    prefetch: int = 8,
+) -> grain.IterDataset:
+    """`make_text_dataset(...)` as an IterDataset whose batches are prepared `prefetch` ahead
+    on background threads."""
     ds = make_text_dataset(tokens, seq_len, batch_size, seed, process_index, process_count)
     read_options = grain.ReadOptions(num_threads=min(prefetch, 4), prefetch_buffer_size=prefetch)
-    return iter(ds.to_iter_dataset(read_options))
+    return ds.to_iter_dataset(read_options)
 
 
 def state_to_json(state: dict[str, Any]) -> str:

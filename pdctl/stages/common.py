@@ -535,25 +535,39 @@ def _roll_back(project: Project, stage: str) -> None:
 
 
 def text_batches(env: StageEnv, batch_size: int, *, seed: int, state: Any, sharding):
-    """The LM's token batches: grain over a local corpus (bytes for llama_mlp, the model's
-    tokenizer for an imported model) or the synthetic corpus, each process reading its own
-    slice of the global batch, prefetched onto the mesh."""
-    from pdctl.engine.prefetch import Prefetcher
+    """The LM's token batches as a grain iterator: a local corpus (bytes for llama_mlp, the
+    model's tokenizer for an imported model) or the synthetic corpus, each process reading its
+    own slice of the global batch, made into global arrays on the mesh and prefetched on a
+    background thread (grain's ThreadPrefetchIterDataset), so host batching and transfers
+    overlap the steps. Its `get_state()` counts the batches handed out (not the prefetched
+    ones), which is what a checkpoint records; `state` (that, as JSON) resumes it exactly."""
+    import grain
+
     from pdctl.science import data
 
     cfg = env.cfg
-    tokens = corpus_tokens(env)
-    it = data.make_text_iterator(
-        tokens,
+    ds = data.make_text_iter_dataset(
+        corpus_tokens(env),
         cfg.data.seq_len,
         batch_size,
         seed,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+    ds = ds.map(
+        lambda b: jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), b)
+    )
+    it = iter(grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2))
     if state is not None:
         it.set_state(data.state_from_json(state))
-    return Prefetcher(it, sharding, state_fn=lambda: data.state_to_json(it.get_state()))
+    return it
+
+
+def batches_state(batches: Any) -> Callable[[], str]:
+    """The JSON state of a grain iterator, as a checkpoint's meta records it."""
+    from pdctl.science import data
+
+    return lambda: data.state_to_json(batches.get_state())
 
 
 def corpus_tokens(env: StageEnv) -> Any:
@@ -669,7 +683,7 @@ def run_loop(
             log_every=log_every,
             checkpoint_every=env.cfg.checkpoint.every,
             batches=batches,
-            batches_state=batches.state if batches is not None else None,
+            batches_state=batches_state(batches) if batches is not None else None,
             max_bad_steps=max_bad_steps,
             eval_fn=eval_fn,
             eval_every=eval_every,
