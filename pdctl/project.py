@@ -32,7 +32,7 @@ STATE_MARKER = "# ---- pdctl state: written by pdctl, do not edit below this lin
 _STATE_HEADER = re.compile(r"^[ \t]*\[\[?[ \t]*state[ \t]*[.\]]", re.MULTILINE)
 
 
-def _now() -> str:
+def now() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
 
 
@@ -264,7 +264,7 @@ class Project:
     def update_stage(self, name: str, **fields: Any) -> dict[str, Any]:
         st = self.state.setdefault(name, {})
         st.update(fields)
-        st["updated_at"] = _now()
+        st["updated_at"] = now()
         self.save_state()
         return st
 

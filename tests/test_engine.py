@@ -487,9 +487,6 @@ def test_one_tracker_interface_fans_out_to_jsonl_and_the_others(tmp_path):
         def log(self, metrics, step):
             seen.append((step, dict(metrics)))
 
-        def log_hparams(self, hparams):
-            seen.append(("hp", hparams))
-
         def finish(self):
             seen.append("finish")
 

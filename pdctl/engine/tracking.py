@@ -1,7 +1,7 @@
-"""Where metrics go: one `Tracker` interface (levanter's shape: `log`, `log_hparams`,
-`finish`) with a jsonl implementation (`metrics/<stage>.jsonl`, always), a wandb one (when
-enabled), a no-op one, and a composite that fans out to several. The loop logs to one tracker
-and never branches on which are on; only process 0 gets real ones.
+"""Where metrics go: one `Tracker` interface (levanter's shape: `log`, `finish`) with a jsonl
+implementation (`metrics/<stage>.jsonl`, always), a wandb one (when enabled), a no-op one, and
+a composite that fans out to several. The loop logs to one tracker and never branches on which
+are on; only process 0 gets real ones.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ class Tracker(Protocol):
     run_id: str | None
 
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
-    def log_hparams(self, hparams: dict[str, Any]) -> None: ...
     def finish(self) -> None: ...
 
 
@@ -27,9 +26,6 @@ class NoopTracker:
     run_id: str | None = None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        pass
-
-    def log_hparams(self, hparams: dict[str, Any]) -> None:
         pass
 
     def finish(self) -> None:
@@ -55,9 +51,6 @@ class JsonlTracker:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}))
             f.write("\n")
-
-    def log_hparams(self, hparams: dict[str, Any]) -> None:
-        pass  # the config is pdctl.toml itself
 
     def finish(self) -> None:
         pass
@@ -110,9 +103,6 @@ class WandbTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self._run.log({f"{self._prefix}/{k}": v for k, v in metrics.items()}, step=step)
 
-    def log_hparams(self, hparams: dict[str, Any]) -> None:
-        self._run.config.update(hparams, allow_val_change=True)
-
     def finish(self) -> None:
         self._run.finish()
 
@@ -127,10 +117,6 @@ class CompositeTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         for t in self.trackers:
             t.log(metrics, step)
-
-    def log_hparams(self, hparams: dict[str, Any]) -> None:
-        for t in self.trackers:
-            t.log_hparams(hparams)
 
     def finish(self) -> None:
         for t in self.trackers:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ from pdctl.engine.checkpoint import (
 from pdctl.engine.loop import Interrupted, describe_exception
 from pdctl.engine.tracking import JsonlTracker, Tracker, make_tracker
 from pdctl.errors import PdctlError, StageFailed
-from pdctl.project import Project
+from pdctl.project import Project, now
 from pdctl.science.targets import Target, build_target
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -74,10 +73,6 @@ def with_remat(target: Target, remat: str) -> Target:
     if remat == "none" or not hasattr(target, "remat"):
         return target
     return dataclasses.replace(target, remat=remat)
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
 
 
 @dataclass
@@ -170,7 +165,7 @@ class StageEnv:
         base: dict[str, Any] = {
             "status": "running",
             "fingerprint": self.fingerprint(),
-            "started_at": _now(),
+            "started_at": now(),
             "devices": jax.device_count(),
             "processes": jax.process_count(),
             "device_kind": jax.devices()[0].device_kind,
@@ -209,9 +204,6 @@ class StageEnv:
         if fields.get("checkpoint") is not None:
             self.project.attempt_committed(self.stage)
         self.project.update_stage(self.stage, **fields)
-
-    def state_writer(self) -> Callable[..., None]:
-        return self.on_state
 
     # ---- engine pieces -------------------------------------------------------------------
     def checkpointer(self, stage: str | None = None) -> Checkpointer:

@@ -27,12 +27,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pydantic import ValidationError
 
-from pdctl.config import Config, MeshConfig
-from pdctl.engine import sharding
+from pdctl.config import STAGES, Config, MeshConfig
+from pdctl.engine import donation, sharding
 from pdctl.errors import PdctlError
 from pdctl.stages.common import STREAM_TARGET, stream_key, target_from_config
 
-STAGES = ("init_weights", "pretrain", "warmup", "train")
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
 KIND_LABEL = {
     "target": "target",
@@ -44,7 +43,6 @@ KIND_LABEL = {
     "batch": "batch",
     "other": "other",
 }
-DONATION_THRESHOLD = 0.95
 CHILD_ENV = "PDCTL_INSPECT_CHILD"
 N_LARGEST = 5
 
@@ -375,7 +373,7 @@ def memory_report(compiled: Any, donated_bytes: int) -> dict[str, Any]:
         "peak_bytes_estimate": arg + out + temp - alias,
         "donated_bytes": donated_bytes,
         "alias_fraction": frac,
-        "donation_ok": frac >= DONATION_THRESHOLD,
+        "donation_ok": frac >= donation.THRESHOLD,
     }
     xla_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
     if xla_peak:
@@ -565,6 +563,6 @@ def render(report: dict[str, Any], console: Any) -> None:
         console.print(
             f"donation: aliased {fmt_bytes(m['alias_bytes'])} of "
             f"{fmt_bytes(m['donated_bytes'])} donated state = {m['alias_fraction']:.1%} "
-            f"({verdict}, threshold {DONATION_THRESHOLD:.0%})",
+            f"({verdict}, threshold {donation.THRESHOLD:.0%})",
             markup=False,
         )

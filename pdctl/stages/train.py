@@ -4,6 +4,7 @@ for its order), AdamW on components and CI functions (separate optimizers when
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -15,11 +16,10 @@ from jax.sharding import Mesh
 from pdctl.config import Config, match_sites
 from pdctl.engine import sharding
 from pdctl.engine.accumulate import accumulate, split_micro
-from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
 from pdctl.engine.program import StepProgram
-from pdctl.project import Project
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import (
     importance_minimality_from_sums,
@@ -318,12 +318,5 @@ def _floats(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(
-    project: Project,
-    *,
-    until: int | None = None,
-    resume: bool = False,
-    fresh: bool = False,
-    profile: tuple[int, int] | None = None,
-) -> LoopResult:
-    return run_stage(project, SPEC, until=until, resume=resume, fresh=fresh, profile=profile)
+# `train.run(project, until=..., resume=..., fresh=..., profile=...)`: the generic stage run.
+run = functools.partial(run_stage, spec=SPEC)

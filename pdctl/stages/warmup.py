@@ -5,6 +5,7 @@ parameters, its first argument, which must survive the call."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -13,11 +14,10 @@ from jax.sharding import Mesh
 
 from pdctl.config import Config, OptimConfig
 from pdctl.engine import sharding
-from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw
 from pdctl.engine.precision import Policy
 from pdctl.engine.program import StepProgram
-from pdctl.project import Project
 from pdctl.science.spd.components import component_ties, expand_tied, fold_tied
 from pdctl.science.spd.losses import faithfulness_loss
 from pdctl.science.targets import Target
@@ -133,12 +133,5 @@ SPEC = StageSpec(
 )
 
 
-def run(
-    project: Project,
-    *,
-    until: int | None = None,
-    resume: bool = False,
-    fresh: bool = False,
-    profile: tuple[int, int] | None = None,
-) -> LoopResult:
-    return run_stage(project, SPEC, until=until, resume=resume, fresh=fresh, profile=profile)
+# `warmup.run(project, until=..., resume=..., fresh=..., profile=...)`: the generic stage run.
+run = functools.partial(run_stage, spec=SPEC)
