@@ -21,18 +21,15 @@ import tempfile
 import time
 import tomllib
 from pathlib import Path
-from types import SimpleNamespace
 
 import jax
 
-from pdctl.config import match_sites, parse_config
+from pdctl.config import parse_config
 from pdctl.engine import runtime, sharding
-from pdctl.science.spd.losses import make_spd_fns
 from pdctl.stages import train
 from pdctl.stages.common import (
     STREAM_DECOMP,
     STREAM_TARGET,
-    StageEnv,
     stream_key,
     target_from_config,
 )
@@ -43,27 +40,20 @@ TERMS = ("importance_minimality", "stochastic_recon", "stochastic_recon_layerwis
 
 
 def build(template: str, loss: dict):
+    """The train stage's program for the template with `loss` overrides: params, a fresh state
+    and the jitted (donating) step."""
     raw = tomllib.loads((templates_root() / template / "pdctl.toml").read_text())
     raw["train"]["loss"].update(loss)
     cfg = parse_config(raw)
     mesh = sharding.make_mesh(-1, 1)
-    env = StageEnv(SimpleNamespace(config=cfg), "train", mesh, target_from_config(cfg))
-    target = env.target
-    abstract = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
-    params = jax.jit(target.init, out_shardings=env.shardings(abstract))(
-        stream_key(cfg, STREAM_TARGET)
-    )
+    target = target_from_config(cfg)
+    prog = train.program(cfg, mesh, target)
+    (abstract, shardings) = prog.frozen_abstract[0], prog.frozen_shardings[0]
+    params = jax.jit(target.init, out_shardings=shardings)(stream_key(cfg, STREAM_TARGET))
+    del abstract
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
-    fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
-    tx, make_state, _, state_sh, _ = train.build(env, fns, cfg.train.steps)
-    state = jax.jit(make_state, out_shardings=state_sh)(
-        dec["components"], dec["ci_fns"], dec["sources"]
-    )
-    step = jax.jit(
-        train.make_step(target, fns, tx, cfg, cfg.train.steps, sharding.batch_sharding(mesh, 2)),
-        donate_argnums=(1,),
-    )
-    return params, state, step
+    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
+    return params, state, prog.jit()
 
 
 def step_ms(template: str, loss: dict, n: int) -> float:

@@ -1,8 +1,8 @@
 """SPD train-step throughput, FLOPs, MFU, memory and donation for the reference configs, on one
 device and on pdctl's default devices (one per core on CPU; the accelerators elsewhere).
 
-The steps are built exactly as `pdctl train` / `pdctl warmup` build them (`train.build` /
-`train.make_step`, `warmup.build` / `warmup.make_step`, the same shardings and donation) from the
+The steps are the train and warmup stages' own programs (`train.program`, `warmup.program`:
+what `pdctl train` / `pdctl warmup` compile, the same shardings and donation) from the
 unmodified templates (tms: TMS 5-2, batch 4096; resid-mlp: ResidMLP-1, batch 2048; llama-mlp:
 the byte-level LM, batch 16 x 64 tokens; tms-40-10). Each device count runs in a fresh child
 process (the device count is fixed when JAX starts). Per config and device count it prints:
@@ -34,24 +34,13 @@ BATCHES = {"llama-mlp": 16}  # sequences; the toys use their template's batch
 
 
 def child(template: str, n_steps: int, peak_tflops: float) -> dict:
-    from types import SimpleNamespace
-
     import jax
     import numpy as np
 
-    from pdctl.config import match_sites
     from pdctl.engine import donation, measure, sharding
     from pdctl.project import Project
-    from pdctl.science.spd.losses import make_spd_fns
     from pdctl.stages import train, warmup
-    from pdctl.stages.common import (
-        STREAM_DECOMP,
-        STREAM_TARGET,
-        StageEnv,
-        stream_key,
-        target_from_config,
-        with_remat,
-    )
+    from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
     from pdctl.stages.init_weights import init_decomposition
     from pdctl.templates import create_run
 
@@ -63,66 +52,37 @@ def child(template: str, n_steps: int, peak_tflops: float) -> dict:
             update={"train": cfg.train.model_copy(update={"batch_size": BATCHES[template]})}
         )
     mesh = sharding.make_mesh(-1, 1)  # data = every device
-    env = StageEnv(SimpleNamespace(config=cfg), "train", mesh, target_from_config(cfg))
-    target = env.target
-    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
-    params = jax.jit(target.init, out_shardings=env.shardings(abstract_params))(
+    target = target_from_config(cfg)
+    w_prog = warmup.program(cfg, mesh, target)
+    prog = train.program(cfg, mesh, target)
+    params = jax.jit(target.init, out_shardings=w_prog.frozen_shardings[0])(
         stream_key(cfg, STREAM_TARGET)
     )
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
-    target_sh = jax.tree.map(lambda x: x.sharding, params)
     out: dict = {"config": template, "batch": cfg.train.batch_size, "devices": mesh.size}
     out["device_kind"] = jax.devices()[0].device_kind
 
     # faithfulness warmup: compile + all cfg.warmup.steps steps
-    w_tx, w_make, _, w_sh = warmup.build(env, dec["components"], cfg.warmup.steps)
-    paths, ties = warmup.site_layout(env)
     t0 = time.perf_counter()
-    w_state = jax.jit(w_make, out_shardings=w_sh)(dec["components"])
-    w_step = (
-        jax.jit(
-            warmup.make_step(target, paths, w_tx, ties),
-            in_shardings=(target_sh, w_sh, None),
-            out_shardings=(w_sh, sharding.replicated(mesh)),
-            donate_argnums=(1,),
-        )
-        .lower(params, w_state, None)
-        .compile()
-    )
+    w_state = w_prog.jit_make_state()(dec["components"])
+    w_step = w_prog.jit().lower(params, w_state, None).compile()
     t1 = time.perf_counter()
     for _ in range(cfg.warmup.steps):
         w_state, _ = w_step(params, w_state, None)
     jax.block_until_ready(w_state)
     out.update(warmup_compile_s=t1 - t0, warmup_run_s=time.perf_counter() - t1)
 
-    # the SPD train step
-    target = with_remat(target, cfg.train.remat)
-    fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
-    tx, make_state, _, state_sh, _ = train.build(env, fns, cfg.train.steps)
-    state = jax.jit(make_state, out_shardings=state_sh)(
-        w_state["components"], dec["ci_fns"], dec["sources"]
-    )
-    batch_sh = sharding.batch_sharding(mesh, 2)
-    is_text = target.output_kind == "logits"
+    # the SPD train step (the train stage's program, with and without donation)
+    state = prog.jit_make_state()(w_state["components"], dec["ci_fns"], dec["sources"])
     batch = None
-    if is_text:
+    if not prog.makes_own_batch:
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, target.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1))
-        batch = {"tokens": jax.device_put(tokens.astype(np.int32), batch_sh)}
-
-    def jit_step(donate: bool):
-        return jax.jit(
-            train.make_step(target, fns, tx, cfg, cfg.train.steps, batch_sh),
-            in_shardings=(target_sh, state_sh, batch_sh if is_text else None),
-            out_shardings=(state_sh, sharding.replicated(mesh)),
-            donate_argnums=(1,) if donate else (),
-        )
-
+        batch = {"tokens": jax.device_put(tokens.astype(np.int32), prog.batch_shardings["tokens"])}
     t0 = time.perf_counter()
-    step = jit_step(True).lower(params, state, batch).compile()
+    step = prog.jit().lower(params, state, batch).compile()
     out["train_compile_s"] = time.perf_counter() - t0
-    plain = jit_step(False).lower(params, state, batch).compile()
-    # one device's share of the state (replicated leaves count whole)
+    plain = prog.jit(donate=False).lower(params, state, batch).compile()
     state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
 
     def est_peak(compiled) -> float:
@@ -155,7 +115,9 @@ def child(template: str, n_steps: int, peak_tflops: float) -> dict:
     out.update(
         step_ms=best * 1e3,
         samples_per_s=cfg.train.batch_size / best,
-        tokens_per_s=cfg.train.batch_size * cfg.data.seq_len / best if is_text else None,
+        tokens_per_s=None
+        if prog.makes_own_batch
+        else cfg.train.batch_size * cfg.data.seq_len / best,
         flops_per_device=flops,
         mfu=measure.mfu(flops, best, peak) if flops and peak else None,
         loss=float(m["loss"]),

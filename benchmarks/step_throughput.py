@@ -1,7 +1,7 @@
 """Pretrain step throughput of every template, and the overhead of the engine's `Loop`.
 
 For each template (tiny-but-realistic sizes, one device by default) it builds the pretrain
-step exactly as `pdctl pretrain` does (`pdctl.stages.pretrain.build` / `make_step`, donating,
+step exactly as `pdctl pretrain` does (`pdctl.stages.pretrain.program`, donating,
 sharded) and measures, in one run:
 
   direct   the compiled step called back to back, `block_until_ready` once at the end

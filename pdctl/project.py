@@ -24,6 +24,7 @@ import tomli_w
 
 from pdctl.config import STAGES, Config, fingerprint, parse_config
 from pdctl.errors import PdctlError
+from pdctl.files import atomic_write
 
 PROJECT_FILE = "pdctl.toml"
 LOCK_FILE = ".pdctl.lock"
@@ -31,7 +32,7 @@ STATE_MARKER = "# ---- pdctl state: written by pdctl, do not edit below this lin
 _STATE_HEADER = re.compile(r"^[ \t]*\[\[?[ \t]*state[ \t]*[.\]]", re.MULTILINE)
 
 
-def _now() -> str:
+def now() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
 
 
@@ -118,34 +119,6 @@ def render_state(state: dict[str, dict[str, Any]]) -> str:
     if not state:
         return ""
     return STATE_MARKER + "\n" + tomli_w.dumps({"state": _drop_none(state)})
-
-
-# Test hook: called between writing the temp file and renaming it over pdctl.toml.
-_before_rename = None
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash at any point leaves the old or the new file.
-
-    A symlinked `path` stays a symlink: the file it points to is replaced."""
-    path = Path(os.path.realpath(path))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if _before_rename is not None:
-            _before_rename(tmp)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def find_project_file(start: Path | None = None, explicit: Path | None = None) -> Path:
@@ -291,7 +264,7 @@ class Project:
     def update_stage(self, name: str, **fields: Any) -> dict[str, Any]:
         st = self.state.setdefault(name, {})
         st.update(fields)
-        st["updated_at"] = _now()
+        st["updated_at"] = now()
         self.save_state()
         return st
 

@@ -6,7 +6,6 @@ Import with `from helpers import ...` (pytest puts `tests/` on sys.path).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import subprocess
@@ -25,8 +24,8 @@ from typer.testing import CliRunner
 from pdctl.engine import sharding
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.loop import Loop
-from pdctl.engine.precision import Policy
-from pdctl.engine.tracking import JsonlWriter, NoopTracker
+from pdctl.engine.program import StepProgram
+from pdctl.engine.tracking import JsonlTracker
 from pdctl.project import Project, split_state
 from pdctl.stages import pretrain
 from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
@@ -102,33 +101,11 @@ def make_run(
 # ---- the CLI, in-process ---------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _release_locks() -> Iterator[None]:
-    """A stage holds its run directory's lock until the process exits (one CLI call = one
-    process). In-process, release what a command took so that the next command can run."""
-    taken: list[Project] = []
-    original = Project.acquire_lock
-
-    def acquire(self: Project) -> None:
-        original(self)
-        taken.append(self)
-
-    Project.acquire_lock = acquire  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Project.acquire_lock = original  # type: ignore[method-assign]
-        for proj in taken:
-            while proj._lock_depth:
-                proj.release_lock()
-
-
 def cli(*args: str) -> Any:
     """Invoke the real Typer app in-process; the result has exit_code, stdout and stderr."""
     from pdctl.cli import app
 
-    with _release_locks():
-        return CliRunner().invoke(app, [str(a) for a in args])
+    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def error_lines(result: Any) -> list[str]:
@@ -195,16 +172,11 @@ def pdctl_process(
 
 @dataclass
 class Pretrain:
-    """The pretrain stage's pieces (via `pretrain.build` / `pretrain.make_step`) on `mesh`."""
+    """The pretrain stage's program (`pretrain.program`, what `pdctl pretrain` compiles) on
+    `mesh`, with fresh sharded states and batches for it."""
 
     env: StageEnv
-    tx: Any
-    abstract: Any
-    state_sh: Any
-    make_state: Any
-    abstract_params: Any
-    batch_sh: Any
-    total: int
+    prog: StepProgram
 
     @property
     def target(self) -> Any:
@@ -215,8 +187,28 @@ class Pretrain:
         return self.env.cfg
 
     @property
+    def abstract(self) -> Any:
+        return self.prog.abstract_state
+
+    @property
+    def state_sh(self) -> Any:
+        return self.prog.state_shardings
+
+    @property
+    def abstract_params(self) -> Any:
+        return self.prog.abstract_state["params"]
+
+    @property
+    def batch_sh(self) -> Any:
+        return sharding.batch_sharding(self.env.mesh, 2)
+
+    @property
+    def total(self) -> int:
+        return self.prog.total_steps
+
+    @property
     def is_text(self) -> bool:
-        return self.target.output_kind == "logits"
+        return not self.prog.makes_own_batch
 
     _jits: dict[str, Any] = field(default_factory=dict)
 
@@ -234,28 +226,16 @@ class Pretrain:
     def init_state(self, params: Any | None = None) -> Any:
         """The whole pretrain state born sharded, as `pretrain.run` makes it."""
         params = self.init_params() if params is None else params
-        make = self._jit("state", lambda: jax.jit(self.make_state, out_shardings=self.state_sh))
+        make = self._jit("state", self.prog.jit_make_state)
         return make(params)
 
     def step_fn(self, *, donate: bool = True, target: Any = None) -> Any:
-        """The jitted step exactly as `pretrain.run` builds it. `donate=False`: the same step
-        without donation; `target`: the same step around another target (not cached)."""
-
-        def make() -> Any:
-            return jax.jit(
-                pretrain.make_step(
-                    target or self.target,
-                    self.tx,
-                    self.cfg.pretrain.batch_size,
-                    self.batch_sh,
-                    Policy.from_config(self.cfg.precision),
-                ),
-                in_shardings=(self.state_sh, self.batch_sh if self.is_text else None),
-                out_shardings=(self.state_sh, sharding.replicated(self.env.mesh)),
-                donate_argnums=(0,) if donate else (),
-            )
-
-        return make() if target is not None else self._jit(f"step-{donate}", make)
+        """The jitted step exactly as `pretrain.run` compiles it. `donate=False`: the same
+        step without donation; `target`: the same program around another target (not
+        cached)."""
+        if target is not None:
+            return pretrain.program(self.cfg, self.env.mesh, target, steps=self.total).jit(donate)
+        return self._jit(f"step-{donate}", lambda: self.prog.jit(donate))
 
     def batch(self, i: int) -> Any:
         """Batch `i`: None for the toys (generated on device from the step), else random tokens
@@ -270,13 +250,10 @@ class Pretrain:
 
 
 def pretrain_on(run: Path, mesh: jax.sharding.Mesh, total: int | None = None) -> Pretrain:
-    """The pretrain pieces of run/pdctl.toml on `mesh` (no lock, no checkpoints)."""
+    """The pretrain program of run/pdctl.toml on `mesh` (no lock, no checkpoints)."""
     proj = Project.load(run / "pdctl.toml")
     env = StageEnv(proj, "pretrain", mesh, target_from_config(proj.config))
-    total = total or proj.config.pretrain.steps
-    tx, abstract, state_sh, make_state, abstract_params = pretrain.build(env, total)
-    batch_sh = sharding.batch_sharding(mesh, 2)
-    return Pretrain(env, tx, abstract, state_sh, make_state, abstract_params, batch_sh, total)
+    return Pretrain(env, pretrain.program(proj.config, mesh, env.target, steps=total))
 
 
 def run_steps(pt: Pretrain, state: Any, n: int, step_fn: Any = None) -> tuple[Any, np.ndarray]:
@@ -309,8 +286,7 @@ def make_loop(
         total_steps=total,
         checkpointer=Checkpointer(directory / "ckpt", keep=2),
         on_state=lambda **f: states.append(f),
-        jsonl=JsonlWriter(directory / "metrics.jsonl"),
-        tracker=NoopTracker(),
+        tracker=JsonlTracker(directory / "metrics.jsonl"),
         log_every=log_every,
         checkpoint_every=kw.pop("checkpoint_every", total),
         batches=batches,

@@ -18,10 +18,8 @@ import numpy as np
 import pytest
 from helpers import cli, edit_config, error_lines, make_run, pdctl_process, state
 
-from pdctl.config import match_sites
 from pdctl.engine import donation, sharding
 from pdctl.project import Project
-from pdctl.science.spd.losses import make_spd_fns
 from pdctl.stages import train, warmup
 from pdctl.stages.common import (
     STREAM_DECOMP,
@@ -29,7 +27,6 @@ from pdctl.stages.common import (
     StageEnv,
     stream_key,
     target_from_config,
-    with_remat,
 )
 from pdctl.stages.init_weights import init_decomposition
 
@@ -48,40 +45,21 @@ def _mesh(data: int, fsdp: int):
 
 
 class Steps:
-    """The warmup and train steps of one config on one mesh, built as the stages build them,
-    and fresh sharded states for them (from host values shared by every mesh)."""
+    """The warmup and train programs of one config on one mesh (`warmup.program`,
+    `train.program`: what the stages compile), and fresh sharded states for them (from host
+    values shared by every mesh)."""
 
     def __init__(self, proj: Project, mesh, host_params: Any, host_dec: Any) -> None:
         self.env = env = StageEnv(proj, "train", mesh, target_from_config(proj.config))
         cfg, target = env.cfg, env.target
-        abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
-        self.params = jax.device_put(host_params, env.shardings(abstract_params))
+        w_prog = warmup.program(cfg, mesh, target)
+        t_prog = train.program(cfg, mesh, target)
+        self.params = jax.device_put(host_params, w_prog.frozen_shardings[0])
         self.dec = host_dec
-        target_sh = jax.tree.map(lambda x: x.sharding, self.params)
-        # warmup, as warmup.run
-        abstract_dec = warmup.abstract_decomposition(env)
-        w_tx, w_make, _, w_sh = warmup.build(env, abstract_dec["components"], cfg.warmup.steps)
-        self.warmup_state = jax.jit(w_make, out_shardings=w_sh)
-        paths, ties = warmup.site_layout(env)
-        self.warmup_step = jax.jit(
-            warmup.make_step(target, paths, w_tx, ties),
-            in_shardings=(target_sh, w_sh, None),
-            out_shardings=(w_sh, sharding.replicated(mesh)),
-            donate_argnums=(1,),
-        )
-        # train, as train.run
-        target = with_remat(target, cfg.train.remat)
-        fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
-        total = cfg.train.steps
-        t_tx, t_make, _, t_sh, _ = train.build(env, fns, total)
-        self.train_state = jax.jit(t_make, out_shardings=t_sh)
-        batch_sh = sharding.batch_sharding(mesh, 2)
-        self.train_step = jax.jit(
-            train.make_step(target, fns, t_tx, cfg, total, batch_sh),
-            in_shardings=(target_sh, t_sh, None),
-            out_shardings=(t_sh, sharding.replicated(mesh)),
-            donate_argnums=(1,),
-        )
+        self.warmup_state = w_prog.jit_make_state()
+        self.warmup_step = w_prog.jit()
+        self.train_state = t_prog.jit_make_state()
+        self.train_step = t_prog.jit()
 
     def fresh_warmup(self):
         return self.warmup_state(self.dec["components"])

@@ -138,7 +138,7 @@ def test_fsdp4_shards_large_params_and_their_adam_moments(pieces) -> None:
         assert x.sharding.is_fully_replicated, path
 
     # The stage's state shardings are exactly the rule applied to `tx.init`'s abstract output.
-    abstract_opt = jax.eval_shape(pt.tx.init, pt.abstract_params)
+    abstract_opt = pt.abstract["opt_state"]
     want = sharding.tree_specs(abstract_opt, pt.env.mesh, min_size)
     got = jax.tree.map(lambda x: x.sharding.spec, state["opt_state"])
     assert jax.tree.leaves(got, is_leaf=lambda s: isinstance(s, P)) == jax.tree.leaves(
@@ -472,3 +472,34 @@ def test_pretrain_step_with_a_nan_loss_leaves_the_state_unchanged(pieces) -> Non
     assert (int(loop["step"]), int(loop["bad_steps"]), int(m["max_bad_run"])) == (3, 0, 2)
     w = jax.device_get(state["params"]["layers"]["0"]["mlp_in"]["W"])
     assert not np.array_equal(w, host0["params"]["layers"]["0"]["mlp_in"]["W"])
+
+
+def test_one_tracker_interface_fans_out_to_jsonl_and_the_others(tmp_path):
+    """The loop logs to one tracker; the composite sends every record to jsonl (step + raw
+    names) and to the others (a stand-in with wandb's shape here), and a resumed stage's
+    jsonl drops what it will log again."""
+    from pdctl.engine.tracking import CompositeTracker, JsonlTracker
+
+    seen = []
+
+    class Other:
+        run_id = "abc"
+
+        def log(self, metrics, step):
+            seen.append((step, dict(metrics)))
+
+        def finish(self):
+            seen.append("finish")
+
+    path = tmp_path / "m.jsonl"
+    tr = CompositeTracker([JsonlTracker(path), Other()])
+    assert tr.run_id == "abc"
+    for step in (5, 10, 15):
+        tr.log({"loss": step / 10, "bad": float("nan")}, step)
+    tr.finish()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [5, 10, 15] and lines[0]["loss"] == 0.5
+    assert lines[0]["bad"] == "nan"  # JSON has no NaN: written as a string
+    assert seen[0] == (5, {"loss": 0.5, "bad": seen[0][1]["bad"]}) and seen[-1] == "finish"
+    JsonlTracker(path).truncate_after(10)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [5, 10]

@@ -350,7 +350,7 @@ def test_init_has_the_loaded_structure():
     assert {_dotted(p): x.shape for p, x in leaves} == target.param_shapes()
     logits = jax.jit(target.apply)(params, jnp.zeros((2, SEQ), jnp.int32))
     assert logits.shape == (2, SEQ, 4096)
-    assert target.flops_per_example() > 0 and target.n_tokens_per_example() == SEQ
+    assert target.n_tokens_per_example() == SEQ
 
 
 def _spec_of(cfg: dict, tmp: Path | None = None):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import edit_config
 
-import pdctl.project as project_mod
+import pdctl.files as files_mod
 from pdctl.config import STAGES
 from pdctl.errors import PdctlError
 from pdctl.project import STATE_MARKER, Project, split_state
@@ -128,7 +128,7 @@ def test_interrupted_write_leaves_the_old_file(
         seen.append(tmp)
         raise RuntimeError("simulated crash before rename")
 
-    monkeypatch.setattr(project_mod, "_before_rename", crash)
+    monkeypatch.setattr(files_mod, "_before_rename", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         proj.update_stage("pretrain", step=11)
     assert seen, "the write did not go through atomic_write's temp file"
@@ -137,7 +137,7 @@ def test_interrupted_write_leaves_the_old_file(
     assert _listing(tmp_path) == listing  # no temp file left behind
     assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]
 
-    monkeypatch.setattr(project_mod, "_before_rename", None)
+    monkeypatch.setattr(files_mod, "_before_rename", None)
     proj.update_stage("pretrain", step=12)
     assert Project.load(path).stage("pretrain")["step"] == 12
 

@@ -33,12 +33,11 @@ import pytest
 import tomli_w
 from helpers import cli, edit_config, pdctl_argv, pdctl_env, pdctl_process
 
-from pdctl.config import STAGES, match_sites
+from pdctl.config import STAGES
 from pdctl.engine import donation, sharding
 from pdctl.engine.checkpoint import Checkpointer, rematerialize
 from pdctl.engine.sharding import path_str
 from pdctl.project import Project
-from pdctl.science.spd.losses import make_spd_fns
 from pdctl.stages import train
 from pdctl.stages.common import StageEnv, pretrained_target, target_from_config
 
@@ -355,25 +354,17 @@ def _checkpoint_meta(directory: Path, step: int) -> dict[str, Any]:
 
 
 class TrainPieces:
-    """The train stage's pieces, built as `train.run` builds them (no lock, no loop)."""
+    """The train stage's program, as `train.run` compiles it (no lock, no loop)."""
 
     def __init__(self, run: Path):
         proj = Project.load(run / "pdctl.toml")
         cfg = self.cfg = proj.config
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
         env = StageEnv(proj, "train", mesh, target_from_config(cfg))
-        fns = make_spd_fns(env.target, match_sites(cfg, env.target.site_paths()), cfg)
-        total = cfg.train.steps
-        tx, _, self.abstract, self.state_sh, _ = train.build(env, fns, total)
+        prog = train.program(cfg, mesh, env.target)
+        self.abstract, self.state_sh = prog.abstract_state, prog.state_shardings
         self.target_params = pretrained_target(env)
-        batch_sh = sharding.batch_sharding(mesh, 2)
-        target_sh = jax.tree.map(lambda x: x.sharding, self.target_params)
-        self.step_fn = jax.jit(
-            train.make_step(env.target, fns, tx, cfg, total, batch_sh),
-            in_shardings=(target_sh, self.state_sh, None),
-            out_shardings=(self.state_sh, None),
-            donate_argnums=(1,),
-        )
+        self.step_fn = prog.jit()
         self.ckpt = Checkpointer(proj.checkpoint_dir("train"), keep=cfg.checkpoint.keep)
 
     def restore(self, step: int) -> dict[str, Any]:

@@ -6,21 +6,19 @@ All at the step-function level on one simulated CPU device, tiny shapes.
 from __future__ import annotations
 
 import tomllib
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdctl.config import match_sites, parse_config
+from pdctl.config import parse_config
 from pdctl.engine import sharding
 from pdctl.engine.precision import Policy
 from pdctl.science.spd import components as C
-from pdctl.science.spd.losses import make_spd_fns
 from pdctl.stages import pretrain as PT
 from pdctl.stages import train as TR
-from pdctl.stages.common import StageEnv, target_from_config, with_remat
+from pdctl.stages.common import target_from_config, with_remat
 from pdctl.stages.init_weights import decomposed_sites, source_shape
 from pdctl.templates import templates_root
 
@@ -52,10 +50,10 @@ TINY_LM = {
 
 
 def spd_setup(cfg):
-    """Target params, SPD fns and a fresh train state (`train.build`'s), without a run
+    """Target params, SPD fns and the train stage's program with a fresh state, without a run
     directory."""
     t = target_from_config(cfg)
-    fns = make_spd_fns(t, match_sites(cfg, t.site_paths()), cfg)
+    fns = TR.spd_fns(cfg, t)
     comps, ci, src = C.init_decomposition_reference(
         jax.random.PRNGKey(0),
         decomposed_sites(cfg, t),
@@ -65,19 +63,17 @@ def spd_setup(cfg):
     )
     free = {p: v for p, v in comps.items() if p not in fns.ties}
     tp = t.init(jax.random.PRNGKey(1))
-    env = StageEnv(SimpleNamespace(config=cfg), "train", mesh1(), t)
-    tx, make_state, _, _, _ = TR.build(env, fns, 10)
-    return t, fns, tx, tp, jax.jit(make_state)(free, ci, src)
+    prog = TR.program(cfg, mesh1(), t)
+    return t, fns, prog, tp, prog.jit_make_state()(free, ci, src)
 
 
 def spd_step(cfg):
-    t, fns, tx, tp, state = spd_setup(cfg)
-    step = jax.jit(TR.make_step(t, fns, tx, cfg, 10, sharding.batch_sharding(mesh1(), 2)))
+    t, _, prog, tp, state = spd_setup(cfg)
     batch = None
     if t.output_kind == "logits":
         shape = (cfg.train.batch_size, cfg.data.seq_len + 1)
         batch = {"tokens": jax.random.randint(jax.random.PRNGKey(3), shape, 0, 256)}
-    return step(tp, state, batch)
+    return prog.jit(donate=False)(tp, state, batch)
 
 
 @pytest.mark.slow  # ~8-14 s; the pretrain accumulation test and the next one stay fast
@@ -128,29 +124,18 @@ def test_pretrain_grad_accumulation_equals_big_batch():
         target={"n_features": 16, "d_embed": 32, "d_mlp": 8},
         pretrain={"batch_size": 64},
     )
-    cfg = parse_config(raw)
-    t = target_from_config(cfg)
-    bs = sharding.batch_sharding(mesh1(), 2)
     out = {}
     for k in (1, 4):
-        tx, _, _, make_state, _ = PT.build(_Env(cfg, t), 10)
-        state = jax.jit(make_state)(t.init(jax.random.PRNGKey(0)))
-        step = jax.jit(PT.make_step(t, tx, 64, bs, Policy.from_config(cfg.precision), k))
-        out[k] = step(state, None)
+        raw["pretrain"]["grad_accum_steps"] = k
+        cfg = parse_config(raw)
+        t = target_from_config(cfg)
+        prog = PT.program(cfg, mesh1(), t, steps=10)
+        state = prog.jit_make_state()(t.init(jax.random.PRNGKey(0)))
+        out[k] = prog.jit(donate=False)(state, None)
     (s1, m1), (s4, m4) = out[1], out[4]
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"]), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
-
-
-class _Env:
-    """Just enough of StageEnv for the stages' `build` functions."""
-
-    def __init__(self, cfg, target):
-        self.cfg, self.target, self.mesh = cfg, target, mesh1()
-
-    def shardings(self, abstract):
-        return sharding.tree_shardings(abstract, self.mesh, self.cfg.mesh.fsdp_min_param_size)
 
 
 @pytest.mark.parametrize("policy", ["dots_saveable", "full"])

@@ -105,7 +105,9 @@ def test_l0_and_alive():
         "a": jnp.array([[0.0, 0.5, 0.2], [0.05, 0.95, 0.0]]),
         "b": jnp.array([[[0.2, 0.0], [0.0, 0.0]]]),
     }
-    l0 = E.l0(ci, 0.1)
+    from pdctl.science.spd.losses import l0_per_site
+
+    l0 = l0_per_site(ci, 0.1)
     assert float(l0["a"]) == pytest.approx(1.5)
     assert float(l0["b"]) == pytest.approx(0.5)
     alive = E.alive(ci, 0.1)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdctl.config import match_sites, parse_config
+from pdctl.config import parse_config
 from pdctl.engine import sharding
 from pdctl.engine.optim import schedule
 from pdctl.science.spd import components as comp_mod
@@ -247,15 +247,15 @@ def test_tied_warmup_equals_two_torch_parameters_sharing_storage():
     params = jax.jit(target.init)(jax.random.PRNGKey(0))
     comps, _, _ = _decomposition(cfg, target)
     free = {"linear1": comps["linear1"]}
-    paths, ties = warmup.site_layout(env)
+    paths, ties = warmup.site_layout(cfg, target)
     assert ties == {"linear2": "linear1"} and paths == ("linear1", "linear2")
-    tx, make_state, _, _ = warmup.build(env, free, 3)
-    state = make_state(free)
+    prog = warmup.program(cfg, env.mesh, target)
+    state = prog.make_state(free)
     # one parameter set, two moment sets
     assert set(state["components"]) == {"linear1"}
     moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim == 2]
     assert len(moments) == 2 * 4  # mu and nu for V and U of both sites
-    step = jax.jit(warmup.make_step(target, paths, tx, ties))
+    step = prog.jit(donate=False)
     for _ in range(3):
         state, _ = step(params, state, None)
 
@@ -291,16 +291,13 @@ def _train_setup(ppgd: dict, loss: dict):
     cfg = _cfg(ppgd=ppgd, loss=loss)
     env = _env(cfg)
     target = env.target
-    fns = L.make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
+    fns = train.spd_fns(cfg, target)
     comps, ci_fns, sources = _decomposition(cfg, target)
     free = {p: v for p, v in comps.items() if p not in fns.ties}
-    tx, make_state, _, _, _ = train.build(env, fns, cfg.train.steps)
-    state = jax.jit(make_state)(free, ci_fns, sources)
+    prog = train.program(cfg, env.mesh, target)
+    state = prog.jit_make_state()(free, ci_fns, sources)
     params = jax.jit(target.init)(jax.random.PRNGKey(0))
-    step = jax.jit(
-        train.make_step(target, fns, tx, cfg, cfg.train.steps, sharding.batch_sharding(env.mesh, 2))
-    )
-    return cfg, target, fns, params, state, step
+    return cfg, target, fns, params, state, prog.jit(donate=False)
 
 
 # Each case compiles a whole train step; sign stays in the fast tier, adam (~10 s) is slow.

@@ -44,7 +44,7 @@ from rich.progress import (
 
 from pdctl.engine import donation, measure, runtime
 from pdctl.engine.checkpoint import Checkpointer
-from pdctl.engine.tracking import JsonlWriter, Tracker
+from pdctl.engine.tracking import Tracker
 from pdctl.errors import EXIT_INTERRUPTED, PdctlError, StageFailed
 
 
@@ -126,8 +126,7 @@ class Loop:
     total_steps: int
     checkpointer: Checkpointer
     on_state: Callable[..., None]  # writes [state.<stage>] (no-op off process 0)
-    jsonl: JsonlWriter
-    tracker: Tracker
+    tracker: Tracker  # jsonl + wandb (process 0), or a no-op
     frozen: tuple[Any, ...] = ()
     start_step: int = 0
     until: int | None = None
@@ -449,14 +448,12 @@ class Loop:
                 rec["mfu"] = measure.mfu(self.flops_per_step, dt, self.peak_flops)
         if self.lr_fn:
             rec.update(self.lr_fn(step))
-        self.jsonl.write({"step": step, **rec})
-        self.tracker.log({f"{self.stage}/{k}": v for k, v in rec.items()}, step=step)
+        self.tracker.log(rec, step=step)
         return rec
 
     def _log_eval(self, step: int, ev: dict[str, Any]) -> None:
         flat = _flatten(ev, "eval")
-        self.jsonl.write({"step": step, **flat})
-        self.tracker.log({f"{self.stage}/{k}": v for k, v in flat.items()}, step=step)
+        self.tracker.log(flat, step=step)
 
     def _info(self, m: dict[str, float]) -> str:
         loss = m.get("loss", float("nan"))

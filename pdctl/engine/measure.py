@@ -47,15 +47,3 @@ def mfu(flops_per_device_step: float, step_s: float, peak_per_device: float) -> 
     both sides, so the same global batch gives the same MFU on 1 device or on N (each doing
     1/N of the work in, ideally, 1/N of the time)."""
     return flops_per_device_step / step_s / peak_per_device
-
-
-def memory_stats() -> dict[str, int]:
-    """Per-device bytes in use / peak where the backend reports them (GPU/TPU; not CPU)."""
-    import jax
-
-    out = {}
-    for d in jax.local_devices():
-        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-        if stats:
-            out[f"{d.id}"] = int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
-    return out

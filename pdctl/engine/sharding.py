@@ -1,17 +1,23 @@
 """The device mesh and every PartitionSpec rule, in one place.
 
-Mesh axes are ('data', 'fsdp'). Specs are derived once from abstract shapes (`jax.eval_shape`):
+Mesh axes are ('data', 'fsdp'). Specs are derived once from abstract shapes (`jax.eval_shape`)
+by the ordered table RULES (pattern over the array's dotted path -> PartitionSpec):
 - decomposition factors shard over their component axis: `...V` (d_in, C) as P(None, 'fsdp'),
   `...U` (C, d_out) as P('fsdp', None) (when C divides);
 - any other array with at least `fsdp_min_param_size` elements shards its largest dimension that
   the fsdp axis divides; smaller arrays stay replicated.
-The rule depends only on a leaf's path suffix and shape, so optimizer state (whose Adam moments
-mirror the parameter tree) inherits the parameter specs when the rule is applied to `tx.init`'s
-abstract output. Batches shard their leading axis over ('data', 'fsdp').
+The rules depend only on a leaf's path and shape, so optimizer state (whose Adam moments mirror
+the parameter tree) inherits the parameter specs when the table is applied to `tx.init`'s
+abstract output. Batches shard their leading axis over ('data', 'fsdp'), and so do arrays that
+go with the batch (per-example PPGD sources, `leading_batch_shardings`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -73,17 +79,40 @@ def path_str(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def spec_for(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> P:
-    """The PartitionSpec of one array, from its path and shape."""
-    if fsdp == 1 or len(shape) == 0:
-        return P()
-    leaf = path.rsplit(".", 1)[-1]
-    if leaf == "V" and len(shape) == 2:
-        return P(None, "fsdp") if shape[1] % fsdp == 0 else P()
-    if leaf == "U" and len(shape) == 2:
-        return P("fsdp", None) if shape[0] % fsdp == 0 else P()
-    if int(np.prod(shape)) < min_size:
-        return P()
+@dataclass(frozen=True)
+class Rule:
+    """One line of the sharding table: arrays whose dotted path matches `pattern` get
+    `spec(shape, fsdp, min_size)`, or the next rule when that returns None."""
+
+    name: str
+    pattern: str
+    spec: Callable[[tuple[int, ...], int, int], P | None]
+
+
+def _scalar(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+    return P() if not shape else None
+
+
+def _no_fsdp(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+    return P() if fsdp == 1 else None
+
+
+def _component_axis(axis: int) -> Callable[[tuple[int, ...], int, int], P | None]:
+    def spec(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+        if len(shape) != 2:
+            return None
+        if shape[axis] % fsdp:
+            return P()  # C not divisible: replicated
+        return P(None, "fsdp") if axis == 1 else P("fsdp", None)
+
+    return spec
+
+
+def _small(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+    return P() if math.prod(shape) < min_size else None
+
+
+def _largest_divisible(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
     # Largest dimension the axis divides; ties go to the leading one.
     order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
     for i in order:
@@ -91,7 +120,40 @@ def spec_for(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> P:
             spec = [None] * len(shape)
             spec[i] = "fsdp"
             return P(*spec)
+    return None
+
+
+def _replicated(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
     return P()
+
+
+# THE sharding rules, in order: the first rule that gives a spec wins. `pdctl inspect-sharding`
+# names the rule of every array. The optimizer state mirrors the parameters' paths (optax's
+# `mu.components.linear1.V`), so it inherits their specs through the same table.
+RULES: tuple[Rule, ...] = (
+    Rule("scalar", "*", _scalar),
+    Rule("fsdp = 1", "*", _no_fsdp),
+    Rule("components V (d_in, C): the component axis", "*.V", _component_axis(1)),
+    Rule("components U (C, d_out): the component axis", "*.U", _component_axis(0)),
+    Rule("below fsdp_min_param_size", "*", _small),
+    Rule("the largest dimension fsdp divides", "*", _largest_divisible),
+    Rule("no dimension fsdp divides", "*", _replicated),
+)
+
+
+def rule_for(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> tuple[Rule, P]:
+    """The rule that decides `path`'s spec, and the spec."""
+    for rule in RULES:
+        if fnmatch.fnmatchcase(path, rule.pattern):
+            spec = rule.spec(shape, fsdp, min_size)
+            if spec is not None:
+                return rule, spec
+    raise AssertionError("the last rule matches everything")
+
+
+def spec_for(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> P:
+    """The PartitionSpec of one array, from its path and shape (see RULES)."""
+    return rule_for(path, shape, fsdp, min_size)[1]
 
 
 def tree_specs(abstract: Any, mesh: Mesh, min_size: int) -> Any:

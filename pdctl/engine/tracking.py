@@ -1,23 +1,24 @@
-"""Where metrics go: `metrics/<stage>.jsonl` always, wandb when enabled.
-
-A `Tracker` has wandb's shape (log, log_hparams, finish), and a no-op one stands in when wandb is
-disabled or this is not process 0, so calling code never branches on "is wandb on".
+"""Where metrics go: one `Tracker` interface (levanter's shape: `log`, `finish`) with a jsonl
+implementation (`metrics/<stage>.jsonl`, always), a wandb one (when enabled), a no-op one, and
+a composite that fans out to several. The loop logs to one tracker and never branches on which
+are on; only process 0 gets real ones.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from pdctl.files import atomic_write
 
 
 class Tracker(Protocol):
     run_id: str | None
 
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
-    def log_hparams(self, hparams: dict[str, Any]) -> None: ...
     def finish(self) -> None: ...
 
 
@@ -27,14 +28,50 @@ class NoopTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
 
-    def log_hparams(self, hparams: dict[str, Any]) -> None:
-        pass
-
     def finish(self) -> None:
         pass
 
 
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class JsonlTracker:
+    """One JSON object per logged step, appended to `path` (metrics/<stage>.jsonl)."""
+
+    run_id: str | None = None
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}))
+            f.write("\n")
+
+    def finish(self) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines logged after `step` (a resumed stage re-logs them identically)."""
+        if not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+        atomic_write(self.path, "".join(line + "\n" for line in keep).encode())
+
+
 class WandbTracker:
+    """Weights & Biases; metric names get the stage as a prefix (`train/loss`)."""
+
     def __init__(
         self,
         *,
@@ -42,6 +79,7 @@ class WandbTracker:
         project: str,
         entity: str,
         name: str,
+        prefix: str,
         directory: Path,
         run_id: str | None,
         config: dict[str, Any],
@@ -60,75 +98,59 @@ class WandbTracker:
             config=config,
         )
         self.run_id = self._run.id
+        self._prefix = prefix
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self._run.log(metrics, step=step)
-
-    def log_hparams(self, hparams: dict[str, Any]) -> None:
-        self._run.config.update(hparams, allow_val_change=True)
+        self._run.log({f"{self._prefix}/{k}": v for k, v in metrics.items()}, step=step)
 
     def finish(self) -> None:
         self._run.finish()
 
 
+class CompositeTracker:
+    """Every call goes to each tracker in turn; the run id is the first one that has one."""
+
+    def __init__(self, trackers: Sequence[Tracker]):
+        self.trackers = list(trackers)
+        self.run_id = next((t.run_id for t in self.trackers if t.run_id), None)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for t in self.trackers:
+            t.log(metrics, step)
+
+    def finish(self) -> None:
+        for t in self.trackers:
+            t.finish()
+
+
 def make_tracker(
     *,
+    jsonl: Path,
     mode: str,
     project: str,
     entity: str,
     name: str,
+    prefix: str,
     directory: Path,
     run_id: str | None,
     config: dict[str, Any],
     is_writer: bool,
 ) -> Tracker:
-    if mode == "disabled" or not is_writer:
+    """The stage's tracker: jsonl always (and wandb when enabled) on process 0, none elsewhere."""
+    if not is_writer:
         return NoopTracker()
-    return WandbTracker(
-        mode=mode,
-        project=project,
-        entity=entity,
-        name=name,
-        directory=directory,
-        run_id=run_id,
-        config=config,
-    )
-
-
-def _clean(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
-
-
-class JsonlWriter:
-    """Appends one JSON object per logged step to metrics/<stage>.jsonl (process 0 only)."""
-
-    def __init__(self, path: Path, enabled: bool = True):
-        self.path = path
-        self.enabled = enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-
-    def truncate_after(self, step: int) -> None:
-        """Drop lines logged after `step` (a resumed stage re-logs them identically)."""
-        if not self.enabled or not self.path.exists():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
-        # Temp file + rename: a crash mid-rewrite leaves the old file or the new one, never a
-        # truncated history.
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+    trackers: list[Tracker] = [JsonlTracker(jsonl)]
+    if mode != "disabled":
+        trackers.append(
+            WandbTracker(
+                mode=mode,
+                project=project,
+                entity=entity,
+                name=name,
+                prefix=prefix,
+                directory=directory,
+                run_id=run_id,
+                config=config,
+            )
+        )
+    return CompositeTracker(trackers)

@@ -21,6 +21,7 @@ from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.spd import components as comp_mod
 from pdctl.science.spd import evaluate
+from pdctl.science.spd.losses import l0_per_site
 from pdctl.stages.common import CLI_NAME, STREAM_TRAIN, stream_key, target_from_config
 
 HIST_BINS = 50
@@ -246,7 +247,7 @@ def ci_stats(
         valid = stop - start
         ci_lower = {s: np.asarray(c, np.float32)[:valid] for s, c in ci_lower.items()}
         alive = evaluate.alive(ci_lower, thr)
-        l0 = evaluate.l0(ci_lower, thr)
+        l0 = l0_per_site(ci_lower, thr)
         n_here = int(np.prod(next(iter(ci_lower.values())).shape[:-1]))
         for s, c in ci_lower.items():
             flat = c.reshape(-1, c.shape[-1])

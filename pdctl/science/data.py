@@ -9,8 +9,6 @@ import bisect
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,8 @@ from typing import Any
 
 import grain
 import numpy as np
+
+from pdctl.files import atomic_output
 
 log = logging.getLogger(__name__)
 
@@ -418,19 +418,11 @@ def _write_cache(file: Path, chunks: list, n_tokens: int) -> None:
     """Write the stream as a .npy under a temporary name, fsync, then rename: a reader sees
     the whole file or none, and concurrent writers of the same key just replace each other."""
     file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.stem}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_output(file, suffix=".npy") as tmp:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int32, shape=(n_tokens,))
         _fill(out, chunks)
         out.flush()
         del out
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_length(tokens: np.ndarray, path: Path, seq_len: int | None) -> np.ndarray:
@@ -586,9 +578,27 @@ def make_text_iterator(
     fresh iterator built with the same arguments continues with exactly the next unseen batch.
     `prefetch` batches are prepared ahead on background threads.
     """
+    return iter(
+        make_text_iter_dataset(
+            tokens, seq_len, batch_size, seed, process_index, process_count, prefetch
+        )
+    )
+
+
+def make_text_iter_dataset(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    prefetch: int = 8,
+) -> grain.IterDataset:
+    """`make_text_dataset(...)` as an IterDataset whose batches are prepared `prefetch` ahead
+    on background threads."""
     ds = make_text_dataset(tokens, seq_len, batch_size, seed, process_index, process_count)
     read_options = grain.ReadOptions(num_threads=min(prefetch, 4), prefetch_buffer_size=prefetch)
-    return iter(ds.to_iter_dataset(read_options))
+    return ds.to_iter_dataset(read_options)
 
 
 def state_to_json(state: dict[str, Any]) -> str:

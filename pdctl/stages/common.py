@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,9 +26,9 @@ from pdctl.engine.checkpoint import (
     rematerialize,
 )
 from pdctl.engine.loop import Interrupted, describe_exception
-from pdctl.engine.tracking import JsonlWriter, Tracker, make_tracker
+from pdctl.engine.tracking import JsonlTracker, Tracker, make_tracker
 from pdctl.errors import PdctlError, StageFailed
-from pdctl.project import Project
+from pdctl.project import Project, now
 from pdctl.science.targets import Target, build_target
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -76,10 +75,6 @@ def with_remat(target: Target, remat: str) -> Target:
     return dataclasses.replace(target, remat=remat)
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
-
-
 @dataclass
 class StageEnv:
     """A stage's view of the run: config, mesh, target, its checkpoint directory and state."""
@@ -94,6 +89,7 @@ class StageEnv:
     overrides: dict[str, Any] = field(default_factory=dict)
     fresh_run: bool = False  # begun with begin(fresh=True): its checkpoints start from none
     _fresh_ckpt_given: bool = False
+    _closed: bool = False
 
     @property
     def cfg(self) -> Config:
@@ -120,12 +116,30 @@ class StageEnv:
                     f"`pdctl {CLI_NAME[req]}` before `pdctl {CLI_NAME[stage]}`"
                 )
         project.writer = runtime.is_writer()
-        if project.writer:  # held until the process exits: one writer per run directory
+        if project.writer:  # one writer per run directory, until the stage closes
             project.acquire_lock()
-        mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
-        target = target_from_config(project.config, project.root)
-        env = cls(project, stage, mesh, target, requires=requires)
-        return env
+        try:
+            mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
+            target = target_from_config(project.config, project.root)
+        except BaseException:
+            if project.writer:
+                project.release_lock()
+            raise
+        return cls(project, stage, mesh, target, requires=requires)
+
+    # `with StageEnv.open(...) as env:` holds the run directory's lock for the stage and
+    # releases it when the stage is over, however it ends.
+    def __enter__(self) -> StageEnv:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the run directory's lock that `open` took (idempotent)."""
+        if self.project.writer and not self._closed:
+            self._closed = True
+            self.project.release_lock()
 
     # ---- the config this stage runs with -------------------------------------------------
     def effective_config(self) -> Config:
@@ -151,7 +165,7 @@ class StageEnv:
         base: dict[str, Any] = {
             "status": "running",
             "fingerprint": self.fingerprint(),
-            "started_at": _now(),
+            "started_at": now(),
             "devices": jax.device_count(),
             "processes": jax.process_count(),
             "device_kind": jax.devices()[0].device_kind,
@@ -191,9 +205,6 @@ class StageEnv:
             self.project.attempt_committed(self.stage)
         self.project.update_stage(self.stage, **fields)
 
-    def state_writer(self) -> Callable[..., None]:
-        return self.on_state
-
     # ---- engine pieces -------------------------------------------------------------------
     def checkpointer(self, stage: str | None = None) -> Checkpointer:
         # The first checkpointer of a fresh run's own directory moves the old checkpoints aside
@@ -210,12 +221,17 @@ class StageEnv:
     def shardings(self, abstract: Any) -> Any:
         return sharding.tree_shardings(abstract, self.mesh, self.cfg.mesh.fsdp_min_param_size)
 
-    def jsonl(self) -> JsonlWriter:
-        return JsonlWriter(self.project.metrics_path(self.stage), enabled=self.project.writer)
-
-    def tracker(self) -> Tracker:
+    def tracker(self, start: int) -> Tracker:
+        """The stage's metrics tracker (jsonl, and wandb when enabled). Its jsonl history keeps
+        what was logged up to `start` (a resumed run re-logs what follows; a fresh one starts
+        it over)."""
+        path = self.project.metrics_path(self.stage)
+        if self.project.writer:
+            JsonlTracker(path).truncate_after(-1 if self.fresh_run else start)
         t = self.cfg.tracking
         tr = make_tracker(
+            jsonl=path,
+            prefix=self.stage,
             mode=t.wandb,
             project=t.project,
             entity=t.entity,
@@ -511,25 +527,39 @@ def _roll_back(project: Project, stage: str) -> None:
 
 
 def text_batches(env: StageEnv, batch_size: int, *, seed: int, state: Any, sharding):
-    """The LM's token batches: grain over a local corpus (bytes for llama_mlp, the model's
-    tokenizer for an imported model) or the synthetic corpus, each process reading its own
-    slice of the global batch, prefetched onto the mesh."""
-    from pdctl.engine.prefetch import Prefetcher
+    """The LM's token batches as a grain iterator: a local corpus (bytes for llama_mlp, the
+    model's tokenizer for an imported model) or the synthetic corpus, each process reading its
+    own slice of the global batch, made into global arrays on the mesh and prefetched on a
+    background thread (grain's ThreadPrefetchIterDataset), so host batching and transfers
+    overlap the steps. Its `get_state()` counts the batches handed out (not the prefetched
+    ones), which is what a checkpoint records; `state` (that, as JSON) resumes it exactly."""
+    import grain
+
     from pdctl.science import data
 
     cfg = env.cfg
-    tokens = corpus_tokens(env)
-    it = data.make_text_iterator(
-        tokens,
+    ds = data.make_text_iter_dataset(
+        corpus_tokens(env),
         cfg.data.seq_len,
         batch_size,
         seed,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+    ds = ds.map(
+        lambda b: jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), b)
+    )
+    it = iter(grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2))
     if state is not None:
         it.set_state(data.state_from_json(state))
-    return Prefetcher(it, sharding, state_fn=lambda: data.state_to_json(it.get_state()))
+    return it
+
+
+def batches_state(batches: Any) -> Callable[[], str]:
+    """The JSON state of a grain iterator, as a checkpoint's meta records it."""
+    from pdctl.science import data
+
+    return lambda: data.state_to_json(batches.get_state())
 
 
 def corpus_tokens(env: StageEnv) -> Any:
@@ -627,10 +657,7 @@ def run_loop(
     """Run the engine loop with this stage's checkpointer, state writer and trackers."""
     from pdctl.engine.loop import Loop
 
-    jsonl = env.jsonl()
-    # A fresh run starts its metrics history over; a resumed one re-logs what follows `start`.
-    jsonl.truncate_after(-1 if env.fresh_run else start)
-    tracker = env.tracker()
+    tracker = env.tracker(start)
     target = env.target
     is_text = target.output_kind == "logits"
     try:
@@ -644,12 +671,11 @@ def run_loop(
             until=until,
             checkpointer=env.checkpointer(),
             on_state=env.on_state,
-            jsonl=jsonl,
             tracker=tracker,
             log_every=log_every,
             checkpoint_every=env.cfg.checkpoint.every,
             batches=batches,
-            batches_state=batches.state if batches is not None else None,
+            batches_state=batches_state(batches) if batches is not None else None,
             max_bad_steps=max_bad_steps,
             eval_fn=eval_fn,
             eval_every=eval_every,
@@ -665,3 +691,98 @@ def run_loop(
         tracker.finish()
         if batches is not None:
             batches.close()
+
+
+# ---- the one way a training stage runs --------------------------------------------------------
+
+
+def text_batch_spec(cfg: Config, target: Target, batch_size: int, mesh: Mesh) -> tuple[Any, Any]:
+    """(abstract batch, its shardings) of a text target's step: `{"tokens": (batch, seq_len +
+    1) int32}` split over the batch axes; (None, None) for the toys, whose step makes its own."""
+    if target.output_kind != "logits":
+        return None, None
+    tokens = jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len + 1), jnp.int32)
+    return {"tokens": tokens}, {"tokens": sharding.batch_sharding(mesh, 2)}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a training stage is, besides its program: which stages it needs, what a fresh run
+    starts from (the upstream arrays `make_state` takes), its frozen arguments (the trained
+    target, for warmup and train) and, optionally, how it evaluates."""
+
+    name: str
+    requires: tuple[str, ...]
+    program: Callable[..., Any]  # (cfg, mesh, target, **options) -> StepProgram
+    fresh_inputs: Callable[[StageEnv, Any], tuple[Any, ...]]
+    frozen: Callable[[StageEnv, Any], tuple[Any, ...]] | None = None
+    evaluation: Callable[[StageEnv, tuple[Any, ...], Any], Callable[[Any], dict]] | None = None
+
+
+def run_stage(
+    project: Project,
+    spec: StageSpec,
+    *,
+    until: int | None = None,
+    resume: bool = False,
+    fresh: bool = False,
+    profile: tuple[int, int] | None = None,
+    overrides: dict[str, Any] | None = None,
+    program_options: dict[str, Any] | None = None,
+):
+    """Run any training stage: open the run, find where to start (fresh or a checkpoint), build
+    the stage's program, make or restore its state, feed it batches and hand it to the loop."""
+    with StageEnv.open(project, spec.name, requires=spec.requires) as env:
+        return _run_stage(env, spec, until, resume, fresh, profile, overrides, program_options)
+
+
+def _run_stage(env, spec, until, resume, fresh, profile, overrides, program_options):
+    env.overrides.update(overrides or {})
+    cfg = env.cfg
+    prog = spec.program(cfg, env.mesh, env.target, **(program_options or {}))
+    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
+    frozen = spec.frozen(env, prog) if spec.frozen else ()
+    data_state = None
+    if ckpt_step is None:
+        env.begin(fresh=True, steps=prog.total_steps)
+        state = prog.jit_make_state()(*spec.fresh_inputs(env, prog))
+        start = 0
+    else:
+        env.begin(fresh=False, steps=prog.total_steps)
+        state, meta = env.restore_state(ckpt_step, prog.abstract_state, prog.state_shardings)
+        start, data_state = int(meta["step"]), meta.get("data")
+    batches = None
+    if not prog.makes_own_batch:
+        batches = text_batches(
+            env,
+            prog.examples_per_step,
+            seed=cfg.run.seed,
+            state=data_state,
+            sharding=prog.batch_shardings["tokens"],
+        )
+    table = getattr(cfg, spec.name)
+    result = run_loop(
+        env,
+        step_fn=prog.jit(),
+        state=state,
+        frozen=frozen,
+        total=prog.total_steps,
+        start=start,
+        until=until,
+        log_every=table.log_every,
+        max_bad_steps=table.max_bad_steps,
+        batches=batches,
+        eval_fn=spec.evaluation(env, frozen, prog) if spec.evaluation else None,
+        eval_every=getattr(table, "eval_every", 0),
+        examples_per_step=prog.examples_per_step,
+        lr_fn=prog.lr_fn,
+        profile=profile,
+    )
+    if result.status == "done" and result.eval:
+        env.on_state(eval=result.eval)
+    return result
+
+
+def frozen_target(env: StageEnv, prog: Any) -> tuple[Any, ...]:
+    """The frozen first argument of warmup and train: the trained (or imported) target."""
+    return (pretrained_target(env),)

@@ -103,7 +103,11 @@ def _nbytes(tree: Any) -> int:
 
 
 def run(project: Project) -> dict[str, Any]:
-    env = StageEnv.open(project, "init_weights")
+    with StageEnv.open(project, "init_weights") as env:
+        return _run(project, env)
+
+
+def _run(project: Project, env: StageEnv) -> dict[str, Any]:
     cfg = env.cfg
     # Validate the decomposition config (and an imported checkpoint) before anything is written.
     sites = decomposed_sites(cfg, env.target)

@@ -19,7 +19,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -28,12 +27,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pydantic import ValidationError
 
-from pdctl.config import Config, MeshConfig, match_sites
-from pdctl.engine import sharding
+from pdctl.config import STAGES, Config, MeshConfig
+from pdctl.engine import donation, sharding
 from pdctl.errors import PdctlError
-from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
+from pdctl.stages.common import STREAM_TARGET, stream_key, target_from_config
 
-STAGES = ("init_weights", "pretrain", "warmup", "train")
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
 KIND_LABEL = {
     "target": "target",
@@ -45,7 +43,6 @@ KIND_LABEL = {
     "batch": "batch",
     "other": "other",
 }
-DONATION_THRESHOLD = 0.95
 CHILD_ENV = "PDCTL_INSPECT_CHILD"
 N_LARGEST = 5
 
@@ -121,92 +118,50 @@ class Plan:
     cfg: Config
     mesh: Any
     args: list[Arg]
-    step: Any = None  # the pure step function (None: init_weights has no step)
-    out_specs: Any = None  # the state specs the step returns
+    program: Any = None  # the stage's StepProgram (None: init_weights has no step)
     notes: list[str] = field(default_factory=list)
-
-
-def _env(cfg: Config, stage: str, mesh, target) -> StageEnv:
-    # A StageEnv without StageEnv.open: no lock, no prerequisite checks, no files touched.
-    return StageEnv(project=SimpleNamespace(config=cfg), stage=stage, mesh=mesh, target=target)
 
 
 def _specs(abstract: Any, cfg: Config, mesh) -> Any:
     return sharding.tree_specs(abstract, mesh, cfg.mesh.fsdp_min_param_size)
 
 
-def _batch_abstract(cfg: Config, target, batch_size: int, mesh, key: str) -> tuple[Any, Any]:
-    """(abstract batch, its spec) for text targets; (None, None) where the step makes its own."""
-    if target.output_kind != "logits":
-        return None, None
-    if batch_size % sharding.batch_shards(mesh):
-        raise PdctlError(
-            f"{key}: {batch_size} is not divisible by the {sharding.batch_shards(mesh)} devices "
-            f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']})"
-        )
-    abstract = {"tokens": jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len + 1), jnp.int32)}
-    return abstract, {"tokens": P(sharding.BATCH_AXES, None)}
+def _spec_tree(shardings: Any) -> Any:
+    return jax.tree.map(lambda s: s.spec, shardings)
 
 
 def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
-    """The abstract arguments of `stage`'s step (or, for init_weights, what it creates);
-    `root` is the run directory (an imported model's relative path starts there)."""
+    """The abstract arguments of `stage`'s step (or, for init_weights, what it creates), from
+    the stage's own `program` (the one the stage compiles); `root` is the run directory (an
+    imported model's relative path starts there)."""
     from pdctl.stages import init_weights, pretrain, train, warmup
 
     target = target_from_config(cfg, root)
-    env = _env(cfg, stage, mesh, target)
-    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
-    target_specs = _specs(abstract_params, cfg, mesh)
-    notes: list[str] = []
     if stage == "init_weights":
+        abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
         dec = init_weights.init_decomposition_abstract(cfg, target)
         return Plan(
             stage,
             cfg,
             mesh,
             [
-                Arg("target", abstract_params, target_specs, False, "target"),
+                Arg("target", abstract_params, _specs(abstract_params, cfg, mesh), False, "target"),
                 Arg("decomposition", dec, _specs(dec, cfg, mesh), False),
             ],
             notes=["init_weights has no step; rows are what it creates"],
         )
     if stage == "pretrain" and target.kind == "hf":
         raise PdctlError("--stage: an imported model (target.kind = hf) has no pretrain stage")
-    if stage == "pretrain":
-        pc = cfg.pretrain
-        tx, abstract, _, _, _ = pretrain.build(env, pc.steps)
-        batch, batch_specs = _batch_abstract(
-            cfg, target, pc.batch_size, mesh, "pretrain.batch_size"
-        )
-        state_specs = _specs(abstract, cfg, mesh)
-        step = pretrain.make_step(
-            target, tx, pc.batch_size, NamedSharding(mesh, P(sharding.BATCH_AXES, None))
-        )
-        args = [Arg("state", abstract, state_specs, True)]
-        args.append(Arg("batch", batch, batch_specs, False, "batch"))
-        return Plan(stage, cfg, mesh, args, step, state_specs, notes)
-    dec = init_weights.init_decomposition_abstract(cfg, target)
-    frozen = Arg("target", abstract_params, target_specs, False, "target")
-    if stage == "warmup":
-        tx, _, abstract, _ = warmup.build(env, dec["components"], cfg.warmup.steps)
-        paths, ties = warmup.site_layout(env)
-        step = warmup.make_step(target, paths, tx, ties)
-        state_specs = _specs(abstract, cfg, mesh)
-        args = [frozen, Arg("state", abstract, state_specs, True), Arg("batch", None, None, False)]
-        return Plan(stage, cfg, mesh, args, step, state_specs, notes)
-    from pdctl.science.spd.losses import make_spd_fns
-
-    tc = cfg.train
-    fns = make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
-    tx, _, abstract, state_sh, _ = train.build(env, fns, tc.steps)
-    batch, batch_specs = _batch_abstract(cfg, target, tc.batch_size, mesh, "train.batch_size")
-    step = train.make_step(
-        target, fns, tx, cfg, tc.steps, NamedSharding(mesh, P(sharding.BATCH_AXES, None))
-    )
-    state_specs = jax.tree.map(lambda s: s.spec, state_sh)
-    args = [frozen, Arg("state", abstract, state_specs, True)]
-    args.append(Arg("batch", batch, batch_specs, False, "batch"))
-    return Plan(stage, cfg, mesh, args, step, state_specs, notes)
+    module = {"pretrain": pretrain, "warmup": warmup, "train": train}[stage]
+    prog = module.program(cfg, mesh, target)
+    args = [
+        Arg("target", a, _spec_tree(s), False, "target")
+        for a, s in zip(prog.frozen_abstract, prog.frozen_shardings, strict=True)
+    ]
+    args.append(Arg("state", prog.abstract_state, _spec_tree(prog.state_shardings), True))
+    batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
+    args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
+    return Plan(stage, cfg, mesh, args, prog)
 
 
 # ---- rows ------------------------------------------------------------------------------------
@@ -269,18 +224,15 @@ def _group_path(keys: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _why_replicated(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> str:
-    if not shape:
-        return "scalar"
-    if fsdp == 1:
-        return "mesh has fsdp=1"
-    leaf = path.rsplit(".", 1)[-1]
-    if leaf in ("V", "U") and len(shape) == 2:
-        c = shape[1] if leaf == "V" else shape[0]
-        return f"C={c} not divisible by fsdp={fsdp}"
-    if math.prod(shape) < min_size:
-        return f"below fsdp_min_param_size={min_size}"
-    return f"no dimension divisible by fsdp={fsdp}"
+def rule_name(arg: str, path: str, shape: tuple[int, ...], axes: list[Any], p: Plan) -> str:
+    """The sharding rule (engine.sharding.RULES, by name) that gave this array its spec."""
+    if arg == "batch":
+        return "the batch: leading axis over (data, fsdp)"
+    fsdp, min_size = p.mesh.shape["fsdp"], p.cfg.mesh.fsdp_min_param_size
+    rule, spec = sharding.rule_for(path, shape, fsdp, min_size)
+    if _spec_axes(spec, len(shape)) != axes:
+        return "with the batch (per-example PPGD sources)"
+    return rule.name
 
 
 def array_rows(p: Plan) -> list[dict[str, Any]]:
@@ -294,6 +246,7 @@ def array_rows(p: Plan) -> list[dict[str, Any]]:
         specs = jax.tree.leaves(arg.specs, is_leaf=lambda x: isinstance(x, P))
         for (keys, x), spec in zip(leaves, specs, strict=True):
             path = sharding.path_str(keys)
+            tree_path = path
             group = _group_path(keys)
             if arg.prefix:
                 path, group = f"{arg.prefix}.{path}", f"{arg.prefix}.{group}"
@@ -319,6 +272,7 @@ def array_rows(p: Plan) -> list[dict[str, Any]]:
                     "bytes_per_device": int(per_device),
                     "sharded": shards > 1,
                     "donated": arg.donated,
+                    "rule": rule_name(arg.name, tree_path, shape, axes, p),
                 }
             )
     order = {k: i for i, k in enumerate(KINDS)}
@@ -364,7 +318,6 @@ def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
         logical[r["kind"]] += r["bytes"]
     used = [k for k in KINDS if logical[k]]
     sharded = sum(r["bytes_per_device"] for r in rows if r["sharded"])
-    fsdp, min_size = p.mesh.shape["fsdp"], p.cfg.mesh.fsdp_min_param_size
     replicated = sorted(
         (r for r in rows if not r["sharded"] and r["shape"]),
         key=lambda r: (-r["bytes_per_device"], r["path"]),
@@ -383,7 +336,7 @@ def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
                 "path": r["path"],
                 "shape": r["shape"],
                 "bytes_per_device": r["bytes_per_device"],
-                "why": _why_replicated(r["path"], tuple(r["shape"]), fsdp, min_size),
+                "why": r["rule"],
             }
             for r in replicated
         ],
@@ -391,37 +344,14 @@ def totals(rows: list[dict[str, Any]], p: Plan) -> dict[str, Any]:
 
 
 # ---- compile -----------------------------------------------------------------------------------
-def _with_shardings(arg: Arg, mesh) -> Any:
-    if arg.abstract is None:
-        return None
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-        arg.abstract,
-        arg.specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
-
-
-def _named(specs: Any, mesh) -> Any:
-    if specs is None:
-        return None
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
 def compile_step(p: Plan, donate: bool = True) -> tuple[Any, float]:
-    """(compiled step, seconds to lower + compile) from abstract, sharded arguments; the jit is
-    built as the stage builds it (same in/out shardings and donated argument)."""
-    if p.step is None:
+    """(compiled step, seconds to lower + compile): the stage's own program, lowered from
+    abstract, sharded arguments (the same jit the stage runs: shardings, donation, remat,
+    precision, accumulation)."""
+    if p.program is None:
         raise PdctlError(f"--compile: {p.stage} has no step to compile")
-    donated = tuple(i for i, a in enumerate(p.args) if a.donated) if donate else ()
-    fn = jax.jit(
-        p.step,
-        in_shardings=tuple(_named(a.specs, p.mesh) for a in p.args),
-        out_shardings=(_named(p.out_specs, p.mesh), None),
-        donate_argnums=donated,
-    )
     t0 = time.perf_counter()
-    compiled = fn.lower(*(_with_shardings(a, p.mesh) for a in p.args)).compile()
+    compiled = p.program.lower(donate).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -443,7 +373,7 @@ def memory_report(compiled: Any, donated_bytes: int) -> dict[str, Any]:
         "peak_bytes_estimate": arg + out + temp - alias,
         "donated_bytes": donated_bytes,
         "alias_fraction": frac,
-        "donation_ok": frac >= DONATION_THRESHOLD,
+        "donation_ok": frac >= donation.THRESHOLD,
     }
     xla_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
     if xla_peak:
@@ -483,7 +413,7 @@ def inspect(
         "notes": list(p.notes),
     }
     if compile:
-        if p.step is None:
+        if p.program is None:
             report["notes"].append("--compile: init_weights has no step to compile")
             report["memory"] = None
         else:
@@ -572,6 +502,7 @@ def render(report: dict[str, Any], console: Any) -> None:
         ("bytes", "right"),
         ("per device", "right"),
         ("layout", "left"),
+        ("rule", "left"),
     ):
         table.add_column(col, justify=just, overflow="fold")
     for r in report["rows"]:
@@ -587,6 +518,7 @@ def render(report: dict[str, Any], console: Any) -> None:
             fmt_bytes(r["bytes"]),
             fmt_bytes(r["bytes_per_device"]),
             layout,
+            r["rule"],
         )
     console.print(table)
     if report["grouped"]:
@@ -631,6 +563,6 @@ def render(report: dict[str, Any], console: Any) -> None:
         console.print(
             f"donation: aliased {fmt_bytes(m['alias_bytes'])} of "
             f"{fmt_bytes(m['donated_bytes'])} donated state = {m['alias_fraction']:.1%} "
-            f"({verdict}, threshold {DONATION_THRESHOLD:.0%})",
+            f"({verdict}, threshold {donation.THRESHOLD:.0%})",
             markup=False,
         )

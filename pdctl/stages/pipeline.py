@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +11,11 @@ import numpy as np
 
 from pdctl import __version__
 from pdctl.config import STAGES
+from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
 from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
+from pdctl.files import atomic_output
 from pdctl.project import Project
 from pdctl.stages.common import CLI_NAME, checkpoint_changes, guarded, stale_reason
 
@@ -120,7 +122,15 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
     """init-weights → pretrain → warmup → train: skip stages that are done and not stale,
     continue an interrupted one, (re)run the rest. Everything is checked first."""
     results: dict[str, Any] = {}
-    for stage, action in plan(project):
+    steps = plan(project)
+    # One writer for the whole pipeline: no other pdctl can start between two stages.
+    with project.locked() if runtime.is_writer() else contextlib.nullcontext():
+        _run_planned(project, steps, results, echo)
+    return results
+
+
+def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None:
+    for stage, action in steps:
         if action == "skip":
             echo(f"{stage}: {project.stage(stage).get('status', 'imported')}, skipped")
             continue
@@ -135,7 +145,6 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
             f"{stage}: {project.stage(stage).get('status')} at step "
             f"{project.stage(stage).get('step')}"
         )
-    return results
 
 
 def resume(project: Project) -> tuple[str, Any]:
@@ -226,16 +235,12 @@ def export(
     _expand_tied(project, arrays)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        # Temp file + rename: never a half-written file under the name asked for.
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
-        try:
+        # never a half-written file under the name asked for
+        with atomic_output(out, suffix=out.suffix) as tmp:
             if fmt == "npz":
                 np.savez(tmp, **arrays)
             else:
                 _save_safetensors(project, stage, arrays, tmp)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
     except OSError as e:
         raise PdctlError(f"--out: cannot write {out} ({e.strerror or e})") from None
     return {k: tuple(v.shape) for k, v in arrays.items()}

@@ -7,22 +7,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
+from pdctl.config import Config
 from pdctl.engine import sharding
 from pdctl.engine.accumulate import accumulate, split_micro
 from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
+from pdctl.engine.program import StepProgram
 from pdctl.errors import PdctlError
 from pdctl.project import Project
+from pdctl.science.targets import Target
 from pdctl.stages.common import (
     STREAM_PRETRAIN,
     STREAM_TARGET,
     StageEnv,
-    resume_point,
-    run_loop,
+    StageSpec,
+    run_stage,
     stream_key,
-    text_batches,
+    text_batch_spec,
     with_remat,
 )
 
@@ -63,18 +67,50 @@ def make_step(
     return step
 
 
-def build(env: StageEnv, total: int):
-    """(tx, abstract state, state shardings, make_state) of the pretrain stage."""
-    cfg, target = env.cfg, env.target
+def program(cfg: Config, mesh: Mesh, target: Target, *, steps: int | None = None) -> StepProgram:
+    """The pretrain step as a program (`steps` overrides `[pretrain] steps`, as `--steps`)."""
+    pc = cfg.pretrain
+    total = pc.steps if steps is None else steps
+    sharding.check_batch_divides(pc.batch_size, mesh, "pretrain.batch_size", pc.grad_accum_steps)
+    target = with_remat(target, pc.remat)
     abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
-    tx = adamw(cfg.pretrain.optim, total, trainable=target.trainable_mask(abstract_params))
+    tx = adamw(pc.optim, total, trainable=target.trainable_mask(abstract_params))
     rng = stream_key(cfg, STREAM_PRETRAIN)
 
     def make_state(params):
         return {"params": params, "opt_state": tx.init(params), "loop": loop_counters(rng)}
 
     abstract = jax.eval_shape(make_state, abstract_params)
-    return tx, abstract, env.shardings(abstract), make_state, abstract_params
+    batch_sh = sharding.batch_sharding(mesh, 2)
+    policy = Policy.from_config(cfg.precision)
+    batch_abstract, batch_shardings = text_batch_spec(cfg, target, pc.batch_size, mesh)
+    lr = schedule(pc.optim, total)
+    return StepProgram(
+        stage="pretrain",
+        step=make_step(target, tx, pc.batch_size, batch_sh, policy, pc.grad_accum_steps),
+        make_state=make_state,
+        abstract_state=abstract,
+        state_shardings=sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size),
+        mesh=mesh,
+        policy=policy,
+        total_steps=total,
+        batch_abstract=batch_abstract,
+        batch_shardings=batch_shardings,
+        examples_per_step=pc.batch_size,
+        lr_fn=lambda s: {"lr": float(lr(s))},
+    )
+
+
+def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
+    """What a fresh pretrain starts from: init-weights' target parameters."""
+    abstract_params = prog.abstract_state["params"]
+    items, _ = env.restore_items("init_weights", {"target": abstract_params})
+    return (items["target"],)
+
+
+SPEC = StageSpec(
+    name="pretrain", requires=("init_weights",), program=program, fresh_inputs=fresh_inputs
+)
 
 
 def run(
@@ -91,61 +127,9 @@ def run(
             "pretrain: target.kind = hf is an imported model, not trained here (its state says "
             "imported); continue with `pdctl warmup`"
         )
-    env = StageEnv.open(project, "pretrain", requires=("init_weights",))
-    cfg = env.cfg
-    pc = cfg.pretrain
-    target = with_remat(env.target, pc.remat)
-    total = pc.steps if steps is None else steps
-    if steps is not None:
-        env.overrides["pretrain.steps"] = steps  # `--steps` is part of what this run ran with
-    sharding.check_batch_divides(
-        pc.batch_size, env.mesh, "pretrain.batch_size", pc.grad_accum_steps
-    )
-    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
-    tx, abstract, state_sh, make_state, abstract_params = build(env, total)
-    is_text = target.output_kind == "logits"
-    batch_sh = sharding.batch_sharding(env.mesh, 2)
-
-    if ckpt_step is None:
-        env.begin(fresh=True, steps=total)
-        items, _ = env.restore_items("init_weights", {"target": abstract_params})
-        state = jax.jit(make_state, out_shardings=state_sh)(items["target"])
-        start, data_state = 0, None
-    else:
-        env.begin(fresh=False, steps=total)
-        state, meta = env.restore_state(ckpt_step, abstract, state_sh)
-        start, data_state = int(meta["step"]), meta.get("data")
-
-    batches = None
-    if is_text:
-        batches = text_batches(
-            env, pc.batch_size, seed=cfg.run.seed, state=data_state, sharding=batch_sh
-        )
-    step_fn = jax.jit(
-        make_step(
-            target,
-            tx,
-            pc.batch_size,
-            batch_sh,
-            Policy.from_config(cfg.precision),
-            pc.grad_accum_steps,
-        ),
-        in_shardings=(state_sh, batch_sh if is_text else None),
-        out_shardings=(state_sh, sharding.replicated(env.mesh)),
-        donate_argnums=(0,),
-    )
-    lr = schedule(pc.optim, total)
-    return run_loop(
-        env,
-        step_fn=step_fn,
-        state=state,
-        total=total,
-        start=start,
-        until=until,
-        log_every=pc.log_every,
-        max_bad_steps=pc.max_bad_steps,
-        batches=batches,
-        examples_per_step=pc.batch_size,
-        lr_fn=lambda s: {"lr": float(lr(s))},
-        profile=profile,
-    )
+    # `--steps` is part of what this run ran with (its fingerprint, its checkpoints' config)
+    overrides = {} if steps is None else {"pretrain.steps": steps}
+    return run_stage(
+        project, SPEC, until=until, resume=resume, fresh=fresh, profile=profile,
+        overrides=overrides, program_options={"steps": steps},
+    )  # fmt: skip

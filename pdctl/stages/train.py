@@ -4,20 +4,22 @@ for its order), AdamW on components and CI functions (separate optimizers when
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
-from pdctl.config import match_sites
+from pdctl.config import Config, match_sites
 from pdctl.engine import sharding
 from pdctl.engine.accumulate import accumulate, split_micro
-from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
-from pdctl.project import Project
+from pdctl.engine.program import StepProgram
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import (
     importance_minimality_from_sums,
@@ -25,13 +27,16 @@ from pdctl.science.spd.losses import (
     make_spd_fns,
     p_at,
 )
+from pdctl.science.targets import Target
 from pdctl.stages.common import (
+    STREAM_TARGET,
     STREAM_TRAIN,
     StageEnv,
-    pretrained_target,
-    resume_point,
-    run_loop,
+    StageSpec,
+    frozen_target,
+    run_stage,
     stream_key,
+    text_batch_spec,
     text_batches,
     with_remat,
 )
@@ -171,11 +176,16 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     return step
 
 
-def build(env: StageEnv, fns, total: int):
-    cfg = env.cfg
+def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
+    """The SPD train step as a program: the frozen target, the donated state, the batch."""
+    tc = cfg.train
+    total = tc.steps
+    sharding.check_batch_divides(tc.batch_size, mesh, "train.batch_size", tc.grad_accum_steps)
+    target = with_remat(target, tc.remat)
+    fns = spd_fns(cfg, target)
     tx = optimizer(cfg, total)
     rng = stream_key(cfg, STREAM_TRAIN)
-    abstract_dec = abstract_decomposition(env)
+    dec = abstract_decomposition(cfg, target)
 
     def make_state(components, ci_fns, sources):
         trainable = {"components": components, "ci_fns": ci_fns}
@@ -188,19 +198,70 @@ def build(env: StageEnv, fns, total: int):
             "loop": loop_counters(rng),
         }
 
-    abstract = jax.eval_shape(
-        make_state, abstract_dec["components"], abstract_dec["ci_fns"], abstract_dec["sources"]
-    )
-    shardings = env.shardings(abstract)
-    if cfg.train.ppgd.scope == "per_batch_per_position":
+    def shardings(abstract: Any) -> Any:
+        return sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size)
+
+    abstract = jax.eval_shape(make_state, dec["components"], dec["ci_fns"], dec["sources"])
+    state_sh = shardings(abstract)
+    if tc.ppgd.scope == "per_batch_per_position":
         # one source per example (and position): shard them like the batch they mask
-        shardings["sources"] = sharding.leading_batch_shardings(abstract["sources"], env.mesh)
+        state_sh["sources"] = sharding.leading_batch_shardings(abstract["sources"], mesh)
         for k in ("m", "v"):
             if k in abstract["src_opt"]:
-                shardings["src_opt"][k] = sharding.leading_batch_shardings(
-                    abstract["src_opt"][k], env.mesh
+                state_sh["src_opt"][k] = sharding.leading_batch_shardings(
+                    abstract["src_opt"][k], mesh
                 )
-    return tx, make_state, abstract, shardings, abstract_dec
+    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+    batch_abstract, batch_shardings = text_batch_spec(cfg, target, tc.batch_size, mesh)
+    lr = schedule(tc.optim, total)
+    return StepProgram(
+        stage="train",
+        step=make_step(target, fns, tx, cfg, total, sharding.batch_sharding(mesh, 2)),
+        make_state=make_state,
+        abstract_state=abstract,
+        state_shardings=state_sh,
+        mesh=mesh,
+        policy=Policy.from_config(cfg.precision),
+        total_steps=total,
+        frozen_abstract=(abstract_params,),
+        frozen_shardings=(shardings(abstract_params),),
+        batch_abstract=batch_abstract,
+        batch_shardings=batch_shardings,
+        examples_per_step=tc.batch_size,
+        lr_fn=lambda s: {"lr": float(lr(s))},
+    )
+
+
+def spd_fns(cfg: Config, target: Target):
+    """The SPD functions of this config's sites on `target`."""
+    return make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
+
+
+def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
+    """What a fresh train starts from: warmup's components, init-weights' CI functions and
+    PPGD sources."""
+    trainable = prog.abstract_state["trainable"]
+    init, _ = env.restore_items(
+        "init_weights",
+        {"ci_fns": trainable["ci_fns"], "sources": prog.abstract_state["sources"]},
+    )
+    warm, _ = env.restore_items("warmup", {"components": trainable["components"]})
+    return warm["components"], init["ci_fns"], init["sources"]
+
+
+def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
+    (target_params,) = frozen
+    return make_eval(env, target_params, spd_fns(env.cfg, env.target))
+
+
+SPEC = StageSpec(
+    name="train",
+    requires=("init_weights", "pretrain", "warmup"),
+    program=program,
+    fresh_inputs=fresh_inputs,
+    frozen=frozen_target,
+    evaluation=evaluation,
+)
 
 
 def make_eval(env: StageEnv, target_params, fns):
@@ -257,72 +318,5 @@ def _floats(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(
-    project: Project,
-    *,
-    until: int | None = None,
-    resume: bool = False,
-    fresh: bool = False,
-    profile: tuple[int, int] | None = None,
-) -> LoopResult:
-    env = StageEnv.open(project, "train", requires=("init_weights", "pretrain", "warmup"))
-    cfg = env.cfg
-    tc = cfg.train
-    target = with_remat(env.target, tc.remat)
-    total = tc.steps
-    sharding.check_batch_divides(tc.batch_size, env.mesh, "train.batch_size", tc.grad_accum_steps)
-    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
-    site_C = match_sites(cfg, target.site_paths())
-    fns = make_spd_fns(target, site_C, cfg)
-    tx, make_state, abstract, state_sh, abstract_dec = build(env, fns, total)
-    target_params = pretrained_target(env)
-    is_text = target.output_kind == "logits"
-    batch_sh = sharding.batch_sharding(env.mesh, 2)
-    data_state = None
-    if ckpt_step is None:
-        env.begin(fresh=True, steps=total)
-        init, _ = env.restore_items(
-            "init_weights", {"ci_fns": abstract_dec["ci_fns"], "sources": abstract_dec["sources"]}
-        )
-        warm, _ = env.restore_items("warmup", {"components": abstract_dec["components"]})
-        state = jax.jit(make_state, out_shardings=state_sh)(
-            warm["components"], init["ci_fns"], init["sources"]
-        )
-        start = 0
-    else:
-        env.begin(fresh=False, steps=total)
-        state, meta = env.restore_state(ckpt_step, abstract, state_sh)
-        start, data_state = int(meta["step"]), meta.get("data")
-    batches = None
-    if is_text:
-        batches = text_batches(
-            env, tc.batch_size, seed=cfg.run.seed, state=data_state, sharding=batch_sh
-        )
-    target_sh = jax.tree.map(lambda x: x.sharding, target_params)
-    step_fn = jax.jit(
-        make_step(target, fns, tx, cfg, total, batch_sh),
-        in_shardings=(target_sh, state_sh, batch_sh if is_text else None),
-        out_shardings=(state_sh, sharding.replicated(env.mesh)),
-        donate_argnums=(1,),
-    )
-    lr = schedule(tc.optim, total)
-    result = run_loop(
-        env,
-        step_fn=step_fn,
-        state=state,
-        frozen=(target_params,),
-        total=total,
-        start=start,
-        until=until,
-        log_every=tc.log_every,
-        max_bad_steps=tc.max_bad_steps,
-        batches=batches,
-        eval_fn=make_eval(env, target_params, fns),
-        eval_every=tc.eval_every,
-        examples_per_step=tc.batch_size,
-        lr_fn=lambda s: {"lr": float(lr(s))},
-        profile=profile,
-    )
-    if result.status == "done" and result.eval:
-        env.on_state(eval=result.eval)
-    return result
+# `train.run(project, until=..., resume=..., fresh=..., profile=...)`: the generic stage run.
+run = functools.partial(run_stage, spec=SPEC)

@@ -5,30 +5,35 @@ parameters, its first argument, which must survive the call."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import optax
+from jax.sharding import Mesh
 
-from pdctl.config import OptimConfig
+from pdctl.config import Config, OptimConfig
 from pdctl.engine import sharding
-from pdctl.engine.loop import LoopResult, all_finite, guard_update, loop_counters
+from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw
-from pdctl.project import Project
+from pdctl.engine.precision import Policy
+from pdctl.engine.program import StepProgram
 from pdctl.science.spd.components import component_ties, expand_tied, fold_tied
 from pdctl.science.spd.losses import faithfulness_loss
+from pdctl.science.targets import Target
 from pdctl.stages.common import (
+    STREAM_TARGET,
     STREAM_WARMUP,
     StageEnv,
-    pretrained_target,
-    resume_point,
-    run_loop,
+    StageSpec,
+    frozen_target,
+    run_stage,
     stream_key,
 )
 
 
-def optimizer(env: StageEnv, steps: int) -> optax.GradientTransformation:
-    w = env.cfg.warmup
+def optimizer(cfg: Config, steps: int) -> optax.GradientTransformation:
+    w = cfg.warmup
     return adamw(
         OptimConfig(lr=w.lr, weight_decay=w.weight_decay, schedule="constant"), max(steps, 1)
     )
@@ -61,10 +66,12 @@ def make_step(target, paths: tuple[str, ...], tx, ties: dict[str, str] | None = 
     return step
 
 
-def build(env: StageEnv, abstract_components: Any, steps: int):
-    tx = optimizer(env, steps)
-    rng = stream_key(env.cfg, STREAM_WARMUP)
-    paths, ties = site_layout(env)
+def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
+    """The faithfulness-warmup step as a program: the frozen target, then the donated state."""
+    steps = cfg.warmup.steps
+    tx = optimizer(cfg, steps)
+    rng = stream_key(cfg, STREAM_WARMUP)
+    paths, ties = site_layout(cfg, target)
 
     def make_state(components):
         return {
@@ -73,68 +80,58 @@ def build(env: StageEnv, abstract_components: Any, steps: int):
             "loop": loop_counters(rng),
         }
 
-    abstract = jax.eval_shape(make_state, abstract_components)
-    return tx, make_state, abstract, env.shardings(abstract)
+    def shardings(abstract: Any) -> Any:
+        return sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size)
+
+    dec = abstract_decomposition(cfg, target)
+    abstract = jax.eval_shape(make_state, dec["components"])
+    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+    return StepProgram(
+        stage="warmup",
+        step=make_step(target, paths, tx, ties),
+        make_state=make_state,
+        abstract_state=abstract,
+        state_shardings=shardings(abstract),
+        mesh=mesh,
+        policy=Policy.from_config(cfg.precision),
+        total_steps=steps,
+        frozen_abstract=(abstract_params,),
+        frozen_shardings=(shardings(abstract_params),),
+        lr_fn=lambda s: {"lr": cfg.warmup.lr},
+    )
 
 
-def site_layout(env: StageEnv) -> tuple[tuple[str, ...], dict[str, str]]:
+def site_layout(cfg: Config, target: Target) -> tuple[tuple[str, ...], dict[str, str]]:
     """(decomposed site paths in forward order, {tied site: source site})."""
     from pdctl.stages.init_weights import decomposed_sites
 
-    sites = decomposed_sites(env.cfg, env.target)
-    paths = tuple(p for p in env.target.site_paths() if p in sites)
-    return paths, component_ties(env.target.tied_sites(), sites)
+    sites = decomposed_sites(cfg, target)
+    paths = tuple(p for p in target.site_paths() if p in sites)
+    return paths, component_ties(target.tied_sites(), sites)
 
 
-def abstract_decomposition(env: StageEnv) -> dict[str, Any]:
+def abstract_decomposition(cfg: Config, target: Target) -> dict[str, Any]:
     """Abstract {"components", "ci_fns", "sources"} as init-weights creates them."""
     from pdctl.stages.init_weights import init_decomposition_abstract
 
-    return init_decomposition_abstract(env.cfg, env.target)
+    return init_decomposition_abstract(cfg, target)
 
 
-def run(
-    project: Project,
-    *,
-    until: int | None = None,
-    resume: bool = False,
-    fresh: bool = False,
-    profile: tuple[int, int] | None = None,
-) -> LoopResult:
-    env = StageEnv.open(project, "warmup", requires=("init_weights", "pretrain"))
-    cfg = env.cfg
-    steps = cfg.warmup.steps
-    ckpt_step = resume_point(env, resume=resume, fresh=fresh)
-    abstract_dec = abstract_decomposition(env)
-    tx, make_state, abstract, state_sh = build(env, abstract_dec["components"], steps)
-    target_params = pretrained_target(env)
-    paths, ties = site_layout(env)
-    if ckpt_step is None:
-        env.begin(fresh=True, steps=steps)
-        items, _ = env.restore_items("init_weights", {"components": abstract_dec["components"]})
-        state = jax.jit(make_state, out_shardings=state_sh)(items["components"])
-        start = 0
-    else:
-        env.begin(fresh=False, steps=steps)
-        state, meta = env.restore_state(ckpt_step, abstract, state_sh)
-        start = int(meta["step"])
-    target_sh = jax.tree.map(lambda x: x.sharding, target_params)
-    step_fn = jax.jit(
-        make_step(env.target, paths, tx, ties),
-        in_shardings=(target_sh, state_sh, None),
-        out_shardings=(state_sh, sharding.replicated(env.mesh)),
-        donate_argnums=(1,),
-    )
-    return run_loop(
-        env,
-        step_fn=step_fn,
-        state=state,
-        frozen=(target_params,),
-        total=steps,
-        start=start,
-        until=until,
-        log_every=cfg.warmup.log_every,
-        max_bad_steps=cfg.warmup.max_bad_steps,
-        lr_fn=lambda s: {"lr": cfg.warmup.lr},
-        profile=profile,
-    )
+def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
+    """What a fresh warmup starts from: init-weights' components."""
+    abstract = prog.abstract_state["components"]
+    items, _ = env.restore_items("init_weights", {"components": abstract})
+    return (items["components"],)
+
+
+SPEC = StageSpec(
+    name="warmup",
+    requires=("init_weights", "pretrain"),
+    program=program,
+    fresh_inputs=fresh_inputs,
+    frozen=frozen_target,
+)
+
+
+# `warmup.run(project, until=..., resume=..., fresh=..., profile=...)`: the generic stage run.
+run = functools.partial(run_stage, spec=SPEC)

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pdctl.science.arrays import expand_left
+
 Array = jax.Array
 Components = dict[str, dict[str, Array]]
 CiParams = dict[str, dict[str, Array]]
@@ -157,13 +159,6 @@ def _init_site_jit(
         init_ci_fn(ci_key, ci_kind, d_in, C, hidden),
         init_source(src_key, src_shape, sigmoid),
     )
-
-
-def expand_left(a: Array, ndim: int) -> Array:
-    """Prepend singleton axes so `a` has rank `ndim` (explicit, so code stays valid under
-    `jax_numpy_rank_promotion="raise"`)."""
-    a = jnp.asarray(a)
-    return a.reshape((1,) * (ndim - a.ndim) + a.shape)
 
 
 def masked_site_fn(

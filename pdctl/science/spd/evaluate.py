@@ -17,7 +17,7 @@ from scipy.optimize import linear_sum_assignment
 
 from pdctl.config import Config
 from pdctl.science.spd.ci import compute_ci
-from pdctl.science.spd.losses import clean_forward, kl_distance, masked_forward
+from pdctl.science.spd.losses import clean_forward, kl_distance, l0_per_site, masked_forward
 from pdctl.science.spd.masks import stochastic_masks
 
 Array = jax.Array
@@ -135,14 +135,6 @@ def mmcs_and_ml2r(
     return mmcs, ml2r
 
 
-def l0(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
-    """Per site: mean over examples/positions of the number of components with ci > threshold."""
-    return {
-        p: jnp.mean(jnp.sum((ci > threshold).astype(jnp.float32), axis=-1))
-        for p, ci in ci_lower.items()
-    }
-
-
 def alive(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
     """Per site: (C,) bool, the component's ci exceeds threshold on at least one example or
     position of the batch."""
@@ -158,7 +150,7 @@ def ci_stats(
     ci_lower, _ = compute_ci_jit(target, target_params, components, ci_fns, cfg, x)
     thr = cfg.decomp.ci_threshold
     out: dict[str, float] = {}
-    for p, v in l0(ci_lower, thr).items():
+    for p, v in l0_per_site(ci_lower, thr).items():
         out[f"l0/{p}"] = float(v)
     for p, v in alive(ci_lower, thr).items():
         out[f"alive/{p}"] = float(np.sum(np.asarray(v)))

@@ -1,6 +1,6 @@
 """The SPD loss terms (each its own small pure function) and the functions the train stage calls.
 
-Conventions (SPD.md; where it is silent we follow goodfire-ai/spd, noted inline):
+Conventions (the SPD paper, Bushnaq et al. 2025, as goodfire-ai/spd implements it; noted inline):
 - Output distance D: `mse` = mean of squared differences over every element; `kl` =
   KL(target || masked) summed over the vocabulary, averaged over all leading axes (batch and
   positions). Recon terms average D over their forwards (samples, sites), which equals the

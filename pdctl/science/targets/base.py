@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pdctl.science.arrays import expand_left
+
 Params = dict[str, Any]
 Override = Callable[[jax.Array], jax.Array]
 Overrides = Mapping[str, Override]
@@ -74,9 +76,6 @@ class Target:
     def n_tokens_per_example(self) -> int:
         return 1
 
-    def flops_per_example(self) -> float:
-        raise NotImplementedError
-
     # Helpers shared by the concrete targets.
 
     def _site(self, path: str, x_in: jax.Array, w: jax.Array, overrides: Overrides | None):
@@ -87,14 +86,8 @@ class Target:
         return x_in @ w
 
 
-def lift(v: jax.Array, like: jax.Array) -> jax.Array:
-    """`v` with leading unit axes up to `like.ndim`: an explicit broadcast, so the models stay
-    valid under jax_numpy_rank_promotion="raise"."""
-    return v.reshape((1,) * (like.ndim - v.ndim) + v.shape)
-
-
 def add_bias(h: jax.Array, b: jax.Array) -> jax.Array:
-    return h + lift(b, h)
+    return h + expand_left(b, h.ndim)
 
 
 def _flat(shape: tuple[int, ...]) -> tuple[int]:

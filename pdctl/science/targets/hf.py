@@ -25,7 +25,8 @@ import numpy as np
 import optax
 
 from pdctl.errors import PdctlError
-from pdctl.science.targets.base import Overrides, Params, Target, add_bias, lift, normal_init
+from pdctl.science.arrays import expand_left
+from pdctl.science.targets.base import Overrides, Params, Target, add_bias, normal_init
 from pdctl.science.targets.llama_mlp import REMAT_POLICIES
 
 LLAMA, QWEN2, GPT2 = "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
@@ -414,12 +415,11 @@ class HFCausalLM(Target):
             mean = jnp.mean(x32, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
             y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-            y = y * lift(p["weight"].astype(jnp.float32), y) + lift(
-                p["bias"].astype(jnp.float32), y
-            )
+            y = y * expand_left(p["weight"].astype(jnp.float32), y.ndim)
+            y = y + expand_left(p["bias"].astype(jnp.float32), y.ndim)
             return y.astype(x.dtype)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        return lift(p["weight"], x) * y.astype(x.dtype)
+        return expand_left(p["weight"], x.ndim) * y.astype(x.dtype)
 
     def _inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies, float32 as transformers computes them (with llama3 or
@@ -523,7 +523,7 @@ class HFCausalLM(Target):
             root, block_fn, final = params["transformer"], self._gpt2_block, "ln_f"
             embed = root["wte"]["weight"]
             x_BxTxD = jnp.take(embed, tokens, axis=0)
-            x_BxTxD = x_BxTxD + lift(root["wpe"]["weight"][:n_tok], x_BxTxD)
+            x_BxTxD = x_BxTxD + expand_left(root["wpe"]["weight"][:n_tok], x_BxTxD.ndim)
             layers = root["h"]
         else:
             root, block_fn, final = params["model"], self._llama_block, "norm"
@@ -567,15 +567,6 @@ class HFCausalLM(Target):
 
     def n_tokens_per_example(self) -> int:
         return self.seq_len
-
-    def flops_per_example(self) -> float:
-        """Forward FLOPs for one sequence of seq_len tokens: site matmuls, the unembedding and
-        the attention score/value products over the full (not causally halved) T x T."""
-        s, T = self.spec, self.seq_len
-        per_token = sum(2 * a * b for a, b in self.site_shapes().values())
-        per_token += 2 * s.d_model * s.vocab_size
-        per_token += s.n_layers * 2 * 2 * T * s.n_heads * s.head_dim
-        return float(T * per_token)
 
 
 def _node(params: Params, path: str) -> Any:

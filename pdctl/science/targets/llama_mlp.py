@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pdctl.science.targets.base import Overrides, Params, Target, lift, normal_init
+from pdctl.science.arrays import expand_left
+from pdctl.science.targets.base import Overrides, Params, Target, normal_init
 
 REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
 
@@ -114,7 +115,7 @@ class LlamaMLP(Target):
         # Statistics in float32: a bf16 mean of squares over d_model loses too many bits.
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.norm_eps)
-        return x32.astype(x.dtype) * lift(scale, x)
+        return x32.astype(x.dtype) * expand_left(scale, x.ndim)
 
     def _rope(self, x_BxTxNxH: jax.Array) -> jax.Array:
         T, H = x_BxTxNxH.shape[1], x_BxTxNxH.shape[3]
@@ -194,11 +195,3 @@ class LlamaMLP(Target):
 
     def n_tokens_per_example(self) -> int:
         return self.seq_len
-
-    def flops_per_example(self) -> float:
-        """Forward FLOPs for one sequence of seq_len tokens: site matmuls, the unembedding and
-        the attention score/value products counted over the full (not causally halved) T x T."""
-        T, d = self.seq_len, self.d_model
-        per_token = sum(2 * a * b for a, b in self.site_shapes().values())
-        per_token += 2 * d * self.vocab_size + self.n_layers * 2 * 2 * T * d
-        return float(T * per_token)

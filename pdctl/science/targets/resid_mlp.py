@@ -116,7 +116,3 @@ class ResidMLP(Target):
         mask = jax.tree.map(lambda _: True, params)
         mask["W_E"] = False
         return mask
-
-    def flops_per_example(self) -> float:
-        embed_unembed = 2 * 2 * self.n_features * self.d_embed
-        return float(embed_unembed + sum(2 * a * b for a, b in self.site_shapes().values()))

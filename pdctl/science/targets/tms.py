@@ -110,6 +110,3 @@ class TMS(Target):
         if "hidden_layers" in mask:
             mask["hidden_layers"] = jax.tree.map(lambda _: False, mask["hidden_layers"])
         return mask
-
-    def flops_per_example(self) -> float:
-        return float(sum(2 * d_in * d_out for d_in, d_out in self.site_shapes().values()))
