@@ -720,3 +720,21 @@ def test_13_a_command_named_for_an_unfinished_stage_works(done: Path, tmp_path: 
     assert "warmup is interrupted" in line and "`pdctl warmup --resume`" in line, line
     _ok("--project", run, "warmup", "--resume")
     _ok("--project", run, "train", "--fresh")
+
+
+def test_export_reads_checkpoints_written_on_another_device_count(
+    done: Path, tmp_path: Path
+) -> None:
+    """Found after issue 12: a run trained on several devices could not be exported by a
+    process with fewer (orbax restored "as saved", i.e. onto the writer's devices, and failed
+    with a topology mismatch whose message advised `--fresh`). Export reads host arrays, so the
+    same bytes come out on 1 device as on the 4 the run was trained on."""
+    assert Project.load(done / "pdctl.toml").stage("train")["devices"] == 4
+    here, there = tmp_path / "4.npz", tmp_path / "1.npz"
+    _ok("--project", done, "export", "--stage", "train", "--out", here)
+    proc = pdctl_process("export", "--stage", "train", "--out", there, project=done, devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = np.load(here), np.load(there)
+    assert sorted(a.files) == sorted(b.files) and any(k.startswith("components.") for k in a.files)
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k])

@@ -47,6 +47,23 @@ def read_meta(directory: Path, step: int) -> dict[str, Any] | None:
         return None
 
 
+def read_host(directory: Path, step: int, name: str) -> Any:
+    """Item `name` of checkpoint `step` as host numpy arrays, whatever mesh and device count
+    wrote it (restoring "as saved" would need the writer's devices). Opens no manager, so it
+    never touches an in-flight save of a stage that is running (opening a CheckpointManager
+    cleans up temporary directories). For export and the report."""
+    import numpy as np
+
+    handler = ocp.PyTreeCheckpointHandler()
+    path = Path(directory) / str(step) / name
+    try:
+        tree = handler.metadata(path).tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    finally:
+        handler.close()
+
+
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -197,10 +214,14 @@ class Checkpointer:
         return [k for k in meta if k != "meta"]
 
     def restore_host(self, step: int, names: list[str]) -> dict[str, Any]:
-        """Restore items as they were saved, with no target shardings (for export)."""
-        items = {k: ocp.args.StandardRestore() for k in names}
-        out = self._mgr.restore(step, args=ocp.args.Composite(**items))
-        return {k: out[k] for k in names}
+        """Items of checkpoint `step` as host numpy arrays (`meta` as its dict), whatever
+        devices wrote them (`read_host`)."""
+        return {
+            n: read_meta(self.directory, step)
+            if n == "meta"
+            else read_host(self.directory, step, n)
+            for n in names
+        }
 
     def close(self) -> None:
         self._mgr.wait_until_finished()

@@ -72,25 +72,14 @@ def _host(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
-def _read_item(path: Path) -> Any:
-    """One item of an orbax checkpoint as host numpy arrays, whatever mesh wrote it."""
-    import orbax.checkpoint as ocp
-
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        tree = handler.metadata(path).tree
-        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        return handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-    finally:
-        handler.close()
-
-
 def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, Any], int]:
     """Items of `stage`'s latest complete checkpoint, as host arrays.
 
     Read-only on purpose: no CheckpointManager, whose opening cleans up temporary directories
     (an in-flight save of a stage running right now) and creates missing ones."""
     import orbax.checkpoint as ocp
+
+    from pdctl.engine.checkpoint import read_host
 
     directory = project.checkpoint_dir(stage)
     found = ocp.step.standard_name_format().find_all(directory) if directory.is_dir() else []
@@ -99,7 +88,8 @@ def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, 
         raise LookupError(f"{stage} has no checkpoint (run `pdctl {CLI_NAME[stage]}`)")
     latest = steps[-1]
     try:
-        return {n: _read_item(Path(latest.path) / n) for n in names}, int(latest.step)
+        step = int(latest.step)
+        return {n: read_host(directory, step, n) for n in names}, step
     except Exception as e:  # orbax raises many kinds; the report lists it and goes on
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise LookupError(f"{stage} checkpoint {latest.step} is unreadable ({reason})") from None

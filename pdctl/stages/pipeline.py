@@ -12,7 +12,7 @@ import numpy as np
 from pdctl import __version__
 from pdctl.config import STAGES
 from pdctl.engine import runtime
-from pdctl.engine.checkpoint import Checkpointer, complete_steps
+from pdctl.engine.checkpoint import complete_steps, read_host
 from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
 from pdctl.files import atomic_output
@@ -278,20 +278,21 @@ def _save_safetensors(
 
 
 def _load(project: Project, stage: str, names, rename) -> dict[str, np.ndarray]:
-    ckpt = Checkpointer(project.checkpoint_dir(stage), keep=project.config.checkpoint.keep)
-    step = ckpt.latest_step()
-    if step is None:
-        raise PdctlError(f"{stage} has no checkpoint in {ckpt.directory}")
+    # Read-only and as host arrays: no CheckpointManager (opening one cleans up an in-flight
+    # save), and no shardings, so a run trained on N devices exports on any device count.
+    directory = project.checkpoint_dir(stage)
+    steps = complete_steps(directory)
+    if not steps:
+        raise PdctlError(f"{stage} has no checkpoint in {directory}")
+    step = steps[-1]
     try:
-        items = ckpt.restore_host(step, list(names))
+        items = {name: read_host(directory, step, name) for name in names}
     except Exception as e:  # truncated or missing files: orbax/tensorstore errors of all kinds
         reason = " ".join(str(e).split())[:160] or type(e).__name__
         raise PdctlError(
             f"{stage}'s checkpoint {step} does not restore ({type(e).__name__}: {reason}); "
             f"rerun `pdctl {CLI_NAME[stage]} --fresh`"
         ) from None
-    finally:
-        ckpt.close()
     flat = {}
     for name, tree in items.items():
         prefix = rename.get(name, name)
