@@ -135,6 +135,17 @@ def test_run_decomposes_an_imported_llama_and_resume_is_bit_exact(tmp_path, asse
     assert "model.layers.0.self_attn.k_proj.U" in names
     assert any(n.startswith("ci_fns.model.layers.0.mlp.up_proj.") for n in names)
     assert json.loads(meta["fingerprint"])["train"] == tr["fingerprint"]
+    # the report of an imported model: the target comes from the model directory, the
+    # figures of an LM (no ground truth), the CE/KL of the eval, top contexts per site
+    r = cli("--project", run, "report")
+    assert r.exit_code == 0, r.output
+    rep = run / "report"
+    for name in ("index.html", "curves.png", "ci_histograms.png", "activation_density.png"):
+        assert (rep / name).is_file(), name
+    assert json.loads((rep / "eval.json").read_text())["ce_unmasked"] == ev["ce_unmasked"]
+    contexts = json.loads((rep / "top_contexts.json").read_text())
+    assert "model.layers.1.mlp.down_proj" in json.dumps(contexts)
+    assert not list(rep.glob("ci_matrix_*")) and not (rep / "mmcs_ml2r.png").exists()
     # resume mid-train is bit-exact: stop at 5, resume to 10, compare with the run above
     final = np.load(_export_npz(run, tmp_path / "a.npz"))
     assert cli("--project", run, "train", "--fresh", "--until", "5").exit_code == 0
