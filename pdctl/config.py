@@ -554,13 +554,32 @@ def stage_dependencies(stage: str) -> tuple[str, ...]:
     raise KeyError(stage)
 
 
+def _keep_tags(full: Any, lean: Any) -> Any:
+    """`lean` (a dump without defaults) with every union tag (`kind`) of `full` put back, so
+    two table variants left at their defaults still differ."""
+    if isinstance(lean, dict):
+        out = {k: _keep_tags(full[k], v) for k, v in lean.items()}
+        if "kind" in full:
+            out["kind"] = full["kind"]
+        return out
+    if isinstance(lean, list):
+        return [_keep_tags(f, v) for f, v in zip(full, lean, strict=True)]
+    return lean
+
+
 def fingerprint(cfg: Config, stage: str) -> str:
-    """A stable hash of the config tables `stage` depends on (defaults included, key order free)."""
-    dumped = cfg.model_dump(mode="json", by_alias=True)
+    """A stable hash of the config tables `stage` depends on: of the values that differ from
+    the schema's defaults (key order free). An explicit default is the same as leaving the key
+    out, and a later pdctl that adds a key with a default leaves existing fingerprints, hence
+    existing runs, as they were. (Within one schema this sees exactly the changes a hash of
+    every value would: the non-default values determine all the others.)"""
+    full = cfg.model_dump(mode="json", by_alias=True)
+    dumped = _keep_tags(full, cfg.model_dump(mode="json", by_alias=True, exclude_defaults=True))
+    dumped["target"] = _keep_tags(full["target"], dumped.get("target", {}))
     deps = stage_dependencies(stage)
     if cfg.target.kind == "hf":  # an imported target is not trained: [pretrain] changes nothing
         deps = tuple(d for d in deps if d != "pretrain")
-    tables: dict[str, Any] = {k: dumped[k] for k in deps}
+    tables: dict[str, Any] = {k: dumped.get(k, {}) for k in deps}
     # init-weights also creates the PPGD sources, whose shape comes from [train] keys.
     tables["ppgd_sources"] = ppgd_source_layout(cfg)
     blob = json.dumps(tables, sort_keys=True, separators=(",", ":"))

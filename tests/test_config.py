@@ -243,6 +243,39 @@ seed = 3
         assert fingerprint(cc, stage) != fingerprint(ca, stage)
 
 
+def test_fingerprint_tells_target_kinds_apart_at_their_defaults() -> None:
+    """Fingerprints hash the non-default values; the union tag `kind` is kept, so two target
+    kinds left at their defaults (nothing else set) still differ."""
+    sites = {"sites": [{"pattern": "*", "C": 4}]}
+    tms, resid = (
+        parse_config({"schema": 1, "target": {"kind": k}, "decomp": sites})
+        for k in ("tms", "resid_mlp")
+    )
+    for stage in STAGES:
+        assert fingerprint(tms, stage) != fingerprint(resid, stage)
+    assert fingerprint(tms, "init_weights") == fingerprint(
+        parse_config({"schema": 1, "decomp": sites}), "init_weights"
+    )
+
+
+def test_a_new_key_at_its_default_leaves_fingerprints_alone(monkeypatch) -> None:
+    """What a later pdctl that adds a config key does to an existing run: the key shows up in
+    the full dump at its default, not in the dump of non-default values, and no stage's
+    fingerprint moves (so no stage of the run turns stale by the upgrade alone)."""
+    cfg = parse_config(tomllib.loads((ROOT / "templates" / "tms" / "pdctl.toml").read_text()))
+    before = {s: fingerprint(cfg, s) for s in STAGES}
+    dump = type(cfg).model_dump
+
+    def with_new_key(self, **kw):
+        out = dump(self, **kw)
+        if not kw.get("exclude_defaults"):
+            out["train"]["loss"]["a_new_term"] = 0.0
+        return out
+
+    monkeypatch.setattr(type(cfg), "model_dump", with_new_key)
+    assert {s: fingerprint(cfg, s) for s in STAGES} == before
+
+
 def _sites_cfg(*sites: tuple[str, int]) -> Config:
     return parse_config(
         {"schema": 1, "decomp": {"sites": [{"pattern": p, "C": c} for p, c in sites]}}
