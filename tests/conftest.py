@@ -32,10 +32,11 @@ def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory):
         yield
         return
     import jax
+    from helpers import session_compile_cache_dir
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     keys = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.getbasetemp() / "jax-session-cache"),
+        "jax_compilation_cache_dir": str(session_compile_cache_dir(tmp_path_factory)),
         "jax_persistent_cache_min_compile_time_secs": 0.0,
         "jax_persistent_cache_min_entry_size_bytes": 0,
     }

@@ -116,6 +116,12 @@ def state(run: Path, stage: str) -> dict[str, Any]:
     return Project.load(run / "pdctl.toml").stage(stage)
 
 
+def session_compile_cache_dir(tmp_path_factory: Any) -> Path:
+    """The test session's persistent compile cache (conftest points JAX at it); also usable as
+    a run's `[compile] cache_dir`, so a test's child processes share it."""
+    return tmp_path_factory.getbasetemp() / "jax-session-cache"
+
+
 # ---- the CLI in a fresh process --------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ Runs are tiny (TMS 5-2, C=8, batch 64). init-weights → pretrain → warmup is 
 session (`tms_base`) and copied with `shutil.copytree`, so every branch shares it. In-process
 commands go through the real Typer app (`helpers.cli`); subprocess ones through
 `python -m pdctl` with the device count set by XLA_FLAGS. A persistent compilation cache (a
-`[compile] cache_dir` in subprocess runs; the same directory in-process for this module only)
+`[compile] cache_dir` in subprocess runs, the same directory as the session's in-process one)
 keeps the repeated compiles of the same step cheap; it changes no numerics.
 """
 
@@ -31,7 +31,14 @@ import jax
 import numpy as np
 import pytest
 import tomli_w
-from helpers import cli, edit_config, pdctl_argv, pdctl_env, pdctl_process
+from helpers import (
+    cli,
+    edit_config,
+    pdctl_argv,
+    pdctl_env,
+    pdctl_process,
+    session_compile_cache_dir,
+)
 
 from pdctl.config import STAGES
 from pdctl.engine import donation, sharding
@@ -145,7 +152,8 @@ def state(run: Path, stage: str) -> dict[str, Any]:
 
 
 def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "jax-compile-cache"
+    """The session's compile cache (conftest), shared with the child processes' runs."""
+    return session_compile_cache_dir(tmp_path_factory)
 
 
 def pdctl(run: Path, *args: str, devices: int = 1, expect: int = 0, timeout: float = 600):
@@ -231,27 +239,6 @@ def tms_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _persistent_compile_cache(tmp_path_factory):
-    """This module's in-process compiles go through a persistent cache (restored afterwards):
-    the straight, the stopped and the resumed run compile the same step."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = {
-        "jax_compilation_cache_dir": str(compile_cache(tmp_path_factory)),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
-    old = {k: getattr(jax.config, k) for k in keys}
-    for k, v in keys.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
 
 
 @pytest.fixture(scope="module")
