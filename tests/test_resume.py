@@ -427,6 +427,58 @@ def test_rematerialize_makes_large_restored_leaves_donatable(tmp_path: Path) -> 
     assert remat == [1.0, 1.0, 1.0]
 
 
+def test_unfinished_saves_are_removed_when_a_checkpointer_opens(tmp_path: Path) -> None:
+    """A killed run leaves `<step>.orbax-checkpoint-tmp` behind: the next checkpointer removes
+    it (before it saves anything) and keeps the complete checkpoints."""
+    d = tmp_path / "ckpt"
+    ckpt = Checkpointer(d, keep=3)
+    ckpt.save(1, {"state": {"x": jax.numpy.ones(4)}})
+    ckpt.close()
+    (d / "2.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+    ckpt = Checkpointer(d, keep=3)
+    assert sorted(p.name for p in d.iterdir()) == ["1"]
+    assert ckpt.all_steps() == [1]
+    ckpt.close()
+
+
+def test_a_slow_tmp_cleanup_of_an_earlier_manager_cannot_delete_a_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (a CI failure of the TMS recovery test: `0.orbax-checkpoint-tmp/meta...`
+    vanished mid-save). orbax's `cleanup_tmp_directories` runs in a background thread that
+    `CheckpointManager.close()` does not wait for; a fresh run's first save closes and reopens
+    its manager, so the first manager's cleanup, when the thread is scheduled late (a loaded
+    machine), deleted the second one's in-flight save. Here orbax's cleanup, on its first call
+    only, is made to wait until that save is in flight; the save must complete."""
+    import asyncio
+
+    import orbax.checkpoint.checkpoint_manager as cm
+
+    tp = getattr(cm, "temporary_paths", None)
+    if tp is None:
+        pytest.skip("this orbax version has no checkpoint_manager.temporary_paths to delay")
+    original = tp.cleanup_temporary_paths
+    calls: list[int] = []
+
+    async def late_cleanup(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            deadline = time.monotonic() + 10
+            while not in_flight.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(tp, "cleanup_temporary_paths", late_cleanup)
+    d = tmp_path / "init_weights"
+    in_flight = d / "0.orbax-checkpoint-tmp"
+    ckpt = Checkpointer(d, keep=2, fresh=True)
+    ckpt.save(0, {"state": {"x": jax.numpy.ones((2000, 1000))}}, {"step": 0})
+    ckpt.wait()
+    ckpt.close()
+    assert sorted(p.name for p in d.iterdir()) == ["0"]
+    assert Checkpointer(d, keep=2).all_steps() == [0]
+
+
 # ---- another device count --------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PREVIOUS_SUFFIX = ".previous"  # a fresh run's predecessor, until the fresh run has a checkpoint
 CORRUPT_SUFFIX = ".corrupt"  # checkpoints that failed to restore, kept for inspection
+TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp": a save in progress
 
 
 def complete_steps(directory: Path) -> list[int]:
@@ -64,6 +65,20 @@ def read_host(directory: Path, step: int, name: str) -> Any:
         handler.close()
 
 
+def remove_unfinished(directory: Path) -> list[str]:
+    """Delete the temporary directories (`<step>.orbax-checkpoint-tmp*`) of saves that never
+    finished, before a manager is opened on `directory`; process 0 deletes, all wait. Returns
+    the names removed."""
+    removed: list[str] = []
+    if jax.process_index() == 0 and directory.is_dir():
+        for p in sorted(directory.iterdir()):
+            if TMP_SUFFIX in p.name and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+    _barrier(f"pdctl-cleanup-{directory.name}")
+    return removed
+
+
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -82,11 +97,18 @@ class Checkpointer:
         self._mgr = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
+        # Unfinished saves of a killed run are removed here, synchronously. orbax's own
+        # `cleanup_tmp_directories` does it in a background thread that `close()` does not wait
+        # for: after a close and reopen (a fresh run's first save, a quarantine) the first
+        # manager's cleanup could still be listing the directory when the second one's save
+        # had created `<step>.orbax-checkpoint-tmp`, and delete it mid-write (seen in CI as a
+        # failed rename of `0.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp`).
+        remove_unfinished(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.keep,
             create=True,
             enable_async_checkpointing=self._async,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=False,
         )
         return ocp.CheckpointManager(self.directory, options=options)
 
@@ -111,7 +133,7 @@ class Checkpointer:
         self._mgr.wait_until_finished()
         self._mgr.close()
         # Nothing complete here (a fresh run killed before its first checkpoint): keep the
-        # `.previous` there may be; orbax cleans up unfinished saves when it opens the directory.
+        # `.previous` there may be; `_open` removes unfinished saves.
         if jax.process_index() == 0 and complete_steps(self.directory):
             prev = self.previous_dir
             shutil.rmtree(prev, ignore_errors=True)
