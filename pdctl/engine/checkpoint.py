@@ -65,18 +65,14 @@ def read_host(directory: Path, step: int, name: str) -> Any:
         handler.close()
 
 
-def remove_unfinished(directory: Path) -> list[str]:
+def remove_unfinished(directory: Path) -> None:
     """Delete the temporary directories (`<step>.orbax-checkpoint-tmp*`) of saves that never
-    finished, before a manager is opened on `directory`; process 0 deletes, all wait. Returns
-    the names removed."""
-    removed: list[str] = []
+    finished, before a manager is opened on `directory`; process 0 deletes, all wait."""
     if jax.process_index() == 0 and directory.is_dir():
-        for p in sorted(directory.iterdir()):
+        for p in directory.iterdir():
             if TMP_SUFFIX in p.name and p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
-                removed.append(p.name)
     _barrier(f"pdctl-cleanup-{directory.name}")
-    return removed
 
 
 def _barrier(name: str) -> None:

@@ -608,11 +608,17 @@ def peak_flops(cfg: Config) -> float | None:
     return peak_flops_per_device(jax.devices()[0], cfg.measure.peak_tflops)
 
 
+def abstract_target(cfg: Config, target: Target) -> Any:
+    """The target's parameters as ShapeDtypeStructs: what init-weights creates (and pretrain
+    trains, and warmup/train take frozen)."""
+    return jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+
+
 def pretrained_target(env: StageEnv) -> Any:
     """The trained target parameters: the `params` item of pretrain's latest checkpoint, or an
     imported model read from its directory straight into the mesh's shardings (each process
     reads only the slices its devices hold)."""
-    abstract = jax.eval_shape(env.target.init, stream_key(env.cfg, STREAM_TARGET))
+    abstract = abstract_target(env.cfg, env.target)
     st = env.project.stage("pretrain")
     if st.get("status") == "imported":
         from pdctl.science.targets.hf_load import load_hf_params, read_index

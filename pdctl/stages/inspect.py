@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from pdctl.config import STAGES, Config, MeshConfig
 from pdctl.engine import donation, sharding
 from pdctl.errors import PdctlError
-from pdctl.stages.common import STREAM_TARGET, stream_key, target_from_config
+from pdctl.stages.common import abstract_target, target_from_config
 
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
 KIND_LABEL = {
@@ -138,7 +138,7 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
 
     target = target_from_config(cfg, root)
     if stage == "init_weights":
-        abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+        abstract_params = abstract_target(cfg, target)
         dec = init_weights.init_decomposition_abstract(cfg, target)
         return Plan(
             stage,

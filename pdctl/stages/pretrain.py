@@ -21,9 +21,9 @@ from pdctl.project import Project
 from pdctl.science.targets import Target
 from pdctl.stages.common import (
     STREAM_PRETRAIN,
-    STREAM_TARGET,
     StageEnv,
     StageSpec,
+    abstract_target,
     run_stage,
     stream_key,
     text_batch_spec,
@@ -73,7 +73,7 @@ def program(cfg: Config, mesh: Mesh, target: Target, *, steps: int | None = None
     total = pc.steps if steps is None else steps
     sharding.check_batch_divides(pc.batch_size, mesh, "pretrain.batch_size", pc.grad_accum_steps)
     target = with_remat(target, pc.remat)
-    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+    abstract_params = abstract_target(cfg, target)
     tx = adamw(pc.optim, total, trainable=target.trainable_mask(abstract_params))
     rng = stream_key(cfg, STREAM_PRETRAIN)
 

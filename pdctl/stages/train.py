@@ -29,10 +29,10 @@ from pdctl.science.spd.losses import (
 )
 from pdctl.science.targets import Target
 from pdctl.stages.common import (
-    STREAM_TARGET,
     STREAM_TRAIN,
     StageEnv,
     StageSpec,
+    abstract_target,
     frozen_target,
     run_stage,
     stream_key,
@@ -211,7 +211,7 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
                 state_sh["src_opt"][k] = sharding.leading_batch_shardings(
                     abstract["src_opt"][k], mesh
                 )
-    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+    abstract_params = abstract_target(cfg, target)
     batch_abstract, batch_shardings = text_batch_spec(cfg, target, tc.batch_size, mesh)
     lr = schedule(tc.optim, total)
     return StepProgram(

@@ -22,10 +22,10 @@ from pdctl.science.spd.components import component_ties, expand_tied, fold_tied
 from pdctl.science.spd.losses import faithfulness_loss
 from pdctl.science.targets import Target
 from pdctl.stages.common import (
-    STREAM_TARGET,
     STREAM_WARMUP,
     StageEnv,
     StageSpec,
+    abstract_target,
     frozen_target,
     run_stage,
     stream_key,
@@ -85,7 +85,7 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
 
     dec = abstract_decomposition(cfg, target)
     abstract = jax.eval_shape(make_state, dec["components"])
-    abstract_params = jax.eval_shape(target.init, stream_key(cfg, STREAM_TARGET))
+    abstract_params = abstract_target(cfg, target)
     return StepProgram(
         stage="warmup",
         step=make_step(target, paths, tx, ties),
