@@ -11,7 +11,13 @@ from pdctl.science.targets.tms import TMS
 
 
 def _hf(*, path: str, **kwargs: Any) -> HFCausalLM:
-    """An imported Hugging Face model: its architecture and sizes come from `path`."""
+    """An imported model: its architecture and sizes come from `path`, a Hugging Face model
+    directory (config.json) or a GGUF file (or a directory holding exactly one)."""
+    from pdctl.science.targets.gguf import find_gguf, gguf_spec
+
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return HFCausalLM(spec=gguf_spec(gguf), **kwargs)
     return HFCausalLM.from_dir(path, **kwargs)
 
 

@@ -1,0 +1,321 @@
+"""GGUF files (llama.cpp, ollama, LM Studio) as Hugging Face targets.
+
+`gguf_spec` turns a GGUF file's metadata into the same `HfSpec` a `config.json` gives (through
+hf.py's own validation, from a config dict with transformers' names), so the forward, the site
+names (`model.layers.15.mlp.down_proj`) and everything downstream are the Hugging Face target's.
+`load_gguf_params` reads the tensors with the `gguf` package (`GGUFReader`, a memory map) and
+dequantises them with `gguf.quants.dequantize` straight into sharded `jax.Array`s, one tensor at
+a time, into `param_dtype`.
+
+Layout. GGUF keeps every 2-D weight as torch's `nn.Linear` does, (d_out, d_in) in numpy order,
+quantised in blocks along d_in: each row is whole blocks. pdctl's site weights are (d_in, d_out),
+so a device's shard [in_slice, out_slice] is read as the rows `out_slice` (only those rows are
+dequantised), then columns `in_slice`, transposed. Embeddings are (vocab, d) in both. llama.cpp's
+converter interleaves the two rotary halves of every Llama Q and K head (its `permute`); reading
+them undoes that with a row index, as transformers' GGUF loader does. GPT-2's fused QKV and MLP
+weights were transposed by the converter into the same (d_out, d_in) rows as everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from pdctl.errors import PdctlError
+from pdctl.science.targets.hf import (
+    GPT2,
+    LLAMA,
+    QWEN2,
+    HFCausalLM,
+    HfSpec,
+    _gpt2_spec,
+    _llama_spec,
+    unflatten,
+)
+
+SUFFIX = ".gguf"
+ARCHITECTURES = {"llama": LLAMA, "qwen2": QWEN2, "gpt2": GPT2}
+
+
+def _err(msg: str) -> PdctlError:
+    return PdctlError(f"target.path: {msg}")
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one `.gguf` in a directory that holds
+    no Hugging Face checkpoint (config.json + safetensors win); None when it is neither."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix.lower() == SUFFIX:
+        return p.resolve()
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    found = sorted(q for q in p.iterdir() if q.suffix.lower() == SUFFIX and q.is_file())
+    if len(found) > 1:
+        names = ", ".join(q.name for q in found[:4])
+        raise _err(f"{p} holds {len(found)} .gguf files ({names}); name one of them in path")
+    return found[0].resolve() if found else None
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int, size: int) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's own parse errors
+        line = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise _err(f"{path} is not a readable GGUF file ({line})") from None
+
+
+def reader(path: str | Path) -> Any:
+    """A (cached) GGUFReader of `path`; parse errors are one line."""
+    p = Path(path)
+    st = p.stat()
+    return _reader(str(p), st.st_mtime_ns, st.st_size)
+
+
+def _field(r: Any, key: str, default: Any = ..., path: Path | None = None) -> Any:
+    f = r.fields.get(key)
+    if f is None:
+        if default is ...:
+            raise _err(f"{path or 'the GGUF file'}: no {key!r} in its metadata")
+        return default
+    v = f.contents()
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def gguf_spec(path: Path) -> HfSpec:
+    """The HfSpec of the GGUF at `path`, from `general.architecture` and its `<arch>.*` keys;
+    an architecture or feature pdctl lacks is a one-line error naming what is supported."""
+    r = reader(path)
+    arch = _field(r, "general.architecture", None)
+    if arch not in ARCHITECTURES:
+        raise _err(
+            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    names = {t.name: t for t in r.tensors}
+    if "token_embd.weight" not in names:
+        raise _err(f"{path}: no token_embd.weight tensor (is it a {arch} model?)")
+
+    def get(key: str, default: Any = ...) -> Any:
+        return _field(r, f"{arch}.{key}", default, path)
+
+    vocab = get("vocab_size", None)
+    if vocab is None:  # older converters leave it out: the embedding's rows say it
+        vocab = int(names["token_embd.weight"].shape[-1])
+    eos = _field(r, "tokenizer.ggml.eos_token_id", None)
+    cfg: dict[str, Any] = {"vocab_size": vocab, "eos_token_id": eos, "dtype": "gguf"}
+    if arch == "gpt2":
+        cfg.update(
+            n_embd=get("embedding_length"),
+            n_layer=get("block_count"),
+            n_head=get("attention.head_count"),
+            n_inner=get("feed_forward_length"),
+            layer_norm_epsilon=get("attention.layer_norm_epsilon", 1e-5),
+            n_positions=get("context_length"),
+            tie_word_embeddings="output.weight" not in names,
+        )
+        return _gpt2_spec(cfg, path)
+    d, n_heads = get("embedding_length"), get("attention.head_count")
+    cfg.update(
+        hidden_size=d,
+        num_hidden_layers=get("block_count"),
+        intermediate_size=get("feed_forward_length"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=get("attention.head_count_kv", n_heads),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        hidden_act="silu",
+    )
+    key_length = get("attention.key_length", None)
+    if key_length is not None:
+        cfg["head_dim"] = key_length
+    head_dim = cfg.get("head_dim") or (d // n_heads if isinstance(n_heads, int) and n_heads else 0)
+    rot = get("rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise _err(f"{path}: rope.dimension_count {rot} != head_dim {head_dim} (partial "
+                   "rotary embeddings are not supported)")  # fmt: skip
+    if "rope_freqs.weight" in names:
+        raise _err(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) "
+                   "are not supported; use the Hugging Face directory of this model")  # fmt: skip
+    scaling = get("rope.scaling.type", None)
+    if scaling not in (None, "none", "linear"):
+        raise _err(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if arch == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    return _llama_spec(cfg, path, ARCHITECTURES[arch])
+
+
+# ---- tensors ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """One params leaf's source: GGUF tensor `name` of numpy shape `stored` (rows, cols), read
+    transposed into the leaf when `transposed`, its rows reordered by `rope_heads` heads when set
+    (llama.cpp's Q/K permutation)."""
+
+    name: str
+    stored: tuple[int, ...]
+    transposed: bool
+    rope_heads: int = 0
+
+
+def _gguf_name(spec: HfSpec, path: str) -> str:
+    parts = path.split(".")
+    if spec.is_gpt2:
+        top = {
+            "transformer.wte.weight": "token_embd.weight",
+            "transformer.wpe.weight": "position_embd.weight",
+            "transformer.ln_f.weight": "output_norm.weight",
+            "transformer.ln_f.bias": "output_norm.bias",
+            "lm_head.weight": "output.weight",
+        }
+        if path in top:
+            return top[path]
+        i, module, leaf = parts[2], ".".join(parts[3:-1]), parts[-1]
+        local = {
+            "ln_1": "attn_norm",
+            "ln_2": "ffn_norm",
+            "attn.c_attn": "attn_qkv",
+            "attn.c_proj": "attn_output",
+            "mlp.c_fc": "ffn_up",
+            "mlp.c_proj": "ffn_down",
+        }[module]
+        return f"blk.{i}.{local}.{leaf}"
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if path in top:
+        return top[path]
+    i, module, leaf = parts[2], ".".join(parts[3:-1]), parts[-1]
+    local = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }[module]
+    return f"blk.{i}.{local}.{leaf}"
+
+
+def supported_types() -> set[Any]:
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    return {Q.F32, Q.F16, *quants._type_traits}
+
+
+def check_gguf(path: Path, target: HFCausalLM) -> dict[str, Planned]:
+    """Per params leaf, the tensor it is read from, after checking that every tensor is there
+    with the shape the metadata implies and a type that `gguf.quants` dequantises."""
+    r = reader(path)
+    tensors = {t.name: t for t in r.tensors}
+    spec, sites = target.spec, set(target.site_shapes())
+    ok_types = supported_types()
+    plan = {}
+    for leaf, shape in target.param_shapes().items():
+        name = _gguf_name(spec, leaf)
+        t = tensors.get(name)
+        if t is None:
+            raise _err(f"{path}: tensor {name!r} (for {leaf}, shape {shape}) is not in the file")
+        module = leaf.rsplit(".", 1)[0]
+        transposed = module in sites and leaf.endswith(".weight")
+        want = tuple(shape[::-1]) if transposed else tuple(shape)
+        stored = tuple(int(n) for n in t.shape[::-1])
+        if stored != want:
+            raise _err(f"{path}: tensor {name!r} has shape {stored}, but the metadata implies "
+                       f"{want} (for {leaf})")  # fmt: skip
+        if t.tensor_type not in ok_types:
+            names = ", ".join(sorted(q.name for q in ok_types))
+            raise _err(f"{path}: tensor {name!r} has type {t.tensor_type.name}, which "
+                       f"gguf.quants cannot dequantise (supported: {names})")  # fmt: skip
+        heads = 0
+        if spec.architecture == LLAMA and module.endswith(("q_proj", "k_proj")):
+            heads = spec.n_heads if module.endswith("q_proj") else spec.n_kv_heads
+        plan[leaf] = Planned(name, stored, transposed, heads)
+    return plan
+
+
+def _hf_rows(n: int, heads: int) -> np.ndarray:
+    """For each row of the Hugging Face Q/K weight, the GGUF row it is: llama.cpp stored each
+    head's rows as (dim, 2) interleaved pairs, transformers keeps the (2, dim) rotary halves."""
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _rows(t: Any, rows: np.ndarray) -> np.ndarray:
+    """Rows `rows` of tensor `t` as float32 (rows, cols), dequantising only those rows."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    data = np.asarray(t.data)
+    if data.ndim == 1 or len(t.shape) == 1:  # a vector: norms and biases, small
+        full = quants.dequantize(data, t.tensor_type) if t.tensor_type != Q.F32 else data
+        return np.asarray(full, dtype=np.float32).reshape(-1)[rows]
+    picked = data[rows]
+    if t.tensor_type in (Q.F32, Q.F16):
+        return picked.astype(np.float32)
+    return quants.dequantize(picked, t.tensor_type).astype(np.float32, copy=False)
+
+
+def load_gguf_params(
+    path: Path, target: HFCausalLM, shardings: Any, dtype: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The target's params read and dequantised from the GGUF at `path`, each leaf placed with
+    its sharding (`shardings` has the params' structure). Only the rows a process's devices
+    hold are dequantised, once per tensor and row range. Returns (params, info)."""
+    from pdctl.science.targets.hf_load import _flatten
+
+    t0 = time.perf_counter()
+    dtype = np.dtype(target.param_dtype if dtype is None else dtype)
+    plan = check_gguf(path, target)
+    tensors = {t.name: t for t in reader(path).tensors}
+    flat_sh = _flatten(shardings)
+    leaves, nbytes = {}, 0
+    for leaf, p in plan.items():
+        t = tensors[p.name]
+        nbytes += int(t.n_bytes)
+        n_rows = p.stored[0]
+        order = _hf_rows(n_rows, p.rope_heads) if p.rope_heads else np.arange(n_rows)
+
+        @functools.lru_cache(maxsize=8)
+        def rows_of(start: int, stop: int, t=t, order=order) -> np.ndarray:
+            return _rows(t, order[start:stop])
+
+        def read(index: tuple[slice, ...], p=p, rows_of=rows_of, n_rows=n_rows) -> np.ndarray:
+            if len(p.stored) == 1:
+                return rows_of(*index[0].indices(n_rows)[:2]).astype(dtype)
+            if p.transposed:  # leaf (d_in, d_out)[a, b] = stored (d_out, d_in)[b, a]
+                row_sl, col_sl = index[1], index[0]
+            else:
+                row_sl, col_sl = index[0], index[1]
+            block = rows_of(*row_sl.indices(n_rows)[:2])[:, col_sl]
+            return (block.T if p.transposed else block).astype(dtype, order="C")
+
+        shape = p.stored[::-1] if p.transposed else p.stored
+        leaves[leaf] = jax.make_array_from_callback(shape, flat_sh[leaf], read, dtype)
+    info = {
+        "source": str(path),
+        "tensors": len(plan),
+        "bytes": nbytes,
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    return unflatten({p: leaves[p] for p in target.param_shapes()}), info
