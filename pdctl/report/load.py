@@ -100,12 +100,12 @@ def target_params(project: Project, target: Any) -> Any:
     Hugging Face model its safetensors (onto the first device)."""
     pre = project.stage("pretrain")
     if pre.get("status") == "imported":
-        from pdctl.science.targets.hf_load import load_hf_params
+        from pdctl.science.targets import imported
 
         abstract = jax.eval_shape(target.init, jax.random.PRNGKey(0))
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        params, _ = load_hf_params(pre["source"], target, jax.tree.map(lambda _: one, abstract))
-        return _host(params)
+        imported.verify(target, pre)
+        return _host(imported.load(target, jax.tree.map(lambda _: one, abstract)))
     items, _ = _restore(project, "pretrain", ["params"])
     return items["params"]
 
@@ -154,7 +154,12 @@ def eval_inputs(project: Project, target: Any) -> tuple[np.ndarray, np.ndarray |
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
     env = StageEnv(project, "train", mesh, target)  # a view only: no lock, nothing written
     it = text_batches(
-        env, n, seed=cfg.run.seed + 1, state=None, sharding=sharding.batch_sharding(mesh, 2)
+        env,
+        n,
+        seed=cfg.run.seed + 1,
+        state=None,
+        sharding=sharding.batch_sharding(mesh, 2),
+        split="eval",
     )
     try:
         batch = next(it)
@@ -269,14 +274,15 @@ def token_decoder(project: Project, target: Any) -> tuple[Callable[[list[int]], 
     Face model uses its tokenizer.json; anything else shows the ids."""
     if getattr(target, "vocab_size", None) == 256 and target.kind == "llama_mlp":
         return (lambda ids: bytes(int(t) for t in ids).decode("utf-8", errors="replace")), "bytes"
-    source = project.stage("pretrain").get("source")
-    if source and (Path(source) / "tokenizer.json").is_file():
+    if target.kind == "hf":
         try:
-            from tokenizers import Tokenizer
+            from pdctl.science import data
+            from pdctl.science.targets import imported
 
-            tok = Tokenizer.from_file(str(Path(source) / "tokenizer.json"))
+            file = imported.tokenizer_path(target)
+            tok = data.corpus_tokenizer(file).tokenizer
             return (lambda ids: tok.decode([int(t) for t in ids], skip_special_tokens=False)), (
-                "tokenizer.json"
+                "the GGUF's tokenizer" if imported.is_gguf(target) else "tokenizer.json"
             )
         except Exception:  # a tokenizer that cannot be read: fall back to ids, say so
             pass

@@ -6,9 +6,11 @@ Host side only (numpy + grain): batches are numpy arrays that the training loop 
 """
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,7 +148,9 @@ _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_en
 _ENCODE_DOCS = 1024
 _ENCODE_CHARS = 8 << 20
 _PARQUET_ROWS = 4096  # rows per record batch read from a parquet file: bounds the text in memory
-_CACHE_VERSION = 1  # part of the cache key: bump it when the packing rule below changes
+_CACHE_VERSION = 2  # part of the cache key: bump it when the packing rule below changes
+_SPLIT_SEED = 20_240_611  # the held-out documents' draw: fixed, so every run splits alike
+SPLITS = ("train", "eval")
 
 
 def _one_line(error: BaseException) -> str:
@@ -154,13 +158,16 @@ def _one_line(error: BaseException) -> str:
     return lines[0][:200] if lines else type(error).__name__
 
 
-def corpus_files(path: str | Path) -> list[Path]:
+def corpus_files(path: str | Path, plain: bool = False) -> list[Path]:
     """The corpus files at `path`: the file itself (a .txt, .jsonl or .parquet), or every such
-    file under the directory, at any depth, in path order. Other files, and anything under a
-    hidden name (a part starting with "."), are ignored; finding none is a ValueError."""
+    file under the directory, at any depth, in path order. With `plain` (a document separator
+    is set), files without a suffix are text files too (Unix fortune files are). Other files,
+    symlinks inside a directory, and anything under a hidden name (a part starting with ".")
+    are ignored; finding none is a ValueError."""
     path = Path(path).expanduser()
+    suffixes = (*CORPUS_SUFFIXES, "") if plain else CORPUS_SUFFIXES
     if path.is_file():
-        if path.suffix.lower() not in CORPUS_SUFFIXES:
+        if path.suffix.lower() not in suffixes:
             raise ValueError(f"{path}: not a .txt, .jsonl or .parquet file")
         return [path]
     if not path.is_dir():
@@ -168,20 +175,29 @@ def corpus_files(path: str | Path) -> list[Path]:
     files = [
         p
         for p in path.rglob("*")
-        if p.suffix.lower() in CORPUS_SUFFIXES
+        if p.suffix.lower() in suffixes
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
         and p.is_file()
+        and not (plain and p.is_symlink())
     ]
     if not files:
         raise ValueError(f"{path}: no .txt, .jsonl or .parquet files in this directory")
     return sorted(files, key=lambda p: p.relative_to(path).parts)
 
 
-def _txt_document(file: Path) -> str:
+def _txt_documents(file: Path, separator: str = "") -> Iterator[str]:
+    """A text file as one document, or with `separator` split at every line that holds only
+    the separator (fortune files: `%`)."""
     try:
-        return file.read_bytes().decode("utf-8-sig")  # a leading byte-order mark is not text
+        text = file.read_bytes().decode("utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
         raise ValueError(f"{file}: not UTF-8 text (bad byte at offset {e.start})") from None
+    if not separator:
+        yield text
+        return
+    line = re.compile(rf"^[ \t]*{re.escape(separator)}[ \t]*\r?$\n?", re.MULTILINE)
+    for doc in line.split(text):
+        yield doc.strip("\r\n")
 
 
 def _json_kind(value: Any) -> str:
@@ -246,11 +262,11 @@ def _parquet_documents(file: Path, field: str) -> Iterator[str]:
         raise ValueError(f"{file}: cannot read parquet ({_one_line(e)})") from None
 
 
-def _documents(files: list[Path], field: str) -> Iterator[str]:
+def _documents(files: list[Path], field: str, separator: str = "") -> Iterator[str]:
     for file in files:
         suffix = file.suffix.lower()
-        if suffix == ".txt":
-            yield _txt_document(file)
+        if suffix in (".txt", ""):
+            yield from _txt_documents(file, separator)
         elif suffix == ".jsonl":
             yield from _jsonl_documents(file, field)
         else:
@@ -268,18 +284,65 @@ def _tokenizer_file(tokenizer_path: str | Path) -> Path:
     return file
 
 
-def _load_tokenizer(file: Path):
-    from tokenizers import Tokenizer
+def _is_gguf(file: Path) -> bool:
+    return file.suffix.lower() == ".gguf"
 
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as e:  # the Rust side raises a bare Exception
-        raise ValueError(f"{file}: not a readable tokenizer.json ({_one_line(e)})") from None
+
+def _load_tokenizer(file: Path):
+    if _is_gguf(file):
+        from pdctl.science.gguf_tokenizer import load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(file).tokenizer
+    else:
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"{file}: not a readable tokenizer.json ({_one_line(e)})") from None
     # A tokenizer.json saved with truncation or padding on would cut or pad every document;
     # transformers switches both off for a plain `tokenizer(text)` call, and so do we.
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusTokenizer:
+    """The tokenizer a corpus is encoded with, the id put after every document, and a digest
+    of the tokenizer's content (the token cache's key)."""
+
+    tokenizer: Any
+    eos_id: int
+    vocab_size: int  # with added tokens
+    digest: str
+    where: str  # the tokenizer.json or GGUF file, for messages
+
+
+def corpus_tokenizer(tokenizer_path: str | Path, eos_id: int | None = None) -> CorpusTokenizer:
+    """A tokenizer.json (or the model folder holding one) or a GGUF file's tokenizer, with its
+    EOS id: `eos_id` if given (checked to be one of its ids), else `find_eos_id`'s."""
+    file = _tokenizer_file(tokenizer_path)
+    if _is_gguf(file):
+        from pdctl.science.gguf_tokenizer import load_gguf_tokenizer
+
+        gguf = load_gguf_tokenizer(file)
+        tokenizer = gguf.tokenizer
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        digest = gguf.digest
+        if eos_id is None:
+            if gguf.eos_id is None:
+                raise ValueError(f"{file}: no tokenizer.ggml.eos_token_id; give eos_id explicitly")
+            eos_id = gguf.eos_id
+    else:
+        tokenizer = _load_tokenizer(file)
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        if eos_id is None:
+            eos_id = _find_eos_id(file, tokenizer)
+    eos_id = _checked_eos(eos_id, tokenizer, str(file))
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return CorpusTokenizer(tokenizer, eos_id, size, digest, str(file))
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -341,8 +404,7 @@ def find_eos_id(tokenizer_path: str | Path) -> int:
     tokenizer.json; failing those, the first of <|endoftext|>, </s>, <|end_of_text|>, <eos>,
     <|im_end|>, <|eot_id|> in the vocabulary. None found is a ValueError.
     """
-    file = _tokenizer_file(tokenizer_path)
-    return _find_eos_id(file, _load_tokenizer(file))
+    return corpus_tokenizer(tokenizer_path).eos_id
 
 
 def _encode(tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
@@ -357,12 +419,31 @@ def _encode(tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
     return np.array(ids, dtype=np.int32)
 
 
-def _tokenize(files: list[Path], tokenizer, field: str, eos_id: int) -> tuple[list, int]:
-    """The packed stream in chunks, and how many documents it holds."""
+def held_out(n: int, fraction: float) -> np.ndarray:
+    """Which of the first `n` documents are held out for evaluation at `fraction`: a fixed
+    seeded draw per document index, so the split is the same for every run, seed and process,
+    and a corpus that grows keeps its earlier documents on the same side."""
+    return np.random.default_rng(_SPLIT_SEED).random(n) < fraction
+
+
+def _tokenize(
+    files: list[Path],
+    tokenizer,
+    field: str,
+    eos_id: int,
+    split: tuple[str, float] | None = None,
+    separator: str = "",
+) -> tuple[list, int]:
+    """The packed stream in chunks, and how many documents it holds. With `split` = (side,
+    fraction), only the documents `held_out` puts on that side ("eval" or "train")."""
     chunks: list[np.ndarray | None] = []
     batch: list[str] = []
     chars = n_docs = 0
-    for text in _documents(files, field):
+    rng = np.random.default_rng(_SPLIT_SEED)
+    for text in _documents(files, field, separator):
+        # One draw per document, empty ones included, so indices match `held_out`.
+        if split is not None and (rng.random() < split[1]) != (split[0] == "eval"):
+            continue
         if not text:
             continue
         batch.append(text)
@@ -386,23 +467,38 @@ def _fill(out: np.ndarray, chunks: list) -> None:
         chunks[i] = None
 
 
-def _cache_key(files: list[Path], tokenizer_file: Path, field: str, eos_id: int) -> str:
+def _cache_key(
+    files: list[Path],
+    tok: CorpusTokenizer,
+    field: str,
+    split: tuple[str, float] | None,
+    separator: str = "",
+) -> str:
+    """The token cache's key: the corpus files' bytes (hashed, not their sizes and mtimes: an
+    edit that keeps both still misses), the tokenizer's content, the field, EOS and split."""
     import tokenizers
+
+    from pdctl.science.targets.checksum import content_digest
 
     key = {
         "version": _CACHE_VERSION,
         "tokenizers": tokenizers.__version__,
-        "tokenizer_sha256": hashlib.sha256(tokenizer_file.read_bytes()).hexdigest(),
+        "tokenizer_sha256": tok.digest,
         "text_field": field,
-        "eos_id": eos_id,
-        "files": [[str(f.resolve()), (st := f.stat()).st_size, st.st_mtime_ns] for f in files],
+        "eos_id": tok.eos_id,
+        "split": list(split) if split else None,
+        "separator": separator,
+        "files": [str(f.resolve()) for f in files],
+        "content": content_digest(files),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _read_cache(file: Path) -> np.ndarray | None:
+def _read_cache(file: Path, vocab_size: int, eos_id: int) -> np.ndarray | None:
+    """The cached stream, or None when it is missing or not what this key writes: a cache
+    file is checked, not trusted (ids inside the vocabulary, the stream ending with EOS)."""
     try:
-        tokens = np.load(file, mmap_mode="r")
+        tokens = np.load(file, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -411,7 +507,37 @@ def _read_cache(file: Path) -> np.ndarray | None:
     if tokens.dtype != np.int32 or tokens.ndim != 1 or tokens.size == 0:
         log.warning("ignoring token cache %s: %s %s", file, tokens.dtype, tokens.shape)
         return None
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size or int(tokens[-1]) != eos_id:
+        msg = "ignoring token cache %s: ids in [%d, %d] for a %d-token vocabulary, last %d"
+        log.warning(msg + " (EOS %d)", file, lo, hi, vocab_size, int(tokens[-1]), eos_id)
+        return None
     return np.asarray(tokens)
+
+
+def _starts_right(
+    tokens: np.ndarray,
+    files: list[Path],
+    tok: CorpusTokenizer,
+    field: str,
+    cut: tuple[str, float] | None,
+    separator: str,
+    n_docs: int = 2,
+) -> bool:
+    """Whether a cached stream begins with the first `n_docs` documents of the corpus encoded
+    afresh: a spot check that a cache file found under the right key holds these documents'
+    ids (a file put there by hand with other ids fails it), for the price of encoding two."""
+    first: list[str] = []
+    rng = np.random.default_rng(_SPLIT_SEED)
+    for text in _documents(files, field, separator):
+        if cut is not None and (rng.random() < cut[1]) != (cut[0] == "eval"):
+            continue
+        if text:
+            first.append(text)
+        if len(first) == n_docs:
+            break
+    expected = _encode(tok.tokenizer, first, tok.eos_id)
+    return bool(np.array_equal(tokens[: expected.size], expected))
 
 
 def _write_cache(file: Path, chunks: list, n_tokens: int) -> None:
@@ -425,11 +551,14 @@ def _write_cache(file: Path, chunks: list, n_tokens: int) -> None:
         del out
 
 
-def _check_length(tokens: np.ndarray, path: Path, seq_len: int | None) -> np.ndarray:
+def _check_length(
+    tokens: np.ndarray, path: Path, seq_len: int | None, cut: tuple[str, float] | None = None
+) -> np.ndarray:
     need = 1 if seq_len is None else seq_len + 1
     if tokens.size < need:
+        side = "" if cut is None else f" in its {cut[0]} split (eval_fraction {cut[1]})"
         raise ValueError(
-            f"{path}: {tokens.size} tokens of text, need at least {need}"
+            f"{path}: {tokens.size} tokens of text{side}, need at least {need}"
             + ("" if seq_len is None else f" (one sequence of seq_len={seq_len} plus 1)")
         )
     return tokens
@@ -443,24 +572,33 @@ def load_corpus(
     eos_id: int | None = None,
     cache_dir: str | Path | None = None,
     seq_len: int | None = None,
+    split: str | None = None,
+    eval_fraction: float = 0.0,
+    separator: str = "",
 ) -> np.ndarray:
     """The token stream of the corpus at `path`, for `make_text_iterator`.
 
     Without `tokenizer_path`: the bytes of the file at `path` as uint8, exactly `load_text`.
 
-    With `tokenizer_path` (a tokenizer.json, or the model folder holding one): int32 ids of
-    every document of `corpus_files(path)` in order, each followed by `eos_id` (default
-    `find_eos_id(tokenizer_path)`). A .txt file is one document (UTF-8); a .jsonl file has one
-    document per line in its string field `text_field` (blank lines skipped); a .parquet file
-    one per row of its string column `text_field`. Empty documents are skipped. Each document is
-    encoded on its own with the tokenizer's post-processor (special tokens only where its own
-    template adds them, e.g. a Llama BOS), giving the ids of transformers'
+    With `tokenizer_path` (a tokenizer.json, the model folder holding one, or a GGUF file):
+    int32 ids of every document of `corpus_files(path)` in order, each followed by `eos_id`
+    (default `find_eos_id(tokenizer_path)`). A .txt file is one document (UTF-8); a .jsonl file
+    has one document per line in its string field `text_field` (blank lines skipped); a
+    .parquet file one per row of its string column `text_field`. Empty documents are skipped.
+    Each document is encoded on its own with the tokenizer's post-processor (special tokens
+    only where its own template adds them, e.g. a Llama BOS), giving the ids of transformers'
     `PreTrainedTokenizerFast(tokenizer_file=...)(text)["input_ids"]`; EOS is not doubled after
     a document whose encoding already ends with it.
 
+    With `split` ("train" or "eval") and `eval_fraction` > 0, only the documents on that side
+    of `held_out(n, eval_fraction)`: whole documents, never cut, the same for every run.
+    With `separator`, text files (and suffix-less files) hold many documents, split at each line
+    holding only the separator.
+
     With `cache_dir`, the stream is kept there as `tokens-<key>.npy`, the key hashing the files'
-    paths, sizes and mtimes, the tokenizer.json bytes, `text_field`, the EOS id and the
-    tokenizers version; a hit (or a fresh write) comes back as a read-only memory map.
+    bytes, the tokenizer's content, `text_field`, the EOS id, the split and the tokenizers
+    version; a hit (or a fresh write) comes back as a read-only memory map, after its ids are
+    checked against the vocabulary.
 
     Every problem with the user's files is a one-line ValueError naming the file (and line or
     row), including fewer than `seq_len + 1` tokens when `seq_len` is given.
@@ -472,27 +610,29 @@ def load_corpus(
         if not path.is_file():
             raise ValueError(f"{path}: no such file")
         return load_text(path, seq_len)
-    files = corpus_files(path)
-    tokenizer_file = _tokenizer_file(tokenizer_path)
-    tokenizer = _load_tokenizer(tokenizer_file)
-    if eos_id is None:
-        eos_id = _find_eos_id(tokenizer_file, tokenizer)
-    else:
-        eos_id = _checked_eos(eos_id, tokenizer, str(tokenizer_file))
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    cut = (split, float(eval_fraction)) if split is not None and eval_fraction > 0 else None
+    files = corpus_files(path, plain=bool(separator))
+    tok = corpus_tokenizer(tokenizer_path, eos_id)
     cache = None
     if cache_dir is not None:
         # Keyed before reading, so a file edited while it is tokenized misses next time.
-        key = _cache_key(files, tokenizer_file, text_field, eos_id)
+        key = _cache_key(files, tok, text_field, cut, separator)
         cache = Path(cache_dir).expanduser() / f"tokens-{key}.npy"
-        tokens = _read_cache(cache)
+        tokens = _read_cache(cache, tok.vocab_size, tok.eos_id)
+        if tokens is not None and not _starts_right(tokens, files, tok, text_field, cut, separator):
+            log.warning("ignoring token cache %s: it does not start with the corpus", cache)
+            tokens = None
         if tokens is not None:
             log.info("token cache hit: %s (%d tokens)", cache, tokens.size)
-            return _check_length(tokens, path, seq_len)
+            return _check_length(tokens, path, seq_len, cut)
     start = time.perf_counter()
-    chunks, n_docs = _tokenize(files, tokenizer, text_field, eos_id)
+    chunks, n_docs = _tokenize(files, tok.tokenizer, text_field, tok.eos_id, cut, separator)
     n_tokens = sum(chunk.size for chunk in chunks)
     if n_tokens == 0:
-        raise ValueError(f"{path}: no text in {len(files)} file(s)")
+        side = "" if cut is None else f" on the {cut[0]} side of eval_fraction {cut[1]}"
+        raise ValueError(f"{path}: no text in {len(files)} file(s){side}")
     if cache is not None:
         _write_cache(cache, chunks, n_tokens)
         tokens = np.asarray(np.load(cache, mmap_mode="r"))
@@ -503,7 +643,7 @@ def load_corpus(
     where = "" if cache is None else f", cached as {cache}"
     msg = "tokenized %d documents in %d files: %d tokens in %.1f s%s"
     log.info(msg, n_docs, len(files), n_tokens, seconds, where)
-    return _check_length(tokens, path, seq_len)
+    return _check_length(tokens, path, seq_len, cut)
 
 
 class _LocalWindows:

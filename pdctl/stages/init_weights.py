@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 import uuid
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -167,35 +166,15 @@ def _run(project: Project, env: StageEnv) -> dict[str, Any]:
 
 
 def imported_checkpoint(target: Target, cfg: Config) -> dict[str, Any] | None:
-    """{"source", "checksum", "checksum_of"} of an imported (Hugging Face) target, after
-    checking every tensor's name, shape and dtype against its config.json from the files'
-    headers (no tensor data read) and that its tokenizer is there; None for a target that pdctl
-    trains itself."""
+    """What `[state.pretrain]` records of an imported target (Hugging Face directory or GGUF
+    file), after checking every tensor against its config from headers or metadata, its
+    tokenizer against the model, and hashing the weights' bytes (`imported.check`); None for a
+    target that pdctl trains itself."""
     if target.kind != "hf":
         return None
-    from pdctl.science import data
-    from pdctl.science.targets.hf_load import check_checkpoint
+    from pdctl.science.targets import imported
 
-    index, _ = check_checkpoint(model_dir(target), target)
-    if not (model_dir(target) / "tokenizer.json").is_file():
-        raise PdctlError(
-            f"target.path: no tokenizer.json in {model_dir(target)}; pdctl tokenizes [data] "
-            "with the model's own tokenizer (download it with the model)"
-        )
-    if cfg.data.eos_id is None:
-        try:
-            data.find_eos_id(model_dir(target))
-        except ValueError as e:
-            raise PdctlError(f"target.path: {e}") from None
-    return {
-        "source": str(index.source),
-        "checksum": index.checksum,
-        "checksum_of": index.checksum_of,
-    }
-
-
-def model_dir(target: Target) -> Path:
-    return Path(target.spec.config_path).parent
+    return imported.check(target, cfg.data.eos_id)
 
 
 def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:

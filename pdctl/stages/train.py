@@ -149,7 +149,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             (sources, src_opt), _ = jax.lax.scan(
                 ascend, (sources, src_opt), jnp.arange(pcfg.n_warmup_steps)
             )
-        step_frac = loop["step"].astype(jnp.float32) / total
+        step_frac = loop["step"].astype(jnp.float32) / float(total)
         (loss, m), (g_tr, g_src) = value_and_grads(
             trainable, sources, params, clean, x, k_loss, step_frac
         )
@@ -275,6 +275,7 @@ def make_eval(env: StageEnv, target_params, fns):
             seed=cfg.run.seed + 1,
             state=None,
             sharding=sharding.batch_sharding(env.mesh, 2),
+            split="eval",
         )
         eval_batch = next(it)
         it.close()
