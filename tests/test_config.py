@@ -41,6 +41,7 @@ TEMPLATES = {
     "resid-mlp": "resid_mlp",
     "llama-mlp": "llama_mlp",
     "hf-lm": "hf",
+    "smollm2": "hf",
 }
 _HEADER = re.compile(r"^#?\s*\[([A-Za-z0-9_.]+)\]\s*(#.*)?$")
 
