@@ -139,9 +139,30 @@ class DataConfig(Section):
         examples=[0],
     )
     seq_len: Pos = Field(64, description="llama_mlp, hf: tokens per sequence")
+    separator: str = Field(
+        "",
+        description='hf: "" = a .txt file is one document; else every line holding only this '
+        'string ends a document, and suffix-less files are text too (fortune files: "%")',
+    )
+    eval_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
+        0.0,
+        description="hf: fraction of the documents held out for evaluation and the report, "
+        "split by document (a fixed draw per document index), never by token; 0 = evaluate "
+        "on the training stream",
+    )
+    eval_path: str = Field(
+        "",
+        description="hf: a separate corpus to evaluate on (as path); excludes eval_fraction",
+    )
     synthetic_bytes: Pos = Field(
         2_000_000, description="llama_mlp: size of the seeded synthetic corpus in bytes"
     )
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataConfig:
+        if self.eval_path and self.eval_fraction > 0:
+            raise ValueError("set one of data.eval_path and data.eval_fraction, not both")
+        return self
 
 
 class MeshConfig(Section):
@@ -194,7 +215,14 @@ class PrecisionConfig(Section):
 
 
 class CompileConfig(Section):
-    cache_dir: str = Field("", description='persistent JAX compilation cache directory ("" = none)')
+    cache_dir: str = Field(
+        "",
+        description='persistent JAX compilation cache directory ("" = none); a relative path is '
+        "relative to the run directory. It holds compiled code that pdctl loads and executes: "
+        "use a directory only you can write (pdctl refuses one writable by others or owned by "
+        "another user, and creates a missing one 0700), never one that came with someone "
+        "else's run directory",
+    )
 
 
 class CheckpointConfig(Section):

@@ -3,7 +3,14 @@
 Commands never parse pdctl.toml themselves; they load a `Project`. The file is two parts:
 everything the user wrote, kept byte for byte, and after a marker line the `[state.<stage>]`
 tables that pdctl owns and re-renders with tomli-w. Writes are atomic (temp file in the same
-directory, fsync, rename) and only happen while holding the run directory's lock.
+directory, fsync, rename) and only happen while holding the run directory's lock (a flock on
+the directory itself, so deleting `.pdctl.lock` does not release it).
+
+A run directory may come from someone else: taking the lock first checks that nothing pdctl
+writes in it (the lock file, checkpoints/, metrics/, profiles/, report/, cache/, wandb/, a
+compile cache inside it) is a symlink, and refuses with one line naming it (exit 2) before
+anything is written. Only pdctl.toml itself may be a link. A relative `[compile] cache_dir` is
+made relative to the run directory here, when the file is loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import fcntl
 import os
 import re
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +31,29 @@ import tomli_w
 
 from pdctl.config import STAGES, Config, fingerprint, parse_config
 from pdctl.errors import PdctlError
-from pdctl.files import atomic_write
+from pdctl.files import (
+    atomic_write,
+    open_nofollow,
+    refuse_links,
+    refuse_links_between,
+)
 
 PROJECT_FILE = "pdctl.toml"
 LOCK_FILE = ".pdctl.lock"
 STATE_MARKER = "# ---- pdctl state: written by pdctl, do not edit below this line ----"
+# What pdctl writes in a run directory, each with how many levels below it are checked for
+# symlinks too (checkpoints/<stage>/<step>, cache/tokens/<file>, ...). wandb/ is wandb's: it
+# makes its own `latest-run` link inside, so only the directory itself is checked.
+_NO_LINKS = {
+    LOCK_FILE: 0,
+    "checkpoints": 2,
+    "metrics": 1,
+    "profiles": 4,
+    "report": 2,
+    "cache": 2,
+    "wandb": 0,
+}
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 _STATE_HEADER = re.compile(r"^[ \t]*\[\[?[ \t]*state[ \t]*[.\]]", re.MULTILINE)
 
 
@@ -121,6 +146,20 @@ def render_state(state: dict[str, dict[str, Any]]) -> str:
     return STATE_MARKER + "\n" + tomli_w.dumps({"state": _drop_none(state)})
 
 
+def resolve_paths(config: Config, root: Path) -> Config:
+    """The config with `[compile] cache_dir` made absolute: a relative one is relative to the
+    run directory (where pdctl.toml is), never to the directory pdctl was started in."""
+    cache = config.compile.cache_dir
+    if not cache:
+        return config
+    p = Path(cache).expanduser()
+    if p.is_absolute():
+        return config
+    resolved = os.path.abspath(root / p)
+    compile_cfg = config.compile.model_copy(update={"cache_dir": resolved})
+    return config.model_copy(update={"compile": compile_cfg})
+
+
 def find_project_file(start: Path | None = None, explicit: Path | None = None) -> Path:
     """`--project PATH` (a run directory or its pdctl.toml), else cwd and then its parents."""
     if explicit is not None:
@@ -144,6 +183,24 @@ def find_project_file(start: Path | None = None, explicit: Path | None = None) -
     )
 
 
+def _flock(fd: int, root: Path, holder: Callable[[], str], *, required: bool = False) -> bool:
+    """Take an exclusive flock on `fd` without waiting: True when taken; a one-line PdctlError
+    when another process holds it; False when this file system cannot flock it (a directory
+    on NFS), unless `required`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in _BUSY:
+            raise PdctlError(
+                f"{root} is in use by another pdctl process (pid {holder()}); "
+                "wait for it to finish or stop it"
+            ) from None
+        if required:
+            raise
+        return False
+    return True
+
+
 class Project:
     """One run directory: its validated config, its state, its lock and its paths."""
 
@@ -154,6 +211,7 @@ class Project:
         self.state = state
         self._user_text, _ = split_state(text)
         self._lock_fd: int | None = None
+        self._dir_fd: int | None = None
         self._lock_depth = 0
         # {stage: {"before": its state before this process began it, "ckpt": wrote one}}
         self.attempts: dict[str, dict[str, Any]] = {}
@@ -206,7 +264,7 @@ class Project:
             if not isinstance(st, dict):
                 raise PdctlError(f"state.{name}: must be a table ([state.{name}])")
             check_state(name, st)
-        config = parse_config(user_raw)
+        config = resolve_paths(parse_config(user_raw), path.parent)
         return cls(path, text, config, {k: dict(v) for k, v in state.items()})
 
     @classmethod
@@ -312,51 +370,91 @@ class Project:
             self.release_lock()
 
     def acquire_lock(self) -> None:
+        """Take the run directory's lock, or refuse (one line) when another process holds it.
+
+        The lock is a `flock` on the run directory itself (an fd opened O_RDONLY|O_DIRECTORY),
+        which deleting or replacing `.pdctl.lock` cannot release; `.pdctl.lock` is also
+        flocked (the lock where directories cannot be: NFS) and holds the holder's pid. Before
+        anything is written, the files pdctl keeps in the run directory are checked not to be
+        symlinks (`check_run_dir`), and `.pdctl.lock` is opened without following one."""
         if self._lock_depth:
             self._lock_depth += 1
             return
+        self.check_run_dir()
         try:
-            fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            raise PdctlError(
-                f"{self.root}: cannot write in the run directory ({e.strerror}); "
-                "pdctl needs write access to it to run a stage"
-            ) from None
+            raise PdctlError(f"{self.root}: cannot open the run directory ({e.strerror})") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if not _flock(dir_fd, self.root, self._holder):
+                os.close(dir_fd)  # no flock on directories here: the lock file alone
+                dir_fd = None
+            try:
+                fd = open_nofollow(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
                 raise PdctlError(
-                    f"{self.root} is in use by another pdctl process (pid {holder}); "
-                    "wait for it to finish or stop it"
+                    f"{self.root}: cannot write in the run directory ({e.strerror}); "
+                    "pdctl needs write access to it to run a stage"
                 ) from None
+            try:
+                _flock(fd, self.root, self._holder, required=True)
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            if dir_fd is not None:
+                os.close(dir_fd)
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
+        self._dir_fd = dir_fd
         self._lock_depth = 1
+
+    def _holder(self) -> str:
+        """The pid the lock file names (never read through a symlink), or "?"."""
+        try:
+            fd = open_nofollow(self.root / LOCK_FILE, os.O_RDONLY)
+        except (OSError, PdctlError):
+            return "?"
+        try:
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        finally:
+            os.close(fd)
 
     def release_lock(self) -> None:
         if not self._lock_depth:
             return
         self._lock_depth -= 1
         if self._lock_depth == 0 and self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            for fd in (self._lock_fd, self._dir_fd):
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+            self._lock_fd = self._dir_fd = None
 
     def lock_is_free(self) -> bool:
         """True when no process holds the lock (a `running` stage then means a crash)."""
         if self._lock_depth:
             return False
-        try:  # read-only is enough for flock, and works in a read-only run directory
-            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY)
-        except FileNotFoundError:
-            return True
+        # Read-only opens are enough for flock, and work in a read-only run directory.
+        try:
+            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             return False  # cannot tell: do not call a live stage crashed
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in _BUSY:
+                return False
+        finally:
+            os.close(dir_fd)
+        try:
+            fd = open_nofollow(self.root / LOCK_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        except (OSError, PdctlError):
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -365,12 +463,31 @@ class Project:
             os.close(fd)
         return True
 
+    def check_run_dir(self) -> None:
+        """Refuse (one line naming it) a symlink where pdctl writes in the run directory: the
+        lock, checkpoints/, metrics/, profiles/, report/, cache/, wandb/ and what pdctl keeps
+        in them, and a compile cache directory inside the run directory. `pdctl.toml` itself
+        may be a symlink (the run directory is the one the link is in)."""
+        for name, depth in _NO_LINKS.items():
+            refuse_links(self.root / name, depth)
+        cache = self.config.compile.cache_dir
+        if cache and Path(cache).is_relative_to(self.root):
+            refuse_links_between(self.root, Path(cache))
+
     # ---- paths ---------------------------------------------------------------------------
     def checkpoint_dir(self, stage: str) -> Path:
         return self.root / "checkpoints" / stage
 
     def metrics_path(self, stage: str) -> Path:
         return self.root / "metrics" / f"{stage}.jsonl"
+
+    @property
+    def report_dir(self) -> Path:
+        """`<run>/report/`, the default output of `pdctl report`: refused (one line) when it,
+        or a file in it, is a symlink."""
+        path = self.root / "report"
+        refuse_links(path, _NO_LINKS["report"])
+        return path
 
     @property
     def profiles_dir(self) -> Path:

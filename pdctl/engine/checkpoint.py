@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from pdctl.files import refuse_links
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +56,6 @@ def read_host(directory: Path, step: int, name: str) -> Any:
     wrote it (restoring "as saved" would need the writer's devices). Opens no manager, so it
     never touches an in-flight save of a stage that is running (opening a CheckpointManager
     cleans up temporary directories). For export and the report."""
-    import numpy as np
-
     handler = ocp.PyTreeCheckpointHandler()
     path = Path(directory) / str(step) / name
     try:
@@ -83,9 +84,30 @@ def _barrier(name: str) -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, keep: int, *, async_save: bool = True, fresh: bool = False):
-        self.directory = Path(directory).resolve()
+    """One stage's checkpoints. `max_step` (the stage's `steps`) and `run_id` (its current run),
+    when given, are what a restored checkpoint's meta is checked against besides its own
+    directory name and step counter (`check_meta`)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        keep: int,
+        *,
+        async_save: bool = True,
+        fresh: bool = False,
+        max_step: int | None = None,
+        run_id: str | None = None,
+    ):
+        # A run directory may come from someone else: none of the directories this writes,
+        # moves or deletes (nor a step in them) may be a symlink that leads elsewhere.
+        directory = Path(directory)
+        refuse_links(directory, 1)
+        self.directory = directory.resolve()
+        for suffix in (PREVIOUS_SUFFIX, CORRUPT_SUFFIX):
+            refuse_links(self.directory.with_name(self.directory.name + suffix), 1)
         self.keep = keep
+        self.max_step = max_step
+        self.run_id = run_id
         self._async = async_save
         # fresh: the checkpoints already in `directory` belong to an earlier run; this one
         # sees none of them and moves them aside at its first save.
@@ -180,7 +202,36 @@ class Checkpointer:
         """Restore the items named in `abstract` (ShapeDtypeStructs with shardings)."""
         items = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
         out = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
-        return {k: out[k] for k in abstract}, dict(out["meta"] or {})
+        restored = {k: out[k] for k in abstract}
+        meta = out["meta"] or {}
+        if not isinstance(meta, dict):
+            raise CheckpointMismatch(f"its meta is a {type(meta).__name__}, not an object")
+        meta = dict(meta)
+        self.check_meta(step, meta, restored)
+        return restored, meta
+
+    def check_meta(self, step: int, meta: dict[str, Any], restored: dict[str, Any]) -> None:
+        """Trust nothing in checkpoint `step`'s meta that can be checked: its `step` must be
+        the checkpoint's directory name and the step counter of the restored arrays
+        (`loop.step`), at most the stage's `steps` (`max_step`), and its `run_id` the stage's
+        current run. Raises `CheckpointMismatch`, which restoring treats like an unreadable
+        checkpoint (fall back to an older one, quarantined as `.corrupt`)."""
+        claimed = meta.get("step", step)
+        if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed != step:
+            raise CheckpointMismatch(f"its meta says step {claimed!r} but it is checkpoint {step}")
+        loop = restored.get("loop")
+        counter = loop.get("step") if isinstance(loop, dict) else None
+        if counter is not None:
+            value = int(np.asarray(counter.addressable_shards[0].data))
+            if value != step:
+                raise CheckpointMismatch(f"its arrays are at step {value}, not {step}")
+        if self.max_step is not None and step > self.max_step:
+            raise CheckpointMismatch(f"step {step} is past the stage's {self.max_step} steps")
+        rid = meta.get("run_id")
+        if self.run_id is not None and rid is not None and rid != self.run_id:
+            raise CheckpointMismatch(
+                f"its meta names run {rid!r}, not the stage's current run {self.run_id!r}"
+            )
 
     def restore_newest(
         self,
@@ -245,6 +296,11 @@ class Checkpointer:
         self._mgr.wait_until_finished()
         self._drop_previous()
         self._mgr.close()
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose meta contradicts what can be checked (its directory name, its
+    arrays, the stage's config): forged or mixed up, so not restored."""
 
 
 class CheckpointUnreadable(Exception):

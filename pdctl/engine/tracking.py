@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from pdctl.files import atomic_write
+from pdctl.files import atomic_write, open_nofollow, refuse_links
 
 
 class Tracker(Protocol):
@@ -39,32 +40,43 @@ def _clean(v: Any) -> Any:
 
 
 class JsonlTracker:
-    """One JSON object per logged step, appended to `path` (metrics/<stage>.jsonl)."""
+    """One JSON object per logged step, appended to `path` (metrics/<stage>.jsonl).
+
+    Neither `path` nor its directory may be a symlink (a run directory from someone else must
+    not send pdctl's writes elsewhere): `UnsafePath`, one line naming it. The file is opened
+    without following a link at every write."""
 
     run_id: str | None = None
 
     def __init__(self, path: Path):
         self.path = path
+        refuse_links(path.parent)
         path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_links(path)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}))
-            f.write("\n")
+        line = json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}) + "\n"
+        fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        with os.fdopen(fd, "a") as f:
+            f.write(line)
 
     def finish(self) -> None:
         pass
 
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (a resumed stage re-logs them identically)."""
-        if not self.path.exists():
+        try:
+            fd = open_nofollow(self.path, os.O_RDONLY)
+        except FileNotFoundError:
             return
+        with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+            text = f.read()
         keep = []
-        for line in self.path.read_text().splitlines():
+        for line in text.splitlines():
             try:
                 if json.loads(line).get("step", 0) <= step:
                     keep.append(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, AttributeError):
                 continue  # a line cut short by a crash
         atomic_write(self.path, "".join(line + "\n" for line in keep).encode())
 

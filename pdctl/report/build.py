@@ -5,6 +5,11 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,12 +19,12 @@ import numpy as np
 
 from pdctl import __version__
 from pdctl.config import STAGES
-from pdctl.errors import PdctlError
+from pdctl.errors import EXIT_INTERRUPTED, PdctlError
 from pdctl.project import Project, split_state
 from pdctl.report import figures as F
 from pdctl.report import load as L
 from pdctl.report import page as P
-from pdctl.report.status import DEFAULT_DIR, INDEX, MANIFEST
+from pdctl.report.status import INDEX, MANIFEST
 from pdctl.science.spd import evaluate
 
 REPORT_STAGES = ("pretrain", "warmup", "train")
@@ -101,22 +106,164 @@ class _Out:
         return path
 
 
+class ReportStopped(PdctlError):
+    """SIGTERM/SIGINT while a report was being built: the previous report is left as it was."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class _Stop(BaseException):
+    """Raised by the signal handler inside the build (a BaseException: figure code that
+    catches Exception lets it through)."""
+
+
 def build_report(
     project: Project, stage: str = "train", out: Path | str | None = None, progress: Any = None
 ) -> ReportResult:
     """Write the figures of `stage` (pretrain, warmup or train) and an index.html that shows
     them into `out` (default: <run>/report/). What does not exist yet (an unfinished stage, no
     checkpoint, no final evaluation) is listed in `ReportResult.missing` and on the page; the
-    rest is drawn. Raises PdctlError (one line) for a bad stage or output directory."""
+    rest is drawn. Raises PdctlError (one line) for a bad stage or output directory.
+
+    The new report is built in a temporary directory beside `out` and then put in place in one
+    step (the two directories exchanged), so `out` always holds one whole report, the old or
+    the new: a SIGTERM/SIGINT while it is built leaves the old one as it was (ReportStopped,
+    exit 3). When `out` also holds files that are not the previous report's, the new files
+    are moved in one by one instead (index.html and the manifest last, signals held off)."""
     L.checked_stage(stage, REPORT_STAGES)
-    out_dir = Path(out).expanduser() if out is not None else project.root / DEFAULT_DIR
+    out_dir = Path(out).expanduser() if out is not None else project.report_dir
     if out_dir.exists() and not out_dir.is_dir():
         raise PdctlError(f"--out: {out_dir} exists and is not a directory")
+    if out_dir.is_symlink():  # a link to a directory: the report goes where it points
+        out_dir = out_dir.resolve()
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PdctlError(f"--out: cannot create {out_dir} ({e.strerror})") from None
-    _remove_previous(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError:
+        try:  # the parent is not writable: build inside `out` itself
+            out_dir.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=".pdctl-report-tmp-", dir=out_dir))
+        except OSError as e:
+            raise PdctlError(f"--out: cannot create {out_dir} ({e.strerror})") from None
+    trash = [work]
+    stop = _StopFlag()
+    try:
+        with stop.installed():
+            res = _build(project, stage, work, progress)
+            with _signals_held():
+                trash.append(_publish(work, out_dir, res))
+                stop.published = True
+    except _Stop:
+        name = signal.Signals(stop.signum or signal.SIGTERM).name
+        raise ReportStopped(
+            f"report: stopped by {name}; {out_dir} is as it was (the new report was not kept)"
+        ) from None
+    finally:
+        for path in trash:
+            if path is not None and path.exists() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+    res.out, res.index = out_dir, out_dir / INDEX
+    res.files = [out_dir / p.name for p in res.files]
+    return res
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT stop the build (raise `_Stop`) until the report is in place; after that
+    they are only noted (the report is whole: the command ends as it would have)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.published = False
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if not self.published:
+            raise _Stop()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self.handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM/SIGINT wait (blocked) while the new report is put in place."""
+    sigs = {signal.SIGTERM, signal.SIGINT}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE); False where the
+    system cannot."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0
+
+
+def _publish(work: Path, out_dir: Path, res: ReportResult) -> Path | None:
+    """Put the report built in `work` in place at `out_dir`; returns what is left to delete
+    (the previous report), if anything."""
+    if not out_dir.exists():
+        os.rename(work, out_dir)
+        return None
+    previous = _previous_files(out_dir)
+    ours = previous | {MANIFEST}
+    foreign = [p for p in out_dir.iterdir() if p.name not in ours and p != work]
+    if not foreign and work.parent == out_dir.parent:
+        if _exchange(work, out_dir):
+            return work  # it now holds the previous report
+        aside = work.with_name(work.name + ".previous")
+        os.rename(out_dir, aside)
+        os.rename(work, out_dir)
+        return aside
+    # `out` holds someone else's files too: the new files go in one by one, the page last
+    names = [p.name for p in res.files]
+    last = [n for n in (INDEX, MANIFEST) if n in names]
+    for name in [n for n in names if n not in last] + last:
+        os.replace(work / name, out_dir / name)
+    for name in previous - set(names):
+        p = out_dir / name
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+    return None
+
+
+def _previous_files(out_dir: Path) -> set[str]:
+    """The plain file names the previous report in `out_dir` wrote (its manifest says)."""
+    try:
+        old = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    files = old.get("files", []) if isinstance(old, dict) else []
+    return {n for n in files if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
+
+
+def _build(project: Project, stage: str, out_dir: Path, progress: Any) -> ReportResult:
+    """The report of `stage`, written into the (new, empty) directory `out_dir`."""
     st = project.stage(stage)
     steps = _Steps(progress, total=4)
     res = ReportResult(out=out_dir, index=out_dir / INDEX, stage=stage, step=None)
@@ -421,21 +568,6 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()
     raise TypeError(f"not JSON-serialisable: {type(x)}")
-
-
-def _remove_previous(out_dir: Path) -> None:
-    """Delete the files the previous report in `out_dir` wrote (and only those), so the
-    directory never mixes two runs' figures."""
-    manifest = out_dir / MANIFEST
-    try:
-        old = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    for name in old.get("files", []):
-        p = out_dir / name
-        if isinstance(name, str) and "/" not in name and p.is_file():
-            p.unlink()
-    manifest.unlink(missing_ok=True)
 
 
 def _write_manifest(project: Project, res: ReportResult) -> None:

@@ -445,7 +445,35 @@ def child_env(n: int) -> dict[str, str]:
     env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={n}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     env[CHILD_ENV] = "1"
+    # The child imports the pdctl this process runs, also when that one is importable only
+    # from the directory this process was started in (a source checkout).
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in _import_path():
+        env["PYTHONPATH"] = os.pathsep.join(
+            [root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        )
     return env
+
+
+def _import_path() -> set[str]:
+    """The directories on this interpreter's import path that a child started with `-P` has
+    too: all but the current or script directory Python put first."""
+    entries = sys.path if sys.flags.safe_path else sys.path[1:]
+    return {os.path.realpath(p) for p in entries if p}
+
+
+CHILD_CWD = "/"  # not the run directory: nothing there is imported, even via PYTHONPATH=":..."
+
+
+def child_argv(project: Path | None) -> list[str]:
+    """`python -P -m pdctl --project RUN`: `-P` keeps the current directory off the child's
+    import path (a `typer.py` or `jax.py` next to someone else's pdctl.toml would otherwise
+    run), and the run directory is named explicitly since the child does not start in it.
+    Not `-I`: that would also drop PYTHONPATH and the user site, where pdctl may live."""
+    from pdctl.project import find_project_file
+
+    path = find_project_file(explicit=Path(project)) if project is not None else find_project_file()
+    return [sys.executable, "-P", "-m", "pdctl", "--project", str(path)]
 
 
 def run_child(
@@ -458,10 +486,9 @@ def run_child(
     expand: bool,
     columns: int | None = None,
 ) -> subprocess.CompletedProcess:
-    """Rerun this inspection in `sys.executable -m pdctl` with N simulated CPU devices."""
-    argv = [sys.executable, "-m", "pdctl"]
-    if project is not None:
-        argv += ["--project", str(Path(project).expanduser().resolve())]
+    """Rerun this inspection in `sys.executable -P -m pdctl` with N simulated CPU devices,
+    started outside the run directory with the current directory off its import path."""
+    argv = child_argv(project)
     argv += ["inspect-sharding", "--stage", stage, "--devices", str(n)]
     if mesh is not None:
         argv += ["--mesh", mesh]
@@ -469,7 +496,7 @@ def run_child(
     env = child_env(n)
     if columns:
         env["COLUMNS"] = str(columns)
-    return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    return subprocess.run(argv, env=env, cwd=CHILD_CWD, capture_output=True, text=True, check=False)
 
 
 # ---- text output -------------------------------------------------------------------------------
