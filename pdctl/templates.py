@@ -36,6 +36,15 @@ def available() -> dict[str, str]:
     return out
 
 
+def _name_max(parent: Path) -> int:
+    """The longest file name (in bytes) the file system of `parent` takes; 255 when it cannot
+    say (as on Linux, macOS and Windows file systems alike)."""
+    try:
+        return int(os.pathconf(parent, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
 def create_run(name: str, template: str, parent: Path) -> Path:
     """Scaffold `parent/name/` from a template; refuses anything that could lose data."""
     names = available()
@@ -47,14 +56,23 @@ def create_run(name: str, template: str, parent: Path) -> Path:
         raise PdctlError(
             f"NAME: {name!r} is not a plain directory name (letters, digits, '.', '_', '-'; no '/')"
         )
-    run = parent / name
-    if run.is_symlink() and not run.exists():
+    limit = _name_max(parent)
+    if len(name.encode("utf-8")) > limit:
         raise PdctlError(
-            f"NAME: {run} is a symlink to {os.readlink(run)}, which does not exist; "
-            "create its target or pick another name"
+            f"NAME: {len(name)} characters is too long for a directory name here "
+            f"(at most {limit}); pick a shorter one"
         )
-    if run.exists() and (not run.is_dir() or any(run.iterdir())):
-        raise PdctlError(f"NAME: {run} already exists and is not empty; pick another name")
+    run = parent / name
+    try:
+        if run.is_symlink() and not run.exists():
+            raise PdctlError(
+                f"NAME: {run} is a symlink to {os.readlink(run)}, which does not exist; "
+                "create its target or pick another name"
+            )
+        if run.exists() and (not run.is_dir() or any(run.iterdir())):
+            raise PdctlError(f"NAME: {run} already exists and is not empty; pick another name")
+    except OSError as e:  # a path too long for the system, a directory we may not list
+        raise PdctlError(f"NAME: cannot create {run} ({e.strerror or e})") from None
     src = templates_root() / template
     # Bytes, not text: the run's pdctl.toml is the template byte for byte (no locale, no newline
     # translation).

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.config import STAGES
+from pdctl.errors import PdctlError
 from pdctl.project import Project
 
 DEFAULT_DIR = "report"  # <run>/report/ unless --out says otherwise
@@ -22,20 +23,43 @@ def _fmt(v: Any, spec: str) -> str:
     return "nan" if not math.isfinite(v) else format(v, spec)
 
 
-def eval_summary(stage_state: Mapping[str, Any]) -> str:
+def _table(ev: Mapping[str, Any], key: str, stage: str) -> Mapping[str, Any]:
+    """`eval.<key>`, a table of per-site numbers as pdctl writes it (absent: empty). A value
+    that is not a table is a hand edit: an error naming it, as `project.check_state` does for
+    the fields it checks. Numbers inside that are not numbers show as `?`."""
+    value = ev.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise PdctlError(
+            f"state.{stage}.eval.{key}: must be a table, got {shown} ([state.*] is written by "
+            f"pdctl: restore it, or delete [state.{stage}] and rerun the stage)"
+        )
+    return value
+
+
+def _numbers(table: Mapping[str, Any]) -> list[float]:
+    return [v for v in table.values() if isinstance(v, int | float) and not isinstance(v, bool)]
+
+
+def eval_summary(stage_state: Mapping[str, Any], stage: str = "train") -> str:
     """The final evaluation in a few words: toys `CI errors 0, min MMCS 0.999, L0 1.00/1.02`;
-    LMs `CE 2.31 (target 2.25), KL ci 0.041 stoch 0.12`. Empty when there is none."""
+    LMs `CE 2.31 (target 2.25), KL ci 0.041 stoch 0.12`. Empty when there is none. `stage`
+    names the `[state.<stage>]` table in the error a hand-edited one that is not a table of
+    per-site numbers raises."""
     ev = stage_state.get("eval") or {}
     if not isinstance(ev, Mapping) or not ev:
         return ""
     if "ci_errors" in ev:
-        errs = ev.get("ci_errors") or {}
-        total = errs.get("total", sum(v for v in errs.values() if isinstance(v, int | float)))
+        errs = _table(ev, "ci_errors", stage)
+        total = errs.get("total", sum(_numbers(errs)))
         parts = [f"CI errors {_fmt(total, '.0f')}"]
-        mmcs = [v for v in (ev.get("mmcs") or {}).values() if isinstance(v, int | float)]
+        mmcs = _numbers(_table(ev, "mmcs", stage))
         if mmcs:
             parts.append(f"min MMCS {_fmt(min(mmcs), '.3f')}")
-        l0 = [v for v in (ev.get("l0") or {}).values() if isinstance(v, int | float)]
+        l0 = _numbers(_table(ev, "l0", stage))
         if l0:
             shown = (
                 "/".join(_fmt(v, ".2f") for v in l0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,9 @@ class HfSpec:
     act: str  # one of ACTIVATIONS
     norm_eps: float
     tie_word_embeddings: bool
-    max_positions: int  # GPT-2: size of the learned position table (a hard limit)
+    # GPT-2: size of the learned position table; Llama / Qwen2: max_position_embeddings, the
+    # context it was trained for. data.seq_len may not exceed it.
+    max_positions: int
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -97,43 +100,96 @@ def read_hf_config(model_dir: str | Path) -> HfSpec:
     if not isinstance(cfg, dict):
         raise _err(f"{path} is not a JSON object")
     archs = cfg.get("architectures") or []
-    if not archs and cfg.get("model_type") in _BY_MODEL_TYPE:
-        archs = [_BY_MODEL_TYPE[cfg["model_type"]]]
+    model_type = cfg.get("model_type")
+    if not archs and isinstance(model_type, str) and model_type in _BY_MODEL_TYPE:
+        archs = [_BY_MODEL_TYPE[model_type]]
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
-    if arch not in SUPPORTED:
+    if not isinstance(arch, str) or arch not in SUPPORTED:
         found = f"architecture {arch!r}" if arch else "no 'architectures'"
         raise _err(f"{found} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
     return _gpt2_spec(cfg, path) if arch == GPT2 else _llama_spec(cfg, path, arch)
 
 
-def _get(cfg: dict, path: Path, key: str, typ: type, default: Any = ...) -> Any:
+# The largest size a config may give (a JAX dimension is an int32 on some backends): a value
+# above it is a corrupt or mistyped config, not a model.
+MAX_SIZE = 2**31 - 1
+
+
+def _get(cfg: Mapping[str, Any], path: Path | str, key: str, typ: type, default: Any = ...) -> Any:
+    """`cfg[key]` of type `typ` (an int is a float too; numpy scalars, as GGUF metadata gives
+    them, count as Python ones); missing or null is `default`, or an error without one."""
     if key not in cfg or cfg[key] is None:
         if default is ...:
             raise _err(f"{path} has no {key!r}")
         return default
     v = cfg[key]
-    ok = isinstance(v, typ) and not (typ in (int, float) and isinstance(v, bool))
-    if typ is float and isinstance(v, int) and not isinstance(v, bool):
+    if isinstance(v, bool | np.bool_):
+        ok = typ is bool
+        v = bool(v)
+    elif isinstance(v, numbers.Integral) and typ in (int, float):
+        v, ok = int(v), True
+        if typ is float:
+            try:
+                v = float(v)
+            except OverflowError:
+                ok = False
+    elif isinstance(v, numbers.Real) and typ is float:
         v, ok = float(v), True
+    else:
+        ok = isinstance(v, typ)
     if not ok:
-        raise _err(f"{path}: {key!r} must be {typ.__name__}, got {v!r}")
+        what = _TYPE_NAMES.get(typ, typ.__name__)
+        raise _err(f"{path}: {key!r} must be {what}, got {_shown(cfg[key])}")
     return v
 
 
-def _common(cfg: dict, path: Path) -> dict[str, Any]:
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _shown(v: Any) -> str:
+    """A value for a one-line message: its repr, cut short."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _size(
+    cfg: Mapping[str, Any], path: Path | str, key: str, default: Any = ..., least: int = 1
+) -> int:
+    """An integer size in [least, MAX_SIZE] (a count of heads, layers, a width, ...)."""
+    v = _get(cfg, path, key, int, default)
+    if not least <= v <= MAX_SIZE:
+        raise _err(f"{path}: {key!r} must be an integer in [{least}, {MAX_SIZE}], got {_shown(v)}")
+    return v
+
+
+def _number(
+    cfg: Mapping[str, Any], path: Path | str, key: str, default: Any = ..., *, zero: bool = False
+) -> float:
+    """A finite number > 0 (>= 0 with `zero`)."""
+    v = _get(cfg, path, key, float, default)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero):
+        raise _err(f"{path}: {key!r} must be a finite number {'>=' if zero else '>'} 0, got {v!r}")
+    return v
+
+
+def _common(cfg: Mapping[str, Any], path: Path) -> dict[str, Any]:
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     eos = cfg.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else [eos]
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
+    # Types only: transformers keeps ids beyond vocab_size too (GPT2Config's default 50256 in a
+    # smaller vocabulary), and data.eos_id is what pdctl puts between documents.
+    if any(isinstance(i, bool | np.bool_) or not isinstance(i, numbers.Integral) for i in eos_ids):
+        raise _err(
+            f"{path}: 'eos_token_id' must be an integer or a list of them, got {_shown(eos)}"
+        )
     return {
         "config_path": str(path),
         "checkpoint_dtype": dtype if isinstance(dtype, str) else None,
-        "eos_token_ids": tuple(
-            i for i in eos_ids if isinstance(i, int) and not isinstance(i, bool)
-        ),
+        "eos_token_ids": tuple(int(i) for i in eos_ids),
     }
 
 
-def _activation(cfg: dict, path: Path, key: str, default: str) -> str:
+def _activation(cfg: Mapping[str, Any], path: Path, key: str, default: str) -> str:
     act = _get(cfg, path, key, str, default)
     if act not in ACTIVATIONS:
         raise _err(
@@ -142,42 +198,55 @@ def _activation(cfg: dict, path: Path, key: str, default: str) -> str:
     return act
 
 
-def _rope(cfg: dict, path: Path) -> tuple[float, tuple[str, float, float, float, int]]:
+def _rope(cfg: Mapping[str, Any], path: Path) -> tuple[float, tuple[str, float, float, float, int]]:
     """rope_theta and scaling from either layout: transformers 5 (`rope_parameters`) or 4
     (top-level `rope_theta` plus `rope_scaling`)."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict):
+    if not isinstance(params, Mapping):
         raise _err(f"{path}: rope_parameters must be an object, got {params!r}")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if not isinstance(theta, int | float) or isinstance(theta, bool):
-        raise _err(f"{path}: rope_theta must be a number, got {theta!r}")
-    theta = float(theta)
+    # A key in rope_parameters wins over the top-level one (transformers 5 moved them there).
+    merged = {**cfg, **params}
+    theta = _number(merged, path, "rope_theta", 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise _err(
             f"rope scaling {kind!r} in {path} is not supported (supported: {', '.join(ROPE_TYPES)})"
         )
-    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+    if _get(merged, path, "partial_rotary_factor", float, 1.0) != 1.0:
         raise _err(f"partial_rotary_factor in {path} is not supported (supported: 1.0)")
     if kind == "default":
         return theta, ("default", 1.0, 1.0, 1.0, 0)
-    try:
-        factor = float(params["factor"])
-        if kind == "linear":
-            return theta, ("linear", factor, 1.0, 1.0, 0)
-        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        orig = int(params["original_max_position_embeddings"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise _err(f"rope scaling {kind!r} in {path} lacks a valid {e}") from None
+    where = f"{path} (rope scaling {kind!r})"
+    factor = _number(params, where, "factor")
+    if kind == "linear":
+        return theta, ("linear", factor, 1.0, 1.0, 0)
+    low = _number(params, where, "low_freq_factor")
+    high = _number(params, where, "high_freq_factor")
+    if high <= low:
+        raise _err(
+            f"{where}: 'high_freq_factor' {high} must be greater than 'low_freq_factor' {low}"
+        )
+    orig = _size(params, where, "original_max_position_embeddings")
     return theta, ("llama3", factor, low, high, orig)
 
 
-def _llama_spec(cfg: dict, path: Path, arch: str) -> HfSpec:
-    d = _get(cfg, path, "hidden_size", int)
-    n_heads = _get(cfg, path, "num_attention_heads", int)
-    n_kv = _get(cfg, path, "num_key_value_heads", int, n_heads)
-    head_dim = _get(cfg, path, "head_dim", int, d // n_heads)
-    n_layers = _get(cfg, path, "num_hidden_layers", int)
+def _llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
+    """The spec of a Llama or Qwen2 config (transformers' key names; `cfg` may be any mapping,
+    such as one built from a GGUF file's metadata). Every size is checked for type and range,
+    and the head layout as transformers builds it: Llama needs hidden_size to be a multiple of
+    num_attention_heads (LlamaConfig refuses it otherwise), both need num_attention_heads to be
+    a multiple of num_key_value_heads, and head_dim (default hidden_size // num_attention_heads)
+    even for RoPE."""
+    d = _size(cfg, path, "hidden_size")
+    n_heads = _size(cfg, path, "num_attention_heads")
+    n_kv = _size(cfg, path, "num_key_value_heads", n_heads)
+    if arch == LLAMA and d % n_heads:
+        raise _err(f"{path}: hidden_size {d} is not a multiple of num_attention_heads {n_heads}")
+    if d // n_heads < 1 and cfg.get("head_dim") is None:
+        raise _err(f"{path}: hidden_size {d} is smaller than num_attention_heads {n_heads}")
+    head_dim = _size(cfg, path, "head_dim", d // n_heads)
+    n_layers = _size(cfg, path, "num_hidden_layers")
+    vocab = _size(cfg, path, "vocab_size")
     if n_heads % n_kv:
         raise _err(f"{path}: num_attention_heads {n_heads} is not a multiple of "
                    f"num_key_value_heads {n_kv}")  # fmt: skip
@@ -185,14 +254,17 @@ def _llama_spec(cfg: dict, path: Path, arch: str) -> HfSpec:
         raise _err(f"{path}: head_dim {head_dim} is odd (RoPE rotates pairs of dimensions)")
     if arch == QWEN2:
         types = cfg.get("layer_types")
-        if isinstance(types, list):
+        if types is not None:
+            if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+                raise _err(f"{path}: 'layer_types' must be a list of strings, got {types!r}")
             sliding = "sliding_attention" in types
         else:
-            sliding = (
-                bool(cfg.get("use_sliding_window"))
-                and cfg.get("sliding_window") is not None
-                and int(cfg.get("max_window_layers", 0)) < n_layers
-            )
+            # as Qwen2Config: layer i slides when use_sliding_window, a sliding_window is set
+            # and i >= max_window_layers (default 28)
+            use = _get(cfg, path, "use_sliding_window", bool, False)
+            window = _get(cfg, path, "sliding_window", int, None)
+            first = _size(cfg, path, "max_window_layers", 28, least=0)
+            sliding = use and window is not None and first < n_layers
         if sliding:
             raise _err(
                 f"sliding-window attention in {path} is not supported (supported: full "
@@ -209,17 +281,18 @@ def _llama_spec(cfg: dict, path: Path, arch: str) -> HfSpec:
     theta, scaling = _rope(cfg, path)
     return HfSpec(
         architecture=arch,
-        vocab_size=_get(cfg, path, "vocab_size", int),
+        vocab_size=vocab,
         d_model=d,
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        d_mlp=_get(cfg, path, "intermediate_size", int),
+        d_mlp=_size(cfg, path, "intermediate_size"),
         act=_activation(cfg, path, "hidden_act", "silu"),
-        norm_eps=_get(cfg, path, "rms_norm_eps", float, 1e-6),
+        norm_eps=_number(cfg, path, "rms_norm_eps", 1e-6, zero=True),
         tie_word_embeddings=_get(cfg, path, "tie_word_embeddings", bool, False),
-        max_positions=_get(cfg, path, "max_position_embeddings", int, 2048),
+        # transformers' defaults: LlamaConfig 2048, Qwen2Config 32768
+        max_positions=_size(cfg, path, "max_position_embeddings", 32768 if arch == QWEN2 else 2048),
         rope_theta=theta,
         rope_scaling=scaling,
         **biases,
@@ -227,26 +300,29 @@ def _llama_spec(cfg: dict, path: Path, arch: str) -> HfSpec:
     )
 
 
-def _gpt2_spec(cfg: dict, path: Path) -> HfSpec:
-    d = _get(cfg, path, "n_embd", int)
-    n_heads = _get(cfg, path, "n_head", int)
+def _gpt2_spec(cfg: Mapping[str, Any], path: Path) -> HfSpec:
+    """The spec of a GPT-2 config (transformers' key names, or any mapping with them); n_embd
+    must be a multiple of n_head, as GPT2Attention requires."""
+    d = _size(cfg, path, "n_embd")
+    n_heads = _size(cfg, path, "n_head")
     if d % n_heads:
         raise _err(f"{path}: n_embd {d} is not a multiple of n_head {n_heads}")
-    if cfg.get("add_cross_attention"):
+    if _get(cfg, path, "add_cross_attention", bool, False):
         raise _err(f"add_cross_attention in {path} is not supported (supported: false)")
+    vocab = _size(cfg, path, "vocab_size")
     return HfSpec(
         architecture=GPT2,
-        vocab_size=_get(cfg, path, "vocab_size", int),
+        vocab_size=vocab,
         d_model=d,
-        n_layers=_get(cfg, path, "n_layer", int),
+        n_layers=_size(cfg, path, "n_layer"),
         n_heads=n_heads,
         n_kv_heads=n_heads,
         head_dim=d // n_heads,
-        d_mlp=_get(cfg, path, "n_inner", int, 4 * d),
+        d_mlp=_size(cfg, path, "n_inner", 4 * d),
         act=_activation(cfg, path, "activation_function", "gelu_new"),
-        norm_eps=_get(cfg, path, "layer_norm_epsilon", float, 1e-5),
+        norm_eps=_number(cfg, path, "layer_norm_epsilon", 1e-5, zero=True),
         tie_word_embeddings=_get(cfg, path, "tie_word_embeddings", bool, True),
-        max_positions=_get(cfg, path, "n_positions", int, 1024),
+        max_positions=_size(cfg, path, "n_positions", 1024),
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
@@ -297,11 +373,16 @@ class HFCausalLM(Target):
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         if self.remat not in ("none", *REMAT_POLICIES):
             raise ValueError(f"remat must be one of none, {', '.join(REMAT_POLICIES)}")
-        if self.spec.is_gpt2 and self.seq_len > self.spec.max_positions:
-            raise PdctlError(
-                f"data.seq_len: {self.seq_len} exceeds the {self.spec.max_positions} learned "
-                f"positions (n_positions) of the GPT-2 model in {self.spec.config_path}"
-            )
+        s = self.spec
+        if self.seq_len > s.max_positions:
+            if s.is_gpt2:
+                what = f"{s.max_positions} learned positions (n_positions) of the GPT-2 model"
+            else:
+                what = (
+                    f"{s.max_positions} positions (max_position_embeddings) that the "
+                    f"{s.architecture} model was trained for"
+                )
+            raise PdctlError(f"data.seq_len: {self.seq_len} exceeds the {what} in {s.config_path}")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs: Any) -> HFCausalLM:
