@@ -212,3 +212,37 @@ def test_forged_token_cache_is_not_trusted(tmp_path, gguf_model, caplog):
     os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
     edited = data.load_corpus(corpus, tokenizer_path=gguf_model, cache_dir=cache)
     assert not np.array_equal(edited, first)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        ("empty.jsonl", b"", "no text in 1 file"),
+        ("blank.jsonl", b"\n\n   \n", "no text in 1 file"),
+        ("nofield.jsonl", b'{"text": "a b"}\n{"body": "x"}\n', "nofield.jsonl:2: no field 'text'"),
+        ("late.jsonl", b'{"text": "a"}\n' * 4999 + b"{oops\n", "late.jsonl:5000: not valid JSON"),
+        ("latin1.txt", "caf\xe9".encode("latin-1"), "latin1.txt: not UTF-8 text"),
+        ("short.txt", b"a", "need at least 17"),
+    ],
+)
+def test_bad_text_inputs_are_one_line_naming_the_file(tmp_path, gguf_model, name, content, needle):
+    """Issue 24 item 15, the text cases: each stops with one line naming the file (and line)."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        data.load_corpus(path, tokenizer_path=gguf_model, seq_len=16, cache_dir=tmp_path / "c")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fifo_and_device_paths_do_not_hang(tmp_path, gguf_model):
+    """A FIFO or a device as the corpus is refused at once (never opened and read)."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(ValueError, match="no such file or directory"):
+            data.load_corpus(path, tokenizer_path=gguf_model)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    os.mkfifo(folder / "inside.txt")
+    (folder / "ok.txt").write_text("the cat sat on a mat")
+    assert data.load_corpus(folder, tokenizer_path=gguf_model).size > 0  # the FIFO is skipped
