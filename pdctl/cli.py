@@ -50,6 +50,9 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
             if e.__cause__ is not None and os.environ.get("PDCTL_TRACEBACK"):
                 traceback.print_exception(e.__cause__)
             err_console.print(f"error: {e}", markup=False)
+            from pdctl import supervisor
+
+            supervisor.tell_said(e.exit_code)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
@@ -188,7 +191,7 @@ def status(
             status_txt,
             step,
             _fmt_metrics(st.get("metrics")),
-            eval_summary(st),
+            eval_summary(st, stage),
             f"{st['wall_s']:.1f}" if "wall_s" in st else "",
             f"{compile_s:.1f}" if isinstance(compile_s, int | float) else "",
             str(st.get("checkpoint", "")),
@@ -224,9 +227,11 @@ def report(
 
 def _stage_project(ctx: typer.Context):
     """Load the project and set up JAX for a stage (multi-host runtime, compile cache)."""
+    from pdctl import supervisor
     from pdctl.engine import runtime
 
     proj = _project(ctx)
+    supervisor.adopt(proj)  # supervised: the parent process holds the run directory's lock
     runtime.setup_logging()
     runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)
     return proj
@@ -235,10 +240,22 @@ def _stage_project(ctx: typer.Context):
 @contextlib.contextmanager
 def _stopping_cleanly():
     """SIGTERM/SIGINT from here on ask the stage to stop with a checkpoint (exit 3) instead of
-    killing the process: installed before JAX is imported, the run restored or compiled."""
-    from pdctl.engine.runtime import stop_signals
+    killing the process: installed before JAX is imported, the run restored or compiled.
 
-    with stop_signals():
+    From the real entry point (`main`), the stage runs in a supervised child process instead
+    (`pdctl.supervisor`): this process forwards the signals and answers for a child that dies
+    by one."""
+    from pdctl import supervisor
+
+    if supervisor.active():
+        import sys
+
+        raise typer.Exit(supervisor.run_child(sys.argv[1:]))
+    from pdctl.engine import runtime
+
+    with runtime.stop_signals():
+        supervisor.tell(ready=True)
+        runtime.on_stop(supervisor.tell_stopping)
         yield
 
 
@@ -417,7 +434,10 @@ def export(
         Path, typer.Option("--out", "-o", help="The file to write (.npz or .safetensors).")
     ],
     stage: Annotated[
-        str | None, typer.Option("--stage", help="Stage to export (default: the last done).")
+        str | None,
+        typer.Option(
+            "--stage", help="Stage to export (default: the last stage run, which must be done)."
+        ),
     ] = None,
     fmt: Annotated[
         str | None,
@@ -493,7 +513,25 @@ def inspect_sharding(
 
 
 def main() -> None:
-    app()
+    """The `pdctl` command. Stage commands run supervised (`pdctl.supervisor`). A stage that
+    stopped while a compile, restore or evaluation was still running on a worker thread ends
+    the process with os._exit once its state and last line are written: that C++ call cannot
+    be cancelled, and the interpreter would wait for it on the way out."""
+    import sys
+
+    from pdctl import supervisor
+
+    supervisor.enable()
+    try:
+        app(prog_name="pdctl")
+    except SystemExit as e:
+        runtime = sys.modules.get("pdctl.engine.runtime")
+        if runtime is not None and runtime.abandoned():
+            code = e.code if isinstance(e.code, int) else 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        raise
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ raises or returns a non-finite number fails the stage. A failure of any kind (th
 error, out of memory) ends as status `failed` with the last good checkpoint and one line
 (`StageFailed`, exit 1).
 
+A stop request (SIGTERM/SIGINT) is acted on between steps with a stop checkpoint, and during
+the long calls into C++ as well: the step's compile and every evaluation run `interruptible`
+(engine.runtime), so a stop that comes while one of them runs ends the stage within seconds,
+`interrupted` at its last checkpoint, leaving that call behind. Under jax.distributed every
+process stops at the same step (JAX's preemption sync point). A signal that comes after the
+last step changes nothing: the stage is done.
+
 Step contract: `step(*frozen, state, batch) -> (state, metrics)` where `state` is a dict holding
 at least `step`, `bad_steps` and `max_bad_run` (int32 scalars, see `guard_update`) and is
 donated; `frozen` (the target parameters of warmup/train) is not.
@@ -158,7 +165,9 @@ class Loop:
         t0 = time.perf_counter()
         batch = self._peek_batch()
         state = self.state if state is None else state
-        compiled = self.step_fn.lower(*self.frozen, state, batch).compile()
+        lowered = self.step_fn.lower(*self.frozen, state, batch)
+        # XLA's compile is one long C++ call: a stop request is still acted on during it
+        compiled = runtime.interruptible(lowered.compile, what="compiling the step")
         self.compile_s = time.perf_counter() - t0
         self.flops_per_step = measure.step_flops(compiled)
         return compiled
@@ -187,8 +196,10 @@ class Loop:
         return runtime.stop_signals()
 
     def _stopping(self) -> bool:
+        """Stop now? Asked before the first step and once per step, identically on every
+        process: under jax.distributed all processes answer yes at the same step."""
         if self._signal is None:
-            self._signal = runtime.stop_requested()
+            self._signal = runtime.agreed_stop()
         return self._signal is not None
 
     # ---- run -----------------------------------------------------------------------------
@@ -198,6 +209,8 @@ class Loop:
         with self._signals():
             try:
                 return self._run()
+            except runtime.StopNow as e:  # a compile or evaluation was left running
+                self._left_running(e)
             except PdctlError:
                 raise  # Interrupted, StageFailed, and user errors: already said and written
             except Exception as e:  # an XLA error, out of memory, a failing data source, ...
@@ -314,7 +327,9 @@ class Loop:
             # checkpoint) still owes the final evaluation.
             self._check_state_finite(step, state, last_metrics)
             last_eval = self._evaluate(step, state, last_metrics)
-        interrupted = self._stopping()
+        # A stop seen by the loop (not one that came after its last step: a finished stage
+        # is done, whatever arrives while it writes its end).
+        interrupted = self._signal is not None
         self.checkpointer.wait()
         if self.checkpointer.latest_step() != step:  # a signal, or a zero-step stage
             self._check_state_finite(step, state, last_metrics)
@@ -330,7 +345,7 @@ class Loop:
             eval=last_eval,
             donation_fraction=donation_fraction,
         )
-        if interrupted:
+        if interrupted and not done:
             name = signal.Signals(self._signal).name
             raise Interrupted(
                 f"{self.stage}: stopped by {name} at step {step}; checkpoint saved, "
@@ -386,7 +401,8 @@ class Loop:
 
     def _evaluate(self, step: int, state: Any, metrics: dict[str, float]) -> dict[str, Any]:
         try:
-            ev = self.eval_fn(state)
+            # compiles its programs on the first call, and can run long: stays interruptible
+            ev = runtime.interruptible(self.eval_fn, state, what=f"evaluating step {step}")
         except Exception as e:
             self._fail(step, f"evaluation at step {step} failed ({_one_line(e)})", metrics, cause=e)
         bad = _non_finite(ev)
@@ -400,6 +416,30 @@ class Loop:
             )
         self._log_eval(step, ev)
         return ev
+
+    def _left_running(self, e: runtime.StopNow) -> NoReturn:
+        """A stop came while a compile or an evaluation ran, and it did not end within the
+        grace: status `interrupted` at the last complete checkpoint (nothing new is saved: the
+        state in hand may be mid-way between checkpoints, and a save takes time), exit 3."""
+        latest = self.checkpointer.latest_step()
+        step = latest if latest is not None else self.start_step
+        with contextlib.suppress(Exception):
+            self.on_state(
+                status="interrupted",
+                step=step,
+                checkpoint=latest,
+                wall_s=round(time.perf_counter() - self._t_start + self.compile_s, 3),
+            )
+        where = f"{self.stage}: stopped by {e.name} while {e.what} (left unfinished)"
+        if latest is not None:
+            kept = f"the last checkpoint, step {latest}, is kept; continue with `pdctl resume`"
+        else:
+            kept = "no checkpoint of this run was saved; `pdctl resume` starts it over"
+            with contextlib.suppress(Exception):
+                prev = self.checkpointer.previous_steps()
+                if prev:
+                    kept += f" (the previous run's, up to step {prev[-1]}, are kept)"
+        raise Interrupted(f"{where}; {kept}") from None
 
     def _fail(
         self,

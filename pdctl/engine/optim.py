@@ -20,6 +20,9 @@ def schedule(cfg: Any, steps: int) -> optax.Schedule:
     tables and `[train.ppgd]`)."""
     warmup = int(cfg.warmup_frac * steps)
     decay = steps - warmup
+    # Python floats, not ints, enter the traced arithmetic: a legal step count past int32
+    # (`steps = 2**40`) would not fit the int32 a Python int becomes there.
+    warmup_f, span = float(warmup), float(max(decay - 1, 1))
     peak, final = float(cfg.lr), float(cfg.final_lr_frac)
     kind = cfg.schedule
     if kind not in ("constant", "linear", "cosine"):
@@ -30,7 +33,7 @@ def schedule(cfg: Any, steps: int) -> optax.Schedule:
         if kind == "constant" or decay <= 1:
             main = jnp.full_like(s, peak)
         else:
-            progress = jnp.clip((s - warmup) / (decay - 1), 0.0, 1.0)
+            progress = jnp.clip((s - warmup_f) / span, 0.0, 1.0)
             if kind == "linear":
                 mult = final + (1 - final) * (1 - progress)
             else:
@@ -38,7 +41,7 @@ def schedule(cfg: Any, steps: int) -> optax.Schedule:
             main = peak * mult
         if warmup == 0:
             return main
-        return jnp.where(s < warmup, peak * s / warmup, main)
+        return jnp.where(s < warmup_f, peak * s / warmup_f, main)
 
     return lr
 

@@ -125,7 +125,12 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
     import jax
 
     if cfg.compile.cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compile.cache_dir))
+        # Relative paths were made relative to the run directory when pdctl.toml was loaded.
+        # The cache holds executables JAX loads and runs: only a directory only we can write.
+        from pdctl.files import check_private_dir
+
+        cache = check_private_dir(os.path.expanduser(cfg.compile.cache_dir), "compile.cache_dir")
+        jax.config.update("jax_compilation_cache_dir", str(cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if _initialized:
@@ -190,14 +195,193 @@ def is_writer() -> bool:
 
 
 # ---- SIGTERM / SIGINT ---------------------------------------------------------------------------
+#
+# A signal is a request: it sets `_stop`, and the stage acts on it at the next point where it
+# can stop cleanly (between steps: a stop checkpoint). Long calls into C++ (XLA compiles, an
+# evaluation, an orbax restore, tokenization) never return to Python in between, so they run on
+# a worker thread (`interruptible`) while the main thread waits in short slices: when a stop is
+# requested and the call has not ended `STOP_GRACE_S` later, the stage leaves it running
+# (`StopNow`), records `interrupted` with the last checkpoint it has, and the process ends with
+# `os._exit` (`abandoned()`: cli.main), since a C++ call cannot be cancelled.
+#
+# Under jax.distributed, JAX's preemption sync manager owns SIGTERM (its C++ notifier replaces
+# any Python handler) and tells every process through the coordination service; the training
+# loop then stops at the step all processes agree on (`agreed_stop`, JAX's
+# `reached_preemption_sync_point`). A SIGINT (or a SIGTERM that came before jax.distributed
+# started) is handed over to that notifier as a SIGTERM to this process, so it too reaches all.
 
 _stop: int | None = None  # the first SIGTERM/SIGINT received while the handlers are installed
 _depth = 0
+_abandoned: str | None = None  # what a stop left running on a worker thread
+_handed_over = False  # this process's own signal was passed on to the preemption notifier
+_notice_seen = False  # the coordination service holds a preemption notice
+_notice_checked = 0.0
+_sync_calls = 0  # calls to the preemption sync point: the same sequence on every process
+_on_stop: list = []  # called once with the signal when a stop is first seen (the supervisor)
+_told = False
+
+STOP_GRACE_S = 2.0  # how long a long call may still run after a stop before it is left behind
+PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"  # set by JAX's preemption notifier
+
+
+class StopNow(BaseException):
+    """A stop was requested while a long call ran on a worker thread (`interruptible`) and the
+    call did not end within `STOP_GRACE_S`: the stage stops now and leaves it running.
+
+    A BaseException, so the `except Exception` of the code it passes through (a restore that
+    turns every error into "does not restore") lets it by."""
+
+    def __init__(self, signum: int, what: str):
+        super().__init__(signum, what)
+        self.signum = signum
+        self.what = what
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def _preemption_manager():
+    """JAX's preemption sync manager when jax.distributed started one (it then owns SIGTERM)."""
+    mod = sys.modules.get("jax._src.distributed")
+    state = getattr(mod, "global_state", None)
+    return getattr(state, "preemption_sync_manager", None)
+
+
+def coordinated() -> bool:
+    """Stops are agreed between processes (jax.distributed with its preemption service)."""
+    return _preemption_manager() is not None
+
+
+def _hand_over() -> None:
+    """Pass this process's own signal on to JAX's preemption notifier (a SIGTERM to itself),
+    so every process of the run hears of it."""
+    global _handed_over
+    if _handed_over or _stop is None:
+        return
+    _handed_over = True
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _notice_posted() -> bool:
+    """The coordination service holds a preemption notice: some process got SIGTERM (asked at
+    most every 0.25 s; once seen, remembered)."""
+    global _notice_seen, _notice_checked
+    if _notice_seen:
+        return True
+    import time
+
+    now = time.monotonic()
+    if now - _notice_checked < 0.25:
+        return False
+    _notice_checked = now
+    mod = sys.modules.get("jax._src.distributed")
+    client = getattr(getattr(mod, "global_state", None), "client", None)
+    if client is None:
+        return False
+    try:
+        client.key_value_try_get(PREEMPTION_NOTICE_KEY)
+    except Exception:  # NOT_FOUND: no notice (or the service is gone)
+        return False
+    _notice_seen = True
+    return True
+
+
+def _seen(signum: int | None) -> int | None:
+    global _told
+    if signum is not None and not _told:
+        _told = True
+        for fn in _on_stop:
+            with contextlib.suppress(Exception):
+                fn(signum)
+    return signum
 
 
 def stop_requested() -> int | None:
-    """The signal number of the first SIGTERM/SIGINT since the handlers went in, or None."""
-    return _stop
+    """The signal number of the first SIGTERM/SIGINT since the handlers went in, or None. Under
+    jax.distributed also SIGTERM once any process of the run received one (the preemption
+    notice): every process then leaves a long call it is in."""
+    if _preemption_manager() is None:
+        return _seen(_stop)
+    if _stop is not None:
+        _hand_over()
+        return _seen(_stop)
+    return _seen(signal.SIGTERM if _notice_posted() else None)
+
+
+def agreed_stop() -> int | None:
+    """For the training loop, asked once before the first step and once per step, the same way
+    by every process: the signal to stop on now, or None to go on.
+
+    One process: the pending signal. Under jax.distributed: SIGTERM (or this process's SIGINT)
+    once every process has reached the call at which they agreed to stop (JAX's preemption
+    sync point: the call after the furthest any process had made when the notice came)."""
+    global _sync_calls
+    if _preemption_manager() is None:
+        return _seen(_stop)
+    from jax.experimental import multihost_utils
+
+    if _stop is not None:
+        _hand_over()
+    _sync_calls += 1
+    if multihost_utils.reached_preemption_sync_point(_sync_calls):
+        return _seen(_stop or signal.SIGTERM)
+    return None
+
+
+def on_stop(fn) -> None:
+    """Call `fn(signum)` once, when a stop request is first acted on (the supervisor hears of
+    it: a child that then dies by a signal was stopping, not failing)."""
+    if fn not in _on_stop:
+        _on_stop.append(fn)
+
+
+def abandoned() -> str | None:
+    """What a stop left running on a worker thread (the process must then end with os._exit:
+    that call cannot be cancelled and would hold up the interpreter's exit), or None."""
+    return _abandoned
+
+
+def interruptible(fn, *args, what: str, **kwargs):
+    """`fn(*args, **kwargs)`, with SIGTERM/SIGINT still acted on while it runs.
+
+    It runs on a worker thread and the main thread waits in 0.1 s slices: when a stop is
+    requested and `fn` has not returned `STOP_GRACE_S` later, `StopNow` is raised (naming
+    `what`, e.g. "compiling the step") and `fn` is left running. A call that ends within the
+    grace returns as usual (the caller then stops where it is: a quick restore still ends in a
+    stop checkpoint). Outside the handlers, or off the main thread, `fn` is simply called."""
+    import threading
+    import time
+
+    if _depth == 0 or threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+    box: dict = {}
+
+    def work() -> None:
+        try:
+            box["out"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the main thread as it is
+            box["err"] = e
+
+    worker = threading.Thread(target=work, name=f"pdctl: {what}", daemon=True)
+    worker.start()
+    deadline = None
+    while True:
+        worker.join(0.1)
+        if not worker.is_alive():
+            break
+        signum = stop_requested()
+        if signum is None:
+            continue
+        if deadline is None:
+            deadline = time.monotonic() + STOP_GRACE_S
+        elif time.monotonic() >= deadline:
+            global _abandoned
+            _abandoned = what
+            raise StopNow(signum, what)
+    if "err" in box:
+        raise box["err"]
+    return box.get("out")
 
 
 @contextlib.contextmanager
@@ -207,19 +391,25 @@ def stop_signals() -> Iterator[None]:
     Installed for a whole stage (imports, restore, compile, steps, the final save), so a signal
     at any point ends with a checkpoint and exit 3 rather than a kill mid-write. Re-entrant:
     only the outermost use installs and restores the handlers, and clears an earlier request.
-    Later signals after the first are ignored so that a second Ctrl-C cannot cut a save short."""
-    global _stop, _depth
+    Later signals after the first are ignored so that a second Ctrl-C cannot cut a save short.
+    Where JAX's preemption notifier already owns SIGTERM (jax.distributed), it keeps it."""
+    global _stop, _depth, _handed_over, _told
 
     def handler(signum, frame):
         global _stop
         if _stop is None:
             _stop = signum
+            if _preemption_manager() is not None:  # tell the other processes
+                _hand_over()
 
     old: dict[int, object] = {}
     if _depth == 0:
         _stop = None
+        _handed_over = _told = False
         try:
             for s in (signal.SIGTERM, signal.SIGINT):
+                if s == signal.SIGTERM and _preemption_manager() is not None:
+                    continue
                 old[s] = signal.signal(s, handler)
         except ValueError:  # not the main thread: no signal handling
             pass

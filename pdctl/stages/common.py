@@ -212,10 +212,15 @@ class StageEnv:
         fresh = stage in (None, self.stage) and self.fresh_run and not self._fresh_ckpt_given
         if fresh:
             self._fresh_ckpt_given = True
+        # What a checkpoint's meta is checked against on restore (a forged step or run id
+        # makes it unreadable, so resume falls back to an older one).
+        st = self.project.stage(stage or self.stage)
         return Checkpointer(
             self.project.checkpoint_dir(stage or self.stage),
             keep=self.cfg.checkpoint.keep,
             fresh=fresh,
+            max_step=st.get("steps"),
+            run_id=st.get("run_id"),
         )
 
     def shardings(self, abstract: Any) -> Any:
@@ -475,9 +480,16 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
     SIGTERM/SIGINT are turned into a clean stop from the start (imports, restore, compile
     included). A user mistake found after the stage began (exit 2) puts its state back as it
     was; any other failure leaves status `failed` and one line (exit 1), never `running`."""
+    from pdctl import supervisor
+
     with runtime.stop_signals():
+        supervisor.tell(
+            stage=stage, cli=CLI_NAME[stage], toml=str(project.path), writer=runtime.is_writer()
+        )
         try:
             yield
+        except runtime.StopNow as e:  # a long call before the step loop was left running
+            raise Interrupted(_left_running(project, stage, e)) from None
         except (Interrupted, StageFailed):
             _mark_failed(project, stage, None)
             raise
@@ -494,10 +506,33 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
         if signum is not None:
             import signal
 
+            name = signal.Signals(signum).name
+            status = project.stage(stage).get("status", "pending")
+            if project.is_done(stage):  # it had finished: nothing is left to stop or resume
+                notify(f"{stage}: {name} came after it finished; it is {status}")
+                return
             raise Interrupted(
-                f"{stage}: stopped by {signal.Signals(signum).name} after it finished "
-                f"({project.stage(stage).get('status', 'pending')})"
+                f"{stage}: stopped by {name} after it ended ({status} at step "
+                f"{project.stage(stage).get('step')}); continue with `pdctl resume`"
             )
+
+
+def _left_running(project: Project, stage: str, e: runtime.StopNow) -> str:
+    """A stop while the stage restored, tokenized or compiled before its step loop, in a call
+    that did not end: the stage is `interrupted` where its last checkpoint is (nothing new is
+    saved), and the line says so."""
+    began = stage in project.attempts
+    st = project.stage(stage)
+    if began and project.writer and st.get("status") == "running":
+        with contextlib.suppress(Exception):
+            project.update_stage(stage, status="interrupted")
+    where = f"{stage}: stopped by {e.name} while {e.what} (left unfinished)"
+    if not began:
+        return f"{where}, before the stage began; nothing was written"
+    latest = st.get("checkpoint")
+    if latest is not None:
+        return f"{where}; the last checkpoint, step {latest}, is kept; continue with `pdctl resume`"
+    return f"{where}; no checkpoint of this run was saved; `pdctl resume` starts it over"
 
 
 def _mark_failed(project: Project, stage: str, error: str | None) -> None:
@@ -526,20 +561,23 @@ def _roll_back(project: Project, stage: str) -> None:
         project.save_state()
 
 
-def text_batches(env: StageEnv, batch_size: int, *, seed: int, state: Any, sharding):
+def text_batches(
+    env: StageEnv, batch_size: int, *, seed: int, state: Any, sharding, split: str = "train"
+):
     """The LM's token batches as a grain iterator: a local corpus (bytes for llama_mlp, the
     model's tokenizer for an imported model) or the synthetic corpus, each process reading its
     own slice of the global batch, made into global arrays on the mesh and prefetched on a
     background thread (grain's ThreadPrefetchIterDataset), so host batching and transfers
     overlap the steps. Its `get_state()` counts the batches handed out (not the prefetched
-    ones), which is what a checkpoint records; `state` (that, as JSON) resumes it exactly."""
+    ones), which is what a checkpoint records; `state` (that, as JSON) resumes it exactly.
+    `split` "eval" reads the held-out documents (`corpus_tokens`)."""
     import grain
 
     from pdctl.science import data
 
     cfg = env.cfg
     ds = data.make_text_iter_dataset(
-        corpus_tokens(env),
+        corpus_tokens(env, split),
         cfg.data.seq_len,
         batch_size,
         seed,
@@ -562,32 +600,42 @@ def batches_state(batches: Any) -> Callable[[], str]:
     return lambda: data.state_to_json(batches.get_state())
 
 
-def corpus_tokens(env: StageEnv) -> Any:
+def corpus_tokens(env: StageEnv, split: str = "train") -> Any:
     """The whole token stream of `[data]`: the file's bytes (llama_mlp), the corpus tokenized
-    with the imported model's tokenizer.json (cached under <run>/cache/tokens), or the seeded
-    synthetic corpus."""
+    with the imported model's tokenizer (tokenizer.json or the GGUF's; cached under
+    <run>/cache/tokens), or the seeded synthetic corpus. For an imported model, `split` "eval"
+    is the held-out documents (`data.eval_fraction`) or `data.eval_path`, and "train" the rest;
+    with neither set both are the whole corpus."""
     from pdctl.science import data
 
     cfg = env.cfg
     if env.target.kind == "hf":
-        from pdctl.stages.init_weights import model_dir
+        from pdctl.science.targets import imported
 
+        path, key, cut = cfg.data.path, "data.path", split
+        if split == "eval" and cfg.data.eval_path:
+            path, key, cut = cfg.data.eval_path, "data.eval_path", None
+        elif split == "train" and cfg.data.eval_path:
+            cut = None
         try:
             tokens = data.load_corpus(
-                resolve(env.project.root, cfg.data.path),
-                tokenizer_path=model_dir(env.target),
+                resolve(env.project.root, path),
+                tokenizer_path=imported.tokenizer_path(env.target),
                 text_field=cfg.data.text_field,
                 eos_id=cfg.data.eos_id,
                 cache_dir=env.project.root / "cache" / "tokens",
                 seq_len=cfg.data.seq_len,
+                split=cut,
+                eval_fraction=cfg.data.eval_fraction,
+                separator=cfg.data.separator,
             )
         except ValueError as e:
-            raise PdctlError(f"data.path: {e}") from None
+            raise PdctlError(f"{key}: {e}") from None
         vocab = env.target.spec.vocab_size
         if tokens.size and int(tokens.max()) >= vocab:
             raise PdctlError(
-                f"data.path: token id {int(tokens.max())} is outside the model's vocabulary "
-                f"({vocab}); is tokenizer.json the model's own?"
+                f"{key}: token id {int(tokens.max())} is outside the model's vocabulary "
+                f"({vocab}); is the tokenizer the model's own?"
             )
         return tokens
     if cfg.data.path:
@@ -621,21 +669,10 @@ def pretrained_target(env: StageEnv) -> Any:
     abstract = abstract_target(env.cfg, env.target)
     st = env.project.stage("pretrain")
     if st.get("status") == "imported":
-        from pdctl.science.targets.hf_load import load_hf_params, read_index
-        from pdctl.stages.init_weights import model_dir
+        from pdctl.science.targets import imported
 
-        where = model_dir(env.target)
-        index = read_index(where)
-        if index.checksum != st.get("checksum"):
-            raise PdctlError(
-                f"target.path: the checkpoint in {where} changed since init-weights read it "
-                f"({index.checksum_of} checksum {index.checksum[:12]}, recorded "
-                f"{str(st.get('checksum'))[:12]}); rerun `pdctl init-weights`"
-            )
-        params, _ = load_hf_params(
-            where, env.target, env.shardings(abstract), dtype=env.target.param_dtype
-        )
-        return params
+        imported.verify(env.target, st)
+        return imported.load(env.target, env.shardings(abstract), dtype=env.target.param_dtype)
     items, _ = env.restore_items("pretrain", {"params": abstract})
     # Fresh jit outputs: the frozen first argument of warmup/train is never donated, but a
     # consistent layout avoids a relayout copy at the first call.
@@ -747,25 +784,42 @@ def _run_stage(env, spec, until, resume, fresh, profile, overrides, program_opti
     cfg = env.cfg
     prog = spec.program(cfg, env.mesh, env.target, **(program_options or {}))
     ckpt_step = resume_point(env, resume=resume, fresh=fresh)
-    frozen = spec.frozen(env, prog) if spec.frozen else ()
+    # Restores, tokenization and the compiles inside them are long calls into C++: each runs
+    # `interruptible`, so a stop request is acted on within seconds (runtime.StopNow).
+    later = runtime.interruptible
+    frozen = later(spec.frozen, env, prog, what="restoring the target") if spec.frozen else ()
     data_state = None
     if ckpt_step is None:
         env.begin(fresh=True, steps=prog.total_steps)
-        state = prog.jit_make_state()(*spec.fresh_inputs(env, prog))
+        state = later(
+            lambda: prog.jit_make_state()(*spec.fresh_inputs(env, prog)),
+            what="restoring the stage's inputs",
+        )
         start = 0
     else:
         env.begin(fresh=False, steps=prog.total_steps)
-        state, meta = env.restore_state(ckpt_step, prog.abstract_state, prog.state_shardings)
+        state, meta = later(
+            env.restore_state,
+            ckpt_step,
+            prog.abstract_state,
+            prog.state_shardings,
+            what=f"restoring checkpoint {ckpt_step}",
+        )
         start, data_state = int(meta["step"]), meta.get("data")
     batches = None
     if not prog.makes_own_batch:
-        batches = text_batches(
+        batches = later(
+            text_batches,
             env,
             prog.examples_per_step,
             seed=cfg.run.seed,
             state=data_state,
             sharding=prog.batch_shardings["tokens"],
+            what="reading and tokenizing the corpus",
         )
+    eval_fn = None
+    if spec.evaluation:
+        eval_fn = later(spec.evaluation, env, frozen, prog, what="preparing the evaluation")
     table = getattr(cfg, spec.name)
     result = run_loop(
         env,
@@ -778,7 +832,7 @@ def _run_stage(env, spec, until, resume, fresh, profile, overrides, program_opti
         log_every=table.log_every,
         max_bad_steps=table.max_bad_steps,
         batches=batches,
-        eval_fn=spec.evaluation(env, frozen, prog) if spec.evaluation else None,
+        eval_fn=eval_fn,
         eval_every=getattr(table, "eval_every", 0),
         examples_per_step=prog.examples_per_step,
         lr_fn=prog.lr_fn,

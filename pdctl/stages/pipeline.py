@@ -116,6 +116,36 @@ def check_configs(project: Project) -> None:
         path = (project.root / cfg.data.path).expanduser()
         if not path.exists():
             raise PdctlError(f"data.path: nothing at {path}")
+    if target.kind == "hf" and cfg.data.eos_id is not None:
+        _check_eos_id(cfg.data.eos_id, target)
+
+
+def _check_eos_id(eos_id: int, target: Any) -> None:
+    """`data.eos_id` is a token id of the imported model's embedding and of its tokenizer (its
+    tokenizer.json, or a GGUF file's own), before any stage runs: train is the first stage to
+    tokenize, after init-weights and warmup have run and saved."""
+    vocab = target.spec.vocab_size
+    if eos_id >= vocab:
+        raise PdctlError(
+            f"data.eos_id: {eos_id} is not a token id of the model in {target.spec.config_path} "
+            f"(vocab_size {vocab})"
+        )
+    from pdctl.science import data
+    from pdctl.science.targets import imported
+
+    path = imported.tokenizer_path(target)
+    if not path.is_file():
+        return  # init-weights, the first stage, says so before it writes anything
+    try:
+        # The vocabulary's size: read with EOS 0 (an id of any tokenizer with one token), so
+        # that only a tokenizer that does not load is an error here.
+        size = data.corpus_tokenizer(path, 0).vocab_size
+    except ValueError as e:
+        raise PdctlError(f"target.path: {e}") from None
+    if eos_id >= size:
+        raise PdctlError(
+            f"data.eos_id: {eos_id} is not a token id of the model's tokenizer {path} ({size} ids)"
+        )
 
 
 def run_all(project: Project, echo=print) -> dict[str, Any]:
@@ -130,10 +160,22 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
 
 
 def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None:
+    previous = None
     for stage, action in steps:
         if action == "skip":
             echo(f"{stage}: {project.stage(stage).get('status', 'imported')}, skipped")
             continue
+        signum = runtime.stop_requested()
+        if signum is not None and previous is not None:  # it came as the last stage finished
+            import signal
+
+            from pdctl.engine.loop import Interrupted
+
+            raise Interrupted(
+                f"run: stopped by {signal.Signals(signum).name} after {previous} finished "
+                f"(done); `pdctl run` continues with {stage}"
+            )
+        previous = stage
         if action == "resume":
             echo(f"{stage}: resuming from its latest checkpoint")
             results[stage] = run_stage(project, stage, resume=True)
@@ -197,10 +239,7 @@ def export(
             "(or name the --out file .npz or .safetensors)"
         )
     if stage is None:
-        done = [s for s in STAGES if project.stage(s).get("status") == "done"]
-        if not done:
-            raise PdctlError("export: no stage is done yet; run `pdctl run` first")
-        stage = done[-1]
+        stage = _default_export_stage(project)
     if stage not in STAGES:
         raise PdctlError(f"--stage: unknown stage {stage!r} (choose from {', '.join(STAGES)})")
     imported = project.stage("pretrain").get("status") == "imported"
@@ -210,7 +249,10 @@ def export(
             f"at {project.stage('pretrain').get('source')}"
         )
     if not project.is_done(stage):
-        raise PdctlError(f"--stage: {stage} is not done; run `pdctl {CLI_NAME[stage]}` first")
+        from pdctl.stages.common import how_to_finish
+
+        status = project.stage(stage).get("status", "pending")
+        raise PdctlError(f"--stage: {stage} is {status}, not done; {how_to_finish(project, stage)}")
     if out.suffix != f".{fmt}":
         raise PdctlError(f"--out: {out} must end in .{fmt}")
     try:
@@ -230,9 +272,39 @@ def export(
     if imported:
         items = tuple(i for i in items if i != "target")
     arrays.update(_load(project, stage, items, rename={"params": "target", "trainable": ""}))
-    if stage == "warmup":
+    if stage == "warmup":  # warmup trains V/U only: its CI functions and sources are init's
         arrays.update(_load(project, "init_weights", ("ci_fns", "sources")))
     _expand_tied(project, arrays)
+    _write_export(project, stage, arrays, out, fmt)
+    return {k: tuple(v.shape) for k, v in arrays.items()}
+
+
+def _default_export_stage(project: Project) -> str:
+    """The last stage that has run, which must be done: after a failed or interrupted train,
+    exporting warmup's arrays instead would pass off the wrong stage as the result."""
+    ran = [s for s in STAGES if project.stage(s).get("status", "pending") != "pending"]
+    ran = [s for s in ran if project.stage(s).get("status") != "imported"]
+    if not ran:
+        raise PdctlError("export: no stage is done yet; run `pdctl run` first")
+    stage = ran[-1]
+    if project.is_done(stage):
+        return stage
+    from pdctl.stages.common import how_to_finish
+
+    status = project.stage(stage).get("status")
+    done = [s for s in ran if project.is_done(s)]
+    other = f", or export {done[-1]} with `--stage {done[-1]}`" if done else ""
+    raise PdctlError(
+        f"export: {stage}, the last stage run, is {status}; {how_to_finish(project, stage)}{other}"
+    )
+
+
+def _write_export(
+    project: Project, stage: str, arrays: dict[str, np.ndarray], out: Path, fmt: str
+) -> None:
+    """Write `out` whole or not at all: through a temporary file renamed into place, and the
+    directories made for it removed again when the write fails."""
+    made = [p for p in out.absolute().parents if not p.exists()]  # deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # never a half-written file under the name asked for
@@ -241,9 +313,16 @@ def export(
                 np.savez(tmp, **arrays)
             else:
                 _save_safetensors(project, stage, arrays, tmp)
-    except OSError as e:
-        raise PdctlError(f"--out: cannot write {out} ({e.strerror or e})") from None
-    return {k: tuple(v.shape) for k, v in arrays.items()}
+    except (OSError, _SafetensorIOError) as e:
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise PdctlError(f"--out: cannot write {out} ({reason})") from None
+
+
+class _SafetensorIOError(Exception):
+    """safetensors' writer failing on the file system (it raises its own error type)."""
 
 
 def _expand_tied(project: Project, arrays: dict[str, np.ndarray]) -> None:
@@ -253,6 +332,14 @@ def _expand_tied(project: Project, arrays: dict[str, np.ndarray]) -> None:
     from pdctl.stages.common import target_from_config
 
     sites = project.stage("init_weights").get("sites") or {}
+    if not isinstance(sites, dict) or not all(
+        isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in sites.values()
+    ):
+        raise PdctlError(
+            f"state.init_weights.sites: must be a table of site = C (components, an integer "
+            f"> 0), got {str(sites)[:60]} ([state.*] is written by pdctl: restore it, or "
+            "delete [state.init_weights] and rerun the stage)"
+        )
     ties = component_ties(target_from_config(project.config, project.root).tied_sites(), sites)
     for tied, src in ties.items():
         for mine, theirs in (("V", "U"), ("U", "V")):
@@ -266,6 +353,7 @@ def _save_safetensors(
 ) -> None:
     import json
 
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     named = {k.removeprefix("components."): np.ascontiguousarray(v) for k, v in arrays.items()}
@@ -274,10 +362,20 @@ def _save_safetensors(
         "fingerprint": json.dumps({s: project.stage(s).get("fingerprint") for s in STAGES}),
         "pdctl_version": __version__,
     }
-    save_file(named, str(path), metadata=meta)
+    try:
+        save_file(named, str(path), metadata=meta)
+    except SafetensorError as e:  # "Error while serializing: I/O error: <why> (os error N) ..."
+        msg = " ".join(str(e).split())
+        why = msg.split("I/O error: ", 1)[-1].split(" (os error")[0] if "I/O error" in msg else msg
+        raise _SafetensorIOError(why[:160]) from None
 
 
-def _load(project: Project, stage: str, names, rename) -> dict[str, np.ndarray]:
+def _load(
+    project: Project, stage: str, names, rename: dict[str, str] | None = None
+) -> dict[str, np.ndarray]:
+    """The stage's latest checkpoint's items `names` as flat `item.path -> array` entries, an
+    item's prefix renamed by `rename` ("" drops it)."""
+    rename = rename or {}
     # Read-only and as host arrays: no CheckpointManager (opening one cleans up an in-flight
     # save), and no shardings, so a run trained on N devices exports on any device count.
     directory = project.checkpoint_dir(stage)
