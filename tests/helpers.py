@@ -112,6 +112,24 @@ def error_lines(result: Any) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
+def cli_fails(code: int, *args: Any) -> str:
+    """Run the CLI: exit `code`, exactly one line on stderr (`error: ...`), no traceback; that
+    line."""
+    result = cli(*args)
+    assert result.exit_code == code, (args, result.stdout, result.stderr, result.exception)
+    assert isinstance(result.exception, SystemExit), result.exception
+    lines = error_lines(result)
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def cli_ok(*args: Any) -> Any:
+    result = cli(*args)
+    assert result.exit_code == 0, (args, result.stdout, result.stderr, result.exception)
+    return result
+
+
 def state(run: Path, stage: str) -> dict[str, Any]:
     return Project.load(run / "pdctl.toml").stage(stage)
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers import cli, edit_config, error_lines
+from helpers import cli_fails, cli_ok, edit_config
 from safetensors.numpy import save_file
 
 from pdctl.engine.checkpoint import Checkpointer
@@ -32,20 +32,10 @@ from pdctl.templates import create_run
 
 
 def _fails(*args: Any, code: int = 2) -> str:
-    """Exit `code`, exactly one line on stderr (`error: ...`), no traceback; returns it."""
-    result = cli(*args)
-    assert result.exit_code == code, (args, result.output, result.exception)
-    assert isinstance(result.exception, SystemExit), result.exception
-    lines = error_lines(result)
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert "Traceback" not in result.output
-    return lines[0]
+    return cli_fails(code, *args)
 
 
-def _ok(*args: Any) -> Any:
-    result = cli(*args)
-    assert result.exit_code == 0, (args, result.output, result.exception)
-    return result
+_ok = cli_ok
 
 
 def _snapshot(root: Path) -> dict[str, bytes | None]:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cli, edit_config, error_lines, make_run, pdctl_env
+from helpers import cli_fails, cli_ok, edit_config, make_run, pdctl_env
 
 import pdctl
 from pdctl.engine import runtime
@@ -43,20 +43,7 @@ PDCTL_ROOT = Path(pdctl.__file__).resolve().parent.parent  # the pdctl under tes
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _fails(code: int, *args: Any) -> str:
-    """Exit `code` with exactly one line on stderr (`error: ...`) and no traceback."""
-    result = cli(*args)
-    assert result.exit_code == code, (args, result.stdout, result.stderr, result.exception)
-    lines = error_lines(result)
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert "Traceback" not in result.output
-    return lines[0]
-
-
-def _ok(*args: Any) -> Any:
-    result = cli(*args)
-    assert result.exit_code == 0, (args, result.stdout, result.stderr, result.exception)
-    return result
+_fails, _ok = cli_fails, cli_ok
 
 
 def _snapshot(root: Path) -> dict[str, Any]:
