@@ -485,6 +485,7 @@ def inspect_sharding(
     from pdctl.stages import inspect as insp
 
     runtime.configure_devices()  # the devices a stage would see
+    runtime.check_backend()  # JAX_PLATFORMS=gpu without a GPU: one line, exit 2
 
     stage = insp.parse_stage(stage)
     override = insp.parse_mesh(mesh)

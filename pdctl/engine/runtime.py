@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from pdctl.errors import PdctlError
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from pdctl.config import Config
 
 log = logging.getLogger("pdctl")
@@ -89,6 +91,31 @@ def configure_devices() -> None:
     # Backends already initialised (an in-process caller): keep them.
     with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", cpu_devices())
+
+
+# XLA:CPU runs a collective between the devices of one process as an in-process rendezvous,
+# and admits at most 32 programs in flight per device (`max_inflight_computations_per_device`,
+# not settable from JAX). When a program with a collective is in flight and 32 more
+# multi-device programs are dispatched before it completes, one device's part of it waits in
+# the rendezvous while the other device's launch waits for an in-flight slot: after 40 s XLA
+# aborts the process (`rendezvous.cc: Termination timeout for all reduce ...`, SIGABRT). So
+# pdctl never dispatches many programs behind a collective one: the loop runs at most
+# `MAX_AHEAD` steps ahead, and on such a mesh the evaluation, which dispatches dozens of small
+# per-site ops, works on replicated arrays and has no collective at all
+# (`collective_free_eval`). tests/test_rendezvous.py pins the condition and the fix.
+CPU_INFLIGHT_LIMIT = 32
+
+
+def collective_free_eval(mesh: Mesh) -> bool:
+    """Whether the evaluation on `mesh` must do without collectives: XLA:CPU with several
+    devices in this process (see above). GPUs and TPUs, one device, or CPU collectives
+    between processes (gloo) keep the evaluation batch sharded."""
+    devices = list(mesh.devices.flat)
+    return (
+        len(devices) > 1
+        and devices[0].platform == "cpu"
+        and len({d.process_index for d in devices}) == 1
+    )
 
 
 def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:

@@ -269,12 +269,23 @@ def make_eval(env: StageEnv, target_params, fns):
     eval_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
     eval_batch = None
     if target.output_kind == "logits":
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from pdctl.engine import runtime
+
+        # Several XLA:CPU devices: a replicated batch, so that none of the evaluation's many
+        # small programs has a collective (they can deadlock XLA:CPU; runtime.CPU_INFLIGHT_LIMIT).
+        batch_sh = (
+            NamedSharding(env.mesh, PartitionSpec())
+            if runtime.collective_free_eval(env.mesh)
+            else sharding.batch_sharding(env.mesh, 2)
+        )
         it = text_batches(
             env,
             cfg.train.eval_batch_size,
             seed=cfg.run.seed + 1,
             state=None,
-            sharding=sharding.batch_sharding(env.mesh, 2),
+            sharding=batch_sh,
             split="eval",
         )
         eval_batch = next(it)
