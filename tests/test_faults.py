@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers import cli, edit_config, error_lines, pdctl_argv, pdctl_env, pdctl_process
+from helpers import cli, cli_fails, edit_config, pdctl_argv, pdctl_env, pdctl_process
 
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.sharding import path_str
@@ -55,15 +55,7 @@ def _ok(*args: Any) -> Any:
     return result
 
 
-def _fails(code: int, *args: Any) -> str:
-    """Exit `code`, exactly one line on stderr (`error: ...`), no traceback; returns it."""
-    result = cli(*args)
-    assert result.exit_code == code, (args, result.stdout, result.stderr, result.exception)
-    assert isinstance(result.exception, SystemExit), result.exception
-    lines = error_lines(result)
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert "Traceback" not in result.output
-    return lines[0]
+_fails = cli_fails  # exit `code`, exactly one line on stderr, no traceback
 
 
 def _state(run: Path, stage: str) -> dict[str, Any]:

@@ -159,9 +159,6 @@ def test_the_evaluation_has_no_collective_on_a_cpu_mesh(tmp_path):
 
 # ---- the default mesh under CPU load -----------------------------------------------------------
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from",
-         "old", "trees", "near", "rivers"]  # fmt: skip
-
 
 def _hf_model(root: Path) -> tuple[Path, Path]:
     """A tiny random Llama (2 layers, d 64, grouped-query attention) with a BPE tokenizer
@@ -170,23 +167,13 @@ def _hf_model(root: Path) -> tuple[Path, Path]:
     pytest.importorskip("tokenizers")
     import numpy as np
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from test_hf_pipeline import WORDS, _tokenizer  # the same byte-level BPE tokenizer.json
+    from tokenizers import Tokenizer
 
     model = root / "model"
     model.mkdir()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        [" ".join(WORDS)] * 20,
-        trainers.BpeTrainer(
-            vocab_size=96,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    tok.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    _tokenizer(model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     config = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(),
         hidden_size=64,

@@ -435,10 +435,7 @@ class Loop:
             kept = f"the last checkpoint, step {latest}, is kept; continue with `pdctl resume`"
         else:
             kept = "no checkpoint of this run was saved; `pdctl resume` starts it over"
-            with contextlib.suppress(Exception):
-                prev = self.checkpointer.previous_steps()
-                if prev:
-                    kept += f" (the previous run's, up to step {prev[-1]}, are kept)"
+            kept += self._previous_kept()
         raise Interrupted(f"{where}; {kept}") from None
 
     def _fail(
@@ -461,16 +458,21 @@ class Loop:
         if latest is not None:
             kept = f"the last good checkpoint is step {latest}"
         else:
-            kept = "no checkpoint of this run was saved"
-            with contextlib.suppress(Exception):
-                prev = self.checkpointer.previous_steps()
-                if prev:
-                    kept += f" (the previous run's, up to step {prev[-1]}, are kept)"
+            kept = "no checkpoint of this run was saved" + self._previous_kept()
         raise StageFailed(f"{self.stage}: {reason}; {kept}." + (f" {hint}" if hint else "")) from (
             cause
         )
 
     # ---- helpers -------------------------------------------------------------------------
+    def _previous_kept(self) -> str:
+        """' (the previous run's, up to step N, are kept)' when a fresh run that saved nothing
+        yet still has the previous run's checkpoints aside; '' otherwise."""
+        with contextlib.suppress(Exception):
+            prev = self.checkpointer.previous_steps()
+            if prev:
+                return f" (the previous run's, up to step {prev[-1]}, are kept)"
+        return ""
+
     def _log(self, step: int, metrics: Any, t_log: float, n: int) -> dict[str, float]:
         host = jax.device_get(metrics)  # the only device->host sync, at the logging cadence
         dt = (time.perf_counter() - t_log) / max(n, 1)
