@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ("hf-lm", "llama-mlp", "resid-mlp", "tms", "tms-40-10", "tms-5-2-id")
+# Every template in the repository, so a new one is checked without editing this file.
+TEMPLATES = tuple(sorted(p.parent.name for p in (ROOT / "templates").glob("*/pdctl.toml")))
 LIGHT_DEPS = ["typer", "rich", "pydantic", "tomli-w"]
 
 pytestmark = pytest.mark.slow
