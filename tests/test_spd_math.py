@@ -338,18 +338,59 @@ def test_reference_init_deterministic_distinct_and_vmappable():
 
 
 def test_masked_forward_with_unit_masks_and_delta_reproduces_target():
-    # ((x V) * 1) U + 1 * x (W - V U) = x W up to rounding: x V U and x (W - V U) are rounded
-    # separately, so the sum differs from x W by a few ulps of |x V U|, not exactly.
+    # With m = m_delta = 1 the override computes (x V * 0) U + 1 * x W: exactly x W.
     target, params, comps, _, _ = fake_setup()
     x = rand(2, 16, 4, normal=True)
     weights = target.site_weights(params)
     ones = {p: jnp.ones((16, 5)) for p in weights}
     d_ones = {p: jnp.ones((16,)) for p in weights}
     out = L.masked_forward(target, params, weights, comps, x, ones, d_ones)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(target.apply(params, x)))
     # scalar masks broadcast too
     fn = comp_mod.masked_site_fn(weights["a"], comps["a"]["V"], comps["a"]["U"], 1.0, 1.0)
-    np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x @ weights["a"]), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(fn(x)), np.asarray(x @ weights["a"]))
+
+
+def _direct_site_fn(W, V, U, m, dm, route):
+    """The override as the SPD paper writes it, forming W - V U (what pdctl computed before)."""
+
+    def fn(x):
+        out = ((x @ V) * m) @ U
+        if dm is not None:
+            out = out + dm[..., None] * (x @ (W - V @ U))
+        if route is not None:
+            out = jnp.where(route[..., None], out, x @ W)
+        return out
+
+    return fn
+
+
+@pytest.mark.parametrize("delta", [True, False])
+@pytest.mark.parametrize("routed", [True, False])
+def test_site_override_equals_the_direct_formula_with_its_gradients(delta, routed):
+    # The override never forms W - V U; it must give the direct formula's values and V / U /
+    # input gradients. float32 tolerance: the two reassociate the same sums (x (W - VU) vs
+    # x W - (x V) U), so they differ by rounding, a few ulps of the largest partial product.
+    rng = np.random.default_rng(3)
+    B, T, d_in, C, d_out = 3, 5, 7, 11, 6
+    W = f32(rng.normal(size=(d_in, d_out)))
+    V, U = f32(rng.normal(size=(d_in, C)) / 3), f32(rng.normal(size=(C, d_out)) / 3)
+    x = f32(rng.normal(size=(B, T, d_in)))
+    m = f32(rng.uniform(size=(B, T, C)))
+    dm = f32(rng.uniform(size=(B, T))) if delta else None
+    route = jnp.asarray(rng.uniform(size=(B, T)) < 0.5) if routed else None
+    probe = f32(rng.normal(size=(B, T, d_out)))
+
+    def objective(make):
+        def f(V, U, x):
+            return jnp.sum(make(W, V, U, m, dm, route)(x) * probe)
+
+        return f
+
+    ours = jax.value_and_grad(objective(comp_mod.masked_site_fn), argnums=(0, 1, 2))(V, U, x)
+    want = jax.value_and_grad(objective(_direct_site_fn), argnums=(0, 1, 2))(V, U, x)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def test_masked_forward_with_exact_components_and_no_delta_reproduces_target():

