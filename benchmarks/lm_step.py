@@ -47,6 +47,8 @@ def child(n_sites: int, n_steps: int, C: int) -> dict:
     from pdctl.engine import runtime
 
     runtime.configure_devices()
+    import tomllib
+
     import jax
     import numpy as np
 
@@ -58,8 +60,6 @@ def child(n_sites: int, n_steps: int, C: int) -> dict:
     from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
     from pdctl.stages.init_weights import init_decomposition
     from pdctl.templates import templates_root
-
-    import tomllib
 
     raw = tomllib.loads((templates_root() / "smollm2" / "pdctl.toml").read_text())
     raw["target"]["path"] = str(_gguf())

@@ -175,6 +175,15 @@ class MeshConfig(Section):
     fsdp_min_param_size: NonNeg = Field(
         1024, description="arrays with fewer elements than this stay replicated"
     )
+    decomposition: Literal["auto", "fsdp", "all"] = Field(
+        "auto",
+        description=(
+            "mesh axes the components (V, U and their optimizer moments) shard over by their "
+            "component axis: fsdp, or all (every device holds and updates 1/N of each site, "
+            "no device repeats another's weight-space work); auto = all for LM targets, fsdp "
+            "for the toys"
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_wildcard(self) -> MeshConfig:

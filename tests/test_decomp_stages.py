@@ -166,6 +166,53 @@ def test_train_losses_match_on_1_and_4_devices(tms_steps) -> None:
             )
 
 
+def _lm_train_losses(run: Path, data: int, fsdp: int, n_steps: int = 6):
+    """n SPD train steps of an LM run on a (data, fsdp) mesh from host values shared by every
+    mesh; the losses and the state's V of the first site."""
+    proj = Project.load(run / "pdctl.toml")
+    cfg = proj.config
+    target = target_from_config(cfg)
+    mesh = _mesh(data, fsdp)
+    prog = train.program(cfg, mesh, target)
+    params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(
+        stream_key(cfg, STREAM_TARGET)
+    )
+    dec, _ = init_decomposition(cfg, target, _mesh(1, 1), stream_key(cfg, STREAM_DECOMP))
+    dec = jax.device_get(dec)
+    st = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
+    V0 = st["trainable"]["components"]["layers.0.mlp.up"]["V"]
+    spec = V0.sharding.spec
+    step = prog.jit()
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(n_steps):
+        tokens = rng.integers(0, target.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1))
+        batch = jax.device_put({"tokens": tokens.astype(np.int32)}, prog.batch_shardings)
+        st, metrics = step(params, st, batch)
+        losses.append(metrics["loss"])
+    return np.array(jax.device_get(losses), dtype=np.float64), spec
+
+
+def test_lm_train_parity_with_the_components_sharded_over_every_device(tmp_path: Path) -> None:
+    """An LM's components shard their component axis over data x fsdp by default ([mesh]
+    decomposition = auto -> all): no data-parallel device repeats another's faithfulness
+    matmuls, their gradients or the optimizer update. The losses equal one device's within
+    float32 reduction order (the V U partial sums over component
+    shards are all-reduced, the batch means too): the same 1e-5 relative bound and reasoning
+    as the TMS parity gate above."""
+    run = make_run(tmp_path, "llama-mlp", train={"batch_size": 8})
+    ref, spec1 = _lm_train_losses(run, 1, 1)
+    assert spec1 == jax.sharding.PartitionSpec()
+    assert np.all(np.isfinite(ref)) and len(set(ref.tolist())) > 1
+    for (data, fsdp), want in (
+        ((4, 1), jax.sharding.PartitionSpec(None, "data")),
+        ((2, 2), jax.sharding.PartitionSpec(None, ("data", "fsdp"))),
+    ):
+        losses, spec = _lm_train_losses(run, data, fsdp)
+        assert spec == want, (data, fsdp, spec)
+        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{data}x{fsdp}")
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI end to end
 

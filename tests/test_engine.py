@@ -202,6 +202,33 @@ def test_decomposition_V_U_shard_over_the_component_axis(runs: dict[str, Path]) 
     assert sharding.spec_for("a.V", (32, 8), 1, 1024) == P()
 
 
+def test_decomposition_axes_by_mode_and_target() -> None:
+    """[mesh] decomposition: fsdp keeps the component axis on fsdp; all (auto for an LM) puts
+    it over every mesh axis larger than 1; a C the whole mesh does not divide falls back to
+    fsdp alone, then to replicated."""
+    m22, m41 = sharding.make_mesh(2, 2), sharding.make_mesh(4, 1)
+    Decomp = sharding.Decomp
+    assert sharding.decomp_axes(m22, "auto", lm=True) == Decomp(("data", "fsdp"), 4)
+    assert sharding.decomp_axes(m22, "auto", lm=False) == Decomp(("fsdp",), 2)
+    assert sharding.decomp_axes(m22, "fsdp", lm=True) == Decomp(("fsdp",), 2)
+    assert sharding.decomp_axes(m41, "all", lm=False) == Decomp(("data",), 4)
+    assert sharding.decomp_axes(m41, "fsdp", lm=True) == Decomp(("fsdp",), 1)
+    one = sharding.make_mesh(1, 1, jax.devices()[:1])
+    assert sharding.decomp_axes(one, "all", lm=True) == Decomp(("fsdp",), 1)
+    every = sharding.decomp_axes(m22, "all", lm=True)
+    assert sharding.spec_for("a.V", (32, 8), 2, 1024, every) == P(None, ("data", "fsdp"))
+    assert sharding.spec_for("mu.a.U", (8, 32), 2, 1024, every) == P(("data", "fsdp"), None)
+    assert sharding.spec_for("a.V", (32, 6), 2, 1024, every) == P(None, "fsdp")  # 6 % 4
+    assert sharding.spec_for("a.V", (32, 5), 2, 1024, every) == P()
+    data_only = sharding.decomp_axes(m41, "all", lm=True)
+    assert sharding.spec_for("a.V", (32, 8), 1, 1024, data_only) == P(None, "data")
+    assert sharding.spec_for("a.V", (32, 6), 1, 1024, data_only) == P()
+    # other arrays are not affected by the mode
+    assert sharding.spec_for("a.W", (64, 64), 1, 1024, data_only) == P()
+    with pytest.raises(ValueError, match="decomposition mode"):
+        sharding.decomp_axes(m22, "every", lm=True)
+
+
 # ---- mesh errors ---------------------------------------------------------------------------
 
 

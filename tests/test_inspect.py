@@ -148,7 +148,10 @@ def test_preview_8_devices_bytes_match_shapes(tmp_path: Path) -> None:
     assert set(grouped["totals"]["per_device"]) == {"target", "components", "ci_fns", "sources"}
     groups = {r["path"]: r for r in grouped["rows"]}
     assert "components.layers.*.mlp.up.V" not in groups  # one layer: nothing to group
-    assert groups["components.layers.0.mlp.up.V"]["shards"] == 4  # replicated over data
+    # An LM target: [mesh] decomposition = "auto" shards the component axis over data x fsdp.
+    assert grouped["decomposition"] == ["data", "fsdp"]
+    assert groups["components.layers.0.mlp.up.V"]["shards"] == 8
+    assert groups["components.layers.0.mlp.up.V"]["spec"] == [None, ["data", "fsdp"]]
 
 
 def test_groups_expand_with_all(tmp_path: Path) -> None:

@@ -2,8 +2,11 @@
 
 Mesh axes are ('data', 'fsdp'). Specs are derived once from abstract shapes (`jax.eval_shape`)
 by the ordered table RULES (pattern over the array's dotted path -> PartitionSpec):
-- decomposition factors shard over their component axis: `...V` (d_in, C) as P(None, 'fsdp'),
-  `...U` (C, d_out) as P('fsdp', None) (when C divides);
+- decomposition factors shard over their component axis: `...V` (d_in, C) as P(None, axes),
+  `...U` (C, d_out) as P(axes, None) (when C divides), where `axes` is 'fsdp', or every axis
+  of the mesh ('data', 'fsdp') under `[mesh] decomposition = "all"` (the default for LM
+  targets): each device then holds, differentiates and updates 1/N of every site's components
+  instead of repeating all of that weight-space work on every data-parallel device;
 - any other array with at least `fsdp_min_param_size` elements shards its largest dimension that
   the fsdp axis divides; smaller arrays stay replicated.
 The rules depend only on a leaf's path and shape, so optimizer state (whose Adam moments mirror
@@ -29,6 +32,28 @@ from pdctl.errors import PdctlError
 
 AXES = ("data", "fsdp")
 BATCH_AXES = ("data", "fsdp")
+DECOMPOSITION_MODES = ("auto", "fsdp", "all")
+
+
+@dataclass(frozen=True)
+class Decomp:
+    """The mesh axes the decomposition's component axis shards over, and their total size."""
+
+    axes: tuple[str, ...] = ("fsdp",)
+    size: int = 1
+
+
+def decomp_axes(mesh: Mesh, mode: str, lm: bool) -> Decomp:
+    """`[mesh] decomposition`: "fsdp" (the fsdp axis only), "all" (every mesh axis larger than
+    1), or "auto" = "all" for LM targets (`lm`: whose site weight-space work is large next to
+    their per-device tokens) and "fsdp" for the toys (small matrices, large batches)."""
+    if mode not in DECOMPOSITION_MODES:
+        raise ValueError(f"decomposition mode must be one of {DECOMPOSITION_MODES}, got {mode!r}")
+    if mode == "auto":
+        mode = "all" if lm else "fsdp"
+    axes = ("fsdp",) if mode == "fsdp" else tuple(a for a in AXES if mesh.shape[a] > 1)
+    axes = axes or ("fsdp",)
+    return Decomp(axes, math.prod(mesh.shape[a] for a in axes))
 
 
 def resolve_mesh_shape(data: int, fsdp: int, n_devices: int) -> tuple[int, int]:
@@ -86,33 +111,40 @@ class Rule:
 
     name: str
     pattern: str
-    spec: Callable[[tuple[int, ...], int, int], P | None]
+    spec: Callable[[tuple[int, ...], int, int, Decomp], P | None]
 
 
-def _scalar(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+def _scalar(shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp) -> P | None:
     return P() if not shape else None
 
 
-def _no_fsdp(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+def _no_fsdp(shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp) -> P | None:
     return P() if fsdp == 1 else None
 
 
-def _component_axis(axis: int) -> Callable[[tuple[int, ...], int, int], P | None]:
-    def spec(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
-        if len(shape) != 2:
+def _component_axis(axis: int) -> Callable[[tuple[int, ...], int, int, Decomp], P | None]:
+    def spec(shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp) -> P | None:
+        if len(shape) != 2 or decomp.size == 1:
             return None
-        if shape[axis] % fsdp:
+        C = shape[axis]
+        if C % decomp.size == 0:
+            axes: Any = decomp.axes if len(decomp.axes) > 1 else decomp.axes[0]
+        elif fsdp > 1 and C % fsdp == 0:
+            axes = "fsdp"  # C divides the fsdp axis but not the whole mesh
+        else:
             return P()  # C not divisible: replicated
-        return P(None, "fsdp") if axis == 1 else P("fsdp", None)
+        return P(None, axes) if axis == 1 else P(axes, None)
 
     return spec
 
 
-def _small(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+def _small(shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp) -> P | None:
     return P() if math.prod(shape) < min_size else None
 
 
-def _largest_divisible(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+def _largest_divisible(
+    shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp
+) -> P | None:
     # Largest dimension the axis divides; ties go to the leading one.
     order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
     for i in order:
@@ -123,7 +155,7 @@ def _largest_divisible(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | 
     return None
 
 
-def _replicated(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
+def _replicated(shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp) -> P | None:
     return P()
 
 
@@ -132,41 +164,46 @@ def _replicated(shape: tuple[int, ...], fsdp: int, min_size: int) -> P | None:
 # `mu.components.linear1.V`), so it inherits their specs through the same table.
 RULES: tuple[Rule, ...] = (
     Rule("scalar", "*", _scalar),
-    Rule("fsdp = 1", "*", _no_fsdp),
     Rule("components V (d_in, C): the component axis", "*.V", _component_axis(1)),
     Rule("components U (C, d_out): the component axis", "*.U", _component_axis(0)),
+    Rule("fsdp = 1", "*", _no_fsdp),
     Rule("below fsdp_min_param_size", "*", _small),
     Rule("the largest dimension fsdp divides", "*", _largest_divisible),
     Rule("no dimension fsdp divides", "*", _replicated),
 )
 
 
-def rule_for(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> tuple[Rule, P]:
-    """The rule that decides `path`'s spec, and the spec."""
+def rule_for(
+    path: str, shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp | None = None
+) -> tuple[Rule, P]:
+    """The rule that decides `path`'s spec, and the spec. `decomp` defaults to the fsdp axis."""
+    decomp = Decomp(("fsdp",), fsdp) if decomp is None else decomp
     for rule in RULES:
         if fnmatch.fnmatchcase(path, rule.pattern):
-            spec = rule.spec(shape, fsdp, min_size)
+            spec = rule.spec(shape, fsdp, min_size, decomp)
             if spec is not None:
                 return rule, spec
     raise AssertionError("the last rule matches everything")
 
 
-def spec_for(path: str, shape: tuple[int, ...], fsdp: int, min_size: int) -> P:
+def spec_for(
+    path: str, shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp | None = None
+) -> P:
     """The PartitionSpec of one array, from its path and shape (see RULES)."""
-    return rule_for(path, shape, fsdp, min_size)[1]
+    return rule_for(path, shape, fsdp, min_size, decomp)[1]
 
 
-def tree_specs(abstract: Any, mesh: Mesh, min_size: int) -> Any:
+def tree_specs(abstract: Any, mesh: Mesh, min_size: int, decomp: Decomp | None = None) -> Any:
     fsdp = mesh.shape["fsdp"]
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: spec_for(path_str(p), tuple(x.shape), fsdp, min_size), abstract
+        lambda p, x: spec_for(path_str(p), tuple(x.shape), fsdp, min_size, decomp), abstract
     )
 
 
-def tree_shardings(abstract: Any, mesh: Mesh, min_size: int) -> Any:
+def tree_shardings(abstract: Any, mesh: Mesh, min_size: int, decomp: Decomp | None = None) -> Any:
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s),
-        tree_specs(abstract, mesh, min_size),
+        tree_specs(abstract, mesh, min_size, decomp),
         is_leaf=lambda x: isinstance(x, P),
     )
 

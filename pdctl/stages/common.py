@@ -62,6 +62,11 @@ def target_from_config(cfg: Config, root: Path | None = None) -> Target:
     return build_target(t.kind, **fields)
 
 
+def decomp_layout(cfg: Config, mesh: Mesh, target: Target) -> sharding.Decomp:
+    """The mesh axes this run's components shard over (`[mesh] decomposition`)."""
+    return sharding.decomp_axes(mesh, cfg.mesh.decomposition, target.output_kind == "logits")
+
+
 def resolve(root: Path | None, path: str) -> Path:
     """A path from pdctl.toml: `~` expanded, relative to the run directory."""
     p = Path(path).expanduser()
@@ -224,7 +229,12 @@ class StageEnv:
         )
 
     def shardings(self, abstract: Any) -> Any:
-        return sharding.tree_shardings(abstract, self.mesh, self.cfg.mesh.fsdp_min_param_size)
+        return sharding.tree_shardings(
+            abstract,
+            self.mesh,
+            self.cfg.mesh.fsdp_min_param_size,
+            decomp_layout(self.cfg, self.mesh, self.target),
+        )
 
     def tracker(self, start: int) -> Tracker:
         """The stage's metrics tracker (jsonl, and wandb when enabled). Its jsonl history keeps

@@ -22,7 +22,13 @@ from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.spd import components as comps
 from pdctl.science.targets import Target
-from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, StageEnv, stream_key
+from pdctl.stages.common import (
+    STREAM_DECOMP,
+    STREAM_TARGET,
+    StageEnv,
+    decomp_layout,
+    stream_key,
+)
 
 
 def source_shape(cfg: Config, C: int) -> tuple[int, ...]:
@@ -54,7 +60,12 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
     names = list(sites)
     comp_keys, ci_keys, src_keys = comps.site_keys(key, len(names))
     fsdp = mesh.shape["fsdp"]
-    spec_fn = partial(sharding.spec_for, fsdp=fsdp, min_size=cfg.mesh.fsdp_min_param_size)
+    spec_fn = partial(
+        sharding.spec_for,
+        fsdp=fsdp,
+        min_size=cfg.mesh.fsdp_min_param_size,
+        decomp=decomp_layout(cfg, mesh, target),
+    )
     dtype = jax.numpy.dtype(cfg.precision.param_dtype)
     hidden = tuple(cfg.decomp.ci_fn.hidden)
     kind = cfg.decomp.ci_fn.type

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from pdctl.config import STAGES, Config, MeshConfig
 from pdctl.engine import donation, sharding
 from pdctl.errors import PdctlError
-from pdctl.stages.common import abstract_target, target_from_config
+from pdctl.stages.common import abstract_target, decomp_layout, target_from_config
 
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
 KIND_LABEL = {
@@ -84,6 +84,7 @@ def mesh_config(cfg: Config, override: dict[str, int] | None) -> MeshConfig:
     if "fsdp" in override and "data" not in override and override["fsdp"] != -1:
         fields["data"] = -1
     fields["fsdp_min_param_size"] = cfg.mesh.fsdp_min_param_size
+    fields["decomposition"] = cfg.mesh.decomposition
     try:
         return MeshConfig.model_validate(fields)
     except ValidationError as e:
@@ -120,10 +121,13 @@ class Plan:
     args: list[Arg]
     program: Any = None  # the stage's StepProgram (None: init_weights has no step)
     notes: list[str] = field(default_factory=list)
+    decomp: sharding.Decomp | None = None  # the axes the components shard over
 
 
-def _specs(abstract: Any, cfg: Config, mesh) -> Any:
-    return sharding.tree_specs(abstract, mesh, cfg.mesh.fsdp_min_param_size)
+def _specs(abstract: Any, cfg: Config, mesh, target) -> Any:
+    return sharding.tree_specs(
+        abstract, mesh, cfg.mesh.fsdp_min_param_size, decomp_layout(cfg, mesh, target)
+    )
 
 
 def _spec_tree(shardings: Any) -> Any:
@@ -137,6 +141,7 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     from pdctl.stages import init_weights, pretrain, train, warmup
 
     target = target_from_config(cfg, root)
+    decomp = decomp_layout(cfg, mesh, target)
     if stage == "init_weights":
         abstract_params = abstract_target(cfg, target)
         dec = init_weights.init_decomposition_abstract(cfg, target)
@@ -145,10 +150,17 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
             cfg,
             mesh,
             [
-                Arg("target", abstract_params, _specs(abstract_params, cfg, mesh), False, "target"),
-                Arg("decomposition", dec, _specs(dec, cfg, mesh), False),
+                Arg(
+                    "target",
+                    abstract_params,
+                    _specs(abstract_params, cfg, mesh, target),
+                    False,
+                    "target",
+                ),
+                Arg("decomposition", dec, _specs(dec, cfg, mesh, target), False),
             ],
             notes=["init_weights has no step; rows are what it creates"],
+            decomp=decomp,
         )
     if stage == "pretrain" and target.kind == "hf":
         raise PdctlError("--stage: an imported model (target.kind = hf) has no pretrain stage")
@@ -161,7 +173,7 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     args.append(Arg("state", prog.abstract_state, _spec_tree(prog.state_shardings), True))
     batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
     args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
-    return Plan(stage, cfg, mesh, args, prog)
+    return Plan(stage, cfg, mesh, args, prog, decomp=decomp)
 
 
 # ---- rows ------------------------------------------------------------------------------------
@@ -229,7 +241,7 @@ def rule_name(arg: str, path: str, shape: tuple[int, ...], axes: list[Any], p: P
     if arg == "batch":
         return "the batch: leading axis over (data, fsdp)"
     fsdp, min_size = p.mesh.shape["fsdp"], p.cfg.mesh.fsdp_min_param_size
-    rule, spec = sharding.rule_for(path, shape, fsdp, min_size)
+    rule, spec = sharding.rule_for(path, shape, fsdp, min_size, p.decomp)
     if _spec_axes(spec, len(shape)) != axes:
         return "with the batch (per-example PPGD sources)"
     return rule.name
@@ -407,6 +419,8 @@ def inspect(
         "platform": devices[0].platform,
         "mesh": sharding.describe_mesh(mesh),
         "fsdp_min_param_size": mc.fsdp_min_param_size,
+        # the axes V / U shard over by their component axis ([mesh] decomposition)
+        "decomposition": list(p.decomp.axes) if p.decomp else ["fsdp"],
         "rows": rows if expand else group_rows(rows),
         "grouped": not expand,
         "totals": totals(rows, p),
@@ -516,7 +530,8 @@ def render(report: dict[str, Any], console: Any) -> None:
     console.print(
         f"{report['stage']}: {report['devices']} {report['platform']} devices, mesh "
         f"data={mesh['data']} x fsdp={mesh['fsdp']}, fsdp_min_param_size="
-        f"{report['fsdp_min_param_size']}, {t['arrays']} arrays",
+        f"{report['fsdp_min_param_size']}, components over "
+        f"{' x '.join(report['decomposition'])}, {t['arrays']} arrays",
         markup=False,
     )
     table = Table(title_justify="left")

@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from pdctl.config import Config, match_sites
-from pdctl.engine import sharding
+from pdctl.engine import runtime, sharding
 from pdctl.engine.accumulate import accumulate, split_micro
 from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
@@ -33,6 +33,7 @@ from pdctl.stages.common import (
     StageEnv,
     StageSpec,
     abstract_target,
+    decomp_layout,
     frozen_target,
     run_stage,
     stream_key,
@@ -199,7 +200,9 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
         }
 
     def shardings(abstract: Any) -> Any:
-        return sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size)
+        return sharding.tree_shardings(
+            abstract, mesh, cfg.mesh.fsdp_min_param_size, decomp_layout(cfg, mesh, target)
+        )
 
     abstract = jax.eval_shape(make_state, dec["components"], dec["ci_fns"], dec["sources"])
     state_sh = shardings(abstract)
@@ -271,8 +274,6 @@ def make_eval(env: StageEnv, target_params, fns):
     if target.output_kind == "logits":
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from pdctl.engine import runtime
-
         # Several XLA:CPU devices: a replicated batch, so that none of the evaluation's many
         # small programs has a collective (they can deadlock XLA:CPU; runtime.CPU_INFLIGHT_LIMIT).
         batch_sh = (
@@ -293,10 +294,17 @@ def make_eval(env: StageEnv, target_params, fns):
     else:
         eval_batch = jax.jit(lambda k: target.make_batch(k, cfg.train.eval_batch_size))(eval_key)
     expand = jax.jit(fns.expand)
+    # On such a mesh the decomposition comes to the evaluation replicated too: sharded over
+    # the component axis (`[mesh] decomposition`), its matmuls would need collectives. Through
+    # the host, so that not even the gather is a collective program.
+    replicate = runtime.collective_free_eval(env.mesh)
 
     def eval_fn(state) -> dict[str, Any]:
-        comps = expand(state["trainable"]["components"])
-        ci_fns = state["trainable"]["ci_fns"]
+        trainable = state["trainable"]
+        if replicate:
+            trainable = jax.device_put(jax.device_get(trainable), sharding.replicated(env.mesh))
+        comps = expand(trainable["components"])
+        ci_fns = trainable["ci_fns"]
         out: dict[str, Any] = {}
         stats = evaluate.ci_stats(
             target, target_params, comps, ci_fns, cfg, target.inputs(eval_batch)

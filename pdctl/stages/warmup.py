@@ -26,6 +26,7 @@ from pdctl.stages.common import (
     StageEnv,
     StageSpec,
     abstract_target,
+    decomp_layout,
     frozen_target,
     run_stage,
     stream_key,
@@ -81,7 +82,9 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
         }
 
     def shardings(abstract: Any) -> Any:
-        return sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size)
+        return sharding.tree_shardings(
+            abstract, mesh, cfg.mesh.fsdp_min_param_size, decomp_layout(cfg, mesh, target)
+        )
 
     dec = abstract_decomposition(cfg, target)
     abstract = jax.eval_shape(make_state, dec["components"])
