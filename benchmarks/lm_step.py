@@ -43,7 +43,23 @@ def _gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def child(n_sites: int, n_steps: int, C: int) -> dict:
+def top_ops(trace_dir: Path, n: int, k: int = 20) -> list[tuple[str, float]]:
+    """The XLA ops that took the most time per step in a jax.profiler trace of n steps."""
+    import collections
+    import gzip
+
+    path = next(trace_dir.rglob("*.trace.json.gz"))
+    totals: collections.Counter = collections.Counter()
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and "dur" in e and not name.startswith(("$", "Thunk", "Pjit")):
+            totals[name] += e["dur"] / n / 1e3
+    return totals.most_common(k)
+
+
+def child(n_sites: int, n_steps: int, C: int, trace: Path | None = None) -> dict:
     from pdctl.engine import runtime
 
     runtime.configure_devices()
@@ -84,6 +100,8 @@ def child(n_sites: int, n_steps: int, C: int) -> dict:
     t0 = time.perf_counter()
     step = prog.jit().lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0
+    if os.environ.get("PDCTL_LM_STEP_HLO"):  # the optimised program, to read its collectives
+        Path(os.environ["PDCTL_LM_STEP_HLO"]).write_text(step.as_text())
     cost = step.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float(cost.get("flops", float("nan")))
@@ -116,6 +134,11 @@ def child(n_sites: int, n_steps: int, C: int) -> dict:
     step_ms = best(one_step, n_steps)
     fwd_ms = best(lambda: fwd(params, batch), max(n_steps, 5))
     total = float(jax.device_get(one_step()["total"]))
+    ops = []
+    if trace is not None:
+        with jax.profiler.trace(str(trace)):
+            jax.block_until_ready([one_step() for _ in range(n_steps)])
+        ops = top_ops(trace, n_steps)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {
         "sites": n_sites,
@@ -126,6 +149,7 @@ def child(n_sites: int, n_steps: int, C: int) -> dict:
         "gflop": flops / 1e9,
         "peak_rss_gib": rss,
         "loss": total,
+        "top_ops_ms": ops,
     }
 
 
@@ -154,10 +178,17 @@ def main() -> None:
     ap.add_argument("--C", type=int, default=256)
     ap.add_argument("--baseline", help="git revision to measure beside this checkout")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--trace", type=Path, help="one child: profile its steps, print the top ops")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.steps, a.C)))
+        print(json.dumps(child(a.child, a.steps, a.C, a.trace)))
+        return
+    if a.trace:
+        r = child(a.sites[0], a.steps, a.C, a.trace)
+        print(f"{r['sites']} sites: step {r['step_ms']:.1f} ms; XLA ops by ms per step:")
+        for name, ms in r["top_ops_ms"]:
+            print(f"  {ms:8.2f}  {name}")
         return
     sides = {"this": ROOT}
     tmp = None

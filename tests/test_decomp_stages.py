@@ -213,6 +213,44 @@ def test_lm_train_parity_with_the_components_sharded_over_every_device(tmp_path:
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{data}x{fsdp}")
 
 
+def test_faithfulness_on_sharded_components_moves_no_weight_sized_collective(tmp_path) -> None:
+    """With the components sharded over data (an LM's default), the compiled train and warmup
+    steps have no all-reduce / reduce-scatter of a site's d_in x d_out shape: each device forms
+    its rows of W - V U from gathered V / U (`sharding.WeightSpace`), instead of all-reducing
+    every site's whole partial product. The faithfulness value is the unconstrained one's
+    (same sums, float32 reassociation only: rtol 1e-6)."""
+    import re
+
+    from pdctl.science.spd.losses import faithfulness_loss
+
+    run = make_run(tmp_path, "llama-mlp", train={"batch_size": 8})
+    cfg = Project.load(run / "pdctl.toml").config
+    target = target_from_config(cfg)
+    mesh = _mesh(4, 1)
+    shapes = {f"f32[{a},{b}]" for a, b in target.site_shapes().values()}
+    weight_sized = re.compile(r"= \(?([^=]*?)\)? (all-reduce|reduce-scatter)\(")
+    for module in (train, warmup):
+        prog = module.program(cfg, mesh, target)
+        hlo = prog.jit().lower(*prog.abstract_args()).compile().as_text()
+        collectives = [m.group(1) for m in weight_sized.finditer(hlo)]
+        assert collectives, f"{module.__name__}: expected the gradient collectives"
+        for operands in collectives:
+            for shape in shapes:
+                assert shape + "{" not in operands, (module.__name__, shape, operands[:300])
+
+    comps = init_decomposition(cfg, target, _mesh(1, 1), stream_key(cfg, STREAM_DECOMP))[0]
+    comps = comps["components"]
+    params = jax.jit(target.init)(stream_key(cfg, STREAM_TARGET))
+    weights = {p: target.site_weights(params)[p] for p in comps}
+    plain = float(faithfulness_loss(weights, comps))
+    decomp = sharding.decomp_axes(mesh, "all", lm=True)
+    spec = sharding.tree_shardings(comps, mesh, 1024, decomp)
+    laid = jax.jit(lambda w, c: faithfulness_loss(w, c, sharding.weight_space(mesh, decomp)))(
+        weights, jax.device_put(comps, spec)
+    )
+    np.testing.assert_allclose(float(laid), plain, rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI end to end
 

@@ -183,7 +183,7 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     total = tc.steps
     sharding.check_batch_divides(tc.batch_size, mesh, "train.batch_size", tc.grad_accum_steps)
     target = with_remat(target, tc.remat)
-    fns = spd_fns(cfg, target)
+    fns = spd_fns(cfg, target, mesh)
     tx = optimizer(cfg, total)
     rng = stream_key(cfg, STREAM_TRAIN)
     dec = abstract_decomposition(cfg, target)
@@ -235,9 +235,11 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     )
 
 
-def spd_fns(cfg: Config, target: Target):
-    """The SPD functions of this config's sites on `target`."""
-    return make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg)
+def spd_fns(cfg: Config, target: Target, mesh: Mesh | None = None):
+    """The SPD functions of this config's sites on `target`; with the step's `mesh`, laid out
+    for the components' sharding on it (`sharding.weight_space`)."""
+    ws = None if mesh is None else sharding.weight_space(mesh, decomp_layout(cfg, mesh, target))
+    return make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg, ws)
 
 
 def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:

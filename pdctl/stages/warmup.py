@@ -40,7 +40,9 @@ def optimizer(cfg: Config, steps: int) -> optax.GradientTransformation:
     )
 
 
-def make_step(target, paths: tuple[str, ...], tx, ties: dict[str, str] | None = None):
+def make_step(
+    target, paths: tuple[str, ...], tx, ties: dict[str, str] | None = None, weight_space=None
+):
     """The warmup step over the component parameters (tied sites folded away, see
     `components.expand_tied`). The loss and the optimizer see every site: faithfulness sums
     over all of them, and AdamW keeps one moment set per site (a tied site's update is folded
@@ -50,7 +52,8 @@ def make_step(target, paths: tuple[str, ...], tx, ties: dict[str, str] | None = 
 
     def loss_fn(components, target_params):
         w = target.site_weights(target_params)
-        return faithfulness_loss({p: jax.lax.stop_gradient(w[p]) for p in paths}, components)
+        weights = {p: jax.lax.stop_gradient(w[p]) for p in paths}
+        return faithfulness_loss(weights, components, weight_space)
 
     def step(target_params: Any, state: dict[str, Any], batch: None):
         per_site = expand_tied(state["components"], ties, paths)
@@ -91,7 +94,9 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     abstract_params = abstract_target(cfg, target)
     return StepProgram(
         stage="warmup",
-        step=make_step(target, paths, tx, ties),
+        step=make_step(
+            target, paths, tx, ties, sharding.weight_space(mesh, decomp_layout(cfg, mesh, target))
+        ),
         make_state=make_state,
         abstract_state=abstract,
         state_shardings=shardings(abstract),

@@ -154,13 +154,20 @@ class Recon:
 # loss terms
 
 
-def faithfulness_loss(weights: Dict, components: Components) -> Array:
-    """sum_s ||W_s - V_s U_s||_F^2 / sum_s numel(W_s), over the sites in `components`."""
+def faithfulness_loss(weights: Dict, components: Components, layout: Any = None) -> Array:
+    """sum_s ||W_s - V_s U_s||_F^2 / sum_s numel(W_s), over the sites in `components`.
+
+    `layout` (`engine.sharding.WeightSpace`, for components sharded over the mesh): the same
+    value computed on gathered V / U, each device forming its rows of the residual."""
     total = jnp.zeros((), jnp.float32)
     numel = 0
     for path, comp in components.items():
         V, U = comp["V"].astype(jnp.float32), comp["U"].astype(jnp.float32)
-        diff = weights[path].astype(jnp.float32) - V @ U
+        W = weights[path].astype(jnp.float32)
+        if layout is not None:
+            V, U = layout.gathered(V), layout.gathered(U)
+            W, V = layout.rows(W), layout.rows(V)
+        diff = W - V @ U
         total = total + jnp.sum(diff * diff)
         numel += diff.size
     return total / numel
@@ -386,7 +393,11 @@ class SpdFns:
     faithfulness_loss: Callable[[Components, Any], Array]
 
 
-def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
+def make_spd_fns(
+    target: Any, site_C: Mapping[str, int], cfg: Config, weight_space: Any = None
+) -> SpdFns:
+    """The step's SPD functions; `weight_space` lays out the faithfulness term over the mesh
+    (`faithfulness_loss`)."""
     paths = tuple(p for p in target.site_paths() if p in site_C)
     missing = set(site_C) - set(paths)
     if missing:
@@ -440,7 +451,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         # Each term draws from its own fold of the key, so switching one term on or off leaves
         # the others' draws unchanged.
         compute: dict[str, Callable[[Array], Array]] = {
-            "faithfulness": lambda k: faithfulness_loss(recon.weights, comps),
+            "faithfulness": lambda k: faithfulness_loss(recon.weights, comps, weight_space),
             "importance_minimality": lambda k: importance_minimality_loss(
                 ci_upper, p_at(lcfg, step_frac), lcfg.eps, lcfg.beta, imp_totals
             ),
@@ -506,7 +517,7 @@ def make_spd_fns(target: Any, site_C: Mapping[str, int], cfg: Config) -> SpdFns:
         )
 
     def faithfulness(components: Components, target_params: Any) -> Array:
-        return faithfulness_loss(site_weights(target_params), components)
+        return faithfulness_loss(site_weights(target_params), components, weight_space)
 
     return SpdFns(
         paths=paths,
