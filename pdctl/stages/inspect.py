@@ -173,7 +173,29 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     args.append(Arg("state", prog.abstract_state, _spec_tree(prog.state_shardings), True))
     batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
     args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
-    return Plan(stage, cfg, mesh, args, prog, decomp=decomp)
+    return Plan(
+        stage, cfg, mesh, args, prog, notes=weight_space_notes(stage, decomp), decomp=decomp
+    )
+
+
+def weight_space_notes(stage: str, decomp: sharding.Decomp) -> list[str]:
+    """How the step does each site's weight-space work (components.masked_site_fn,
+    losses.faithfulness_loss), for the report."""
+    if stage not in ("warmup", "train"):
+        return []
+    where = (
+        f"on gathered V / U, each of the {decomp.size} devices forming its rows"
+        if decomp.size > 1
+        else "on one device's whole V / U"
+    )
+    notes = [f"faithfulness: W - V U formed once per step per site, {where}"]
+    if stage == "train":
+        notes.append(
+            "masked forwards: every site on the token path, (x V * (m - m_delta)) U + m_delta "
+            "x W; no d_in x d_out matrix per forward (never cheaper: it would add C d_in d_out "
+            "per forward and twice that in the backward, to the same token work)"
+        )
+    return notes
 
 
 # ---- rows ------------------------------------------------------------------------------------
