@@ -510,6 +510,14 @@ class TrainConfig(Section):
     )
     grad_accum_steps: Pos = Field(1, description="micro-batches accumulated per optimizer step")
     remat: Literal["none", "dots_saveable", "full"] = Field("none", description=_REMAT)
+    init_from: str = Field(
+        "",
+        description=(
+            "another run's directory (relative to this one): start from its train stage's "
+            "final decomposition (V, U, CI functions; structure checked) with a fresh "
+            "optimizer, PPGD sources and step counter, instead of warmup's components"
+        ),
+    )
     optim: OptimConfig = Field(
         OptimConfig(),
         description="optimizer of the components (and of the CI functions unless "

@@ -118,6 +118,10 @@ def check_configs(project: Project) -> None:
             raise PdctlError(f"data.path: nothing at {path}")
     if target.kind == "hf" and cfg.data.eos_id is not None:
         _check_eos_id(cfg.data.eos_id, target)
+    if cfg.train.init_from:
+        from pdctl.stages.init_from import parent_checkpoint
+
+        parent_checkpoint(project.root, cfg.train.init_from)
 
 
 def _check_eos_id(eos_id: int, target: Any) -> None:

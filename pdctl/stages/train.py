@@ -35,6 +35,7 @@ from pdctl.stages.common import (
     abstract_target,
     decomp_layout,
     frozen_target,
+    notify,
     run_stage,
     stream_key,
     text_batch_spec,
@@ -244,8 +245,23 @@ def spd_fns(cfg: Config, target: Target, mesh: Mesh | None = None):
 
 def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
     """What a fresh train starts from: warmup's components, init-weights' CI functions and
-    PPGD sources."""
+    PPGD sources; with `[train] init_from`, the parent run's final components and CI
+    functions instead (`stages.init_from`), and this run's fresh sources."""
     trainable = prog.abstract_state["trainable"]
+    if env.cfg.train.init_from:
+        from pdctl.stages.init_from import parent_decomposition
+
+        parent, origin = parent_decomposition(
+            env.project.root,
+            env.cfg.train.init_from,
+            trainable,
+            prog.state_shardings["trainable"],
+        )
+        init, _ = env.restore_items("init_weights", {"sources": prog.abstract_state["sources"]})
+        env.on_state(init_from=origin)
+        notify(f"train: starting from the decomposition of {origin['run']} at step "
+               f"{origin['step']} (fresh optimizer, sources and step)")  # fmt: skip
+        return parent["components"], parent["ci_fns"], init["sources"]
     init, _ = env.restore_items(
         "init_weights",
         {"ci_fns": trainable["ci_fns"], "sources": prog.abstract_state["sources"]},
