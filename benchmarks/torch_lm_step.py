@@ -5,15 +5,16 @@ What it runs: goodfire-ai/spd's own training loop, `spd.run_spd.optimize` (measu
 unmodified. Each of its iterations is: `ComponentModel.calc_weight_deltas`, the target forward
 with input caching (`ComponentModel(batch, cache_type="input")`),
 `ComponentModel.calc_causal_importances`, `spd.losses.compute_total_loss`, `backward`, the
-per-layer L0 logging and `AdamW.step`. The data comes from `spd.data.create_data_loader`, as in
-`spd/experiments/lm/lm_decomposition.py`. Two names in `spd.run_spd` are swapped for the run:
+per-layer L0 logging and `AdamW.step`. The batches come from `spd.data.create_data_loader`, as
+in `spd/experiments/lm/lm_decomposition.py`. Two names in `spd.run_spd` are swapped for the run:
 `optim` (so that its `AdamW` records when each step ends, and stops the loop by raising once
 enough steps are timed) and `save_file` (no checkpoint is written). Nothing else is touched.
 
 The config (`spd.configs.Config`): target `transformers.LlamaForCausalLM` from `--model`, output
-attr `logits`; sites `model.layers.15.mlp.{gate,up,down}_proj` (3 sites), layers 12-15 (12), or
-all 30 layers (90), C = 256 per site; batch 4 x 64 tokens of real text (Debian's fortunes, all
-files, written once as `train.jsonl` under `--data`); losses FaithfulnessLoss (1e7),
+attr `logits`; sites `model.layers.15.mlp.{gate,up,down}_proj` (3 sites), layers 14-15 (6),
+12-15 (12) or all 30 layers (90), C = 256 per site; batch 4 x 64 tokens of real text (Debian's
+fortunes, all files, tokenized once by spd's `tokenize_and_concatenate` into `--data`, then
+read on spd's pre-tokenized data path); losses FaithfulnessLoss (1e7),
 ImportanceMinimalityLoss (5e-4, pnorm 2.0 annealed to 0.4 over the run, beta 0),
 StochasticReconSubsetLoss (1.0, uniform-k subset routing), output loss KL; CI function
 `shared_mlp` (spd's `VectorSharedMLPCiFn`: one MLP per site) with one hidden layer of 128,
@@ -29,7 +30,8 @@ the median iteration. The forward is `LlamaForCausalLM(input_ids)` under `torch.
 a batch from the same loader (best of 3 windows of 3 calls, after 2 warm-up calls). Peak RSS
 is the child's `ru_maxrss` (model, SPD state and all).
 
-Setup (spd requires Python >= 3.12 and pins wandb 0.23.1, whose reports package it imports):
+Setup (spd needs Python >= 3.12, and wandb 0.23.1 for the `wandb_workspaces` it imports; on
+Python 3.13 PyPI's torch 2.13.0 is the CUDA build, which runs on the CPU here):
 
     # the reference, as a work tree
     git clone <goodfire-ai/spd> /work/spd-bench/spd
@@ -42,7 +44,7 @@ Setup (spd requires Python >= 3.12 and pins wandb 0.23.1, whose reports package 
     # SmolLM2 as a plain float32 HF directory: load the Q4_1 GGUF with transformers
     # (gguf_file=..., dtype float32), drop quantization_config from its config, copy the
     # state dict into a fresh LlamaForCausalLM(config), save_pretrained it and the tokenizer
-    # to /work/spd-bench/smollm2-hf
+    # to /work/spd-bench/smollm2-hf (with /work/venv: /work/spd-bench/tools/gguf_to_hf.py)
 
 Run (from the repository root):
 
@@ -77,20 +79,38 @@ class _Enough(Exception):
     """Raised from the optimizer once every timed step has run."""
 
 
-def write_fortunes(data_dir: Path) -> Path:
-    """Debian's fortunes as `train.jsonl` ({"text": ...} per fortune), made once."""
+def write_tokens(data_dir: Path, model: Path) -> Path:
+    """Debian's fortunes, tokenized once into `train.jsonl` ({"input_ids": [SEQ_LEN ids]} a line).
+
+    The tokens are spd's own: `spd.data.tokenize_and_concatenate` (fortunes joined by EOS, cut
+    into SEQ_LEN-token rows), run in one process. The step then reads them through spd's
+    `create_data_loader` on its pre-tokenized path (`is_tokenized=True`), as its GPT-2 config
+    does; its text path re-tokenizes in 10 forked `datasets.map` workers each run.
+    """
     path = data_dir / "train.jsonl"
     if path.exists():
         return path
+    from datasets import Dataset
+    from spd.data import tokenize_and_concatenate
+    from transformers import AutoTokenizer
+
+    texts = []
+    for src in sorted(FORTUNES.iterdir()):
+        if src.suffix in {".dat", ".u8"} or not src.is_file():
+            continue
+        texts += [t.strip() for t in src.read_text(errors="replace").split("\n%\n") if t.strip()]
+    tokens = tokenize_and_concatenate(
+        Dataset.from_dict({"text": texts}),
+        AutoTokenizer.from_pretrained(model),
+        column_name="text",
+        max_length=SEQ_LEN,
+        num_proc=1,
+    )["input_ids"]
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
-        for src in sorted(FORTUNES.iterdir()):
-            if src.suffix in {".dat", ".u8"} or not src.is_file():
-                continue
-            for text in src.read_text(errors="replace").split("\n%\n"):
-                if text.strip():
-                    f.write(json.dumps({"text": text.strip()}) + "\n")
+        for row in tokens:
+            f.write(json.dumps({"input_ids": row.tolist()}) + "\n")
     tmp.rename(path)
     return path
 
@@ -150,10 +170,10 @@ def make_config(model: Path, data_dir: Path, n_sites: int, C: int, steps: int) -
             "task_name": "lm",
             "max_seq_len": SEQ_LEN,
             "dataset_name": str(data_dir),
-            "column_name": "text",
+            "column_name": "input_ids",
             "train_data_split": "train",
             "eval_data_split": "train",
-            "is_tokenized": False,
+            "is_tokenized": True,
             "streaming": False,
         },
     )
@@ -170,14 +190,16 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
     import spd.run_spd as run_spd
     from spd.data import DatasetConfig, create_data_loader
     from spd.utils.general_utils import extract_batch_data, set_seed
+    from spd.utils.module_utils import expand_module_patterns
+    from transformers import LlamaForCausalLM
 
     n_timed = a.warmup + a.windows * a.window
     config = make_config(a.model, a.data, a.child, a.C, steps=n_timed + 1)
     set_seed(config.seed)
-    from transformers import LlamaForCausalLM
-
     target = LlamaForCausalLM.from_pretrained(config.pretrained_model_name)
     target.eval()
+    sites = expand_module_patterns(target, config.all_module_info)
+    assert len(sites) == a.child, [s.module_path for s in sites]
 
     tc = config.task_config
     loaders = []
@@ -271,7 +293,7 @@ def main() -> None:
     ap.add_argument("--sites", type=int, nargs="+", default=[3, 90], choices=sorted(LAYERS))
     ap.add_argument("--spd", type=Path, default=Path("/work/spd-bench/spd"))
     ap.add_argument("--model", type=Path, default=Path("/work/spd-bench/smollm2-hf"))
-    ap.add_argument("--data", type=Path, default=Path("/work/spd-bench/fortunes"))
+    ap.add_argument("--data", type=Path, default=Path("/work/spd-bench/fortunes-tok64"))
     ap.add_argument("--C", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps (>= 1)")
     ap.add_argument("--windows", type=int, default=3)
@@ -284,7 +306,8 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a)))
         return
-    write_fortunes(a.data)
+    sys.path.insert(0, str(a.spd))
+    write_tokens(a.data, a.model)
     commit = subprocess.run(
         ["git", "-C", str(a.spd), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
