@@ -153,8 +153,10 @@ def child(n_sites: int, n_steps: int, C: int, trace: Path | None = None) -> dict
     }
 
 
-def run_child(src: Path, n_sites: int, n_steps: int, C: int) -> dict:
+def run_child(src: Path, n_sites: int, n_steps: int, C: int, devices: int = 0) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
+    if devices:  # else pdctl's default: one CPU device per core
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     cmd = [
         sys.executable,
         __file__,
@@ -177,6 +179,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps per timing window")
     ap.add_argument("--C", type=int, default=256)
     ap.add_argument("--baseline", help="git revision to measure beside this checkout")
+    ap.add_argument(
+        "--devices", type=int, nargs="+", default=[0],
+        help="CPU device counts to measure (0 = pdctl's default, one per core)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--trace", type=Path, help="one child: profile its steps, print the top ops")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -202,26 +208,34 @@ def main() -> None:
     rows = []
     try:
         for n in a.sites:
-            for name, src in sides.items():  # interleaved: both sides of a row back to back
-                r = run_child(src, n, a.steps, a.C)
-                r["side"] = name
-                rows.append(r)
-                print(
-                    f"{name:>10} {n:3d} sites  step {r['step_ms']:8.1f} ms  forward "
-                    f"{r['forward_ms']:6.1f} ms  step/fwd {r['step_ms'] / r['forward_ms']:5.2f}  "
-                    f"compile {r['compile_s']:6.1f} s  {r['gflop']:7.1f} GFLOP  "
-                    f"RSS {r['peak_rss_gib']:5.2f} GiB  loss {r['loss']:.6g}",
-                    flush=True,
-                )
+            for d in a.devices:
+                for name, src in sides.items():  # interleaved: both sides of a row back to back
+                    r = run_child(src, n, a.steps, a.C, d)
+                    r["side"] = name
+                    rows.append(r)
+                    print(
+                        f"{name:>10} {n:3d} sites {r['devices']} dev  step {r['step_ms']:8.1f} ms  "
+                        f"forward {r['forward_ms']:6.1f} ms  step/fwd {r['step_ms'] / r['forward_ms']:5.2f}  "
+                        f"compile {r['compile_s']:6.1f} s  {r['gflop']:7.1f} GFLOP  "
+                        f"RSS {r['peak_rss_gib']:5.2f} GiB  loss {r['loss']:.6g}",
+                        flush=True,
+                    )
     finally:
         if tmp:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tmp])
     if a.baseline:
         print(f"\nstep time, {a.baseline} / this (higher = this is faster):")
-        for n in a.sites:
-            old, new = (next(r for r in rows if r["sites"] == n and r["side"] == s) for s in sides)
+        done: set[tuple[int, int]] = set()
+        for n, d in ((n, r["devices"]) for n in a.sites for r in rows if r["sites"] == n):
+            if (n, d) in done:
+                continue
+            done.add((n, d))
+            old, new = (
+                next(r for r in rows if r["sites"] == n and r["side"] == s and r["devices"] == d)
+                for s in sides
+            )
             print(
-                f"  {n:3d} sites: {old['step_ms'] / new['step_ms']:5.2f}x   GFLOP "
+                f"  {n:3d} sites {d} dev: {old['step_ms'] / new['step_ms']:5.2f}x   GFLOP "
                 f"{old['gflop']:.0f} -> {new['gflop']:.0f}   compile {old['compile_s']:.1f} -> "
                 f"{new['compile_s']:.1f} s"
             )

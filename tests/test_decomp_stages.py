@@ -193,6 +193,7 @@ def _lm_train_losses(run: Path, data: int, fsdp: int, n_steps: int = 6):
     return np.array(jax.device_get(losses), dtype=np.float64), spec
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_lm_train_parity_with_the_components_sharded_over_every_device(tmp_path: Path) -> None:
     """An LM's components shard their component axis over data x fsdp by default ([mesh]
     decomposition = auto -> all): no data-parallel device repeats another's faithfulness

@@ -75,6 +75,7 @@ for n in map(int, sys.argv[1:]):
 """
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_xla_cpu_deadlocks_behind_a_collective():
     """Behind a program with a collective, 8 more such programs in flight (the loop's
     MAX_AHEAD) complete; 256 deadlock XLA:CPU and it aborts the process. The second half is

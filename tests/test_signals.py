@@ -179,6 +179,7 @@ def _ckpts(run: Path, stage: str) -> list[int]:
 # ---- item 2: SIGTERM in every phase ----------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_2_sigterm_during_a_real_slow_compile_exits_within_seconds(tmp_path: Path) -> None:
     """The loop compiles a step whose XLA compile takes tens of seconds (an unrolled scan);
     SIGTERM half a second into it ends the process within seconds, `interrupted`, exit 3."""
@@ -237,6 +238,7 @@ os._exit(code)
     assert last["status"] == "interrupted" and last.get("checkpoint") is None, last
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_2_sigterm_while_compiling_the_stage_step(initialized: Path, tmp_path: Path) -> None:
     run = _copy(initialized, tmp_path)
     mark = tmp_path / "mark"
@@ -250,6 +252,7 @@ def test_2_sigterm_while_compiling_the_stage_step(initialized: Path, tmp_path: P
     assert "starting it over" in result.stderr and "pretrain: done at step 20" in result.stdout
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_2_sigterm_while_restoring_a_checkpoint(initialized: Path, tmp_path: Path) -> None:
     run = _copy(initialized, tmp_path)
     _ok("--project", run, "pretrain", "--until", "5")
@@ -263,6 +266,7 @@ def test_2_sigterm_while_restoring_a_checkpoint(initialized: Path, tmp_path: Pat
     assert "pretrain: done at step 20" in _ok("--project", run, "resume").stdout
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_2_sigterm_during_the_final_evaluation(warmed: Path, tmp_path: Path) -> None:
     """The issue's case: SIGTERM while train evaluates at its last step. It stops within
     seconds (not when the evaluation ends), keeps checkpoint 5, and `resume` finishes."""
@@ -290,6 +294,7 @@ def test_2_sigterm_during_the_final_evaluation(warmed: Path, tmp_path: Path) -> 
     assert state(run, "train")["eval"]
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_2_sigterm_while_tokenizing(tmp_path_factory, tmp_path: Path) -> None:
     base = _base(tmp_path_factory, "llama", "llama-mlp", [["init-weights"]])
     run = _copy(base, tmp_path)
@@ -342,6 +347,7 @@ def _run_to_end(run: Path, hook: str, *args: str) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_18_sigterm_in_the_last_step_ends_done(initialized: Path, tmp_path: Path) -> None:
     """SIGTERM while the last step runs: the stage finished, so it says done (exit 0), not
     `continue with pdctl resume` about a stage that has nothing left to resume."""
@@ -354,6 +360,7 @@ def test_18_sigterm_in_the_last_step_ends_done(initialized: Path, tmp_path: Path
     assert state(run, "pretrain")["status"] == "done"
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_18_sigterm_in_the_last_step_of_a_pipeline_stage(initialized: Path, tmp_path) -> None:
     """`pdctl run`: pretrain's last step is signalled; pretrain is done, the pipeline stops
     before warmup (exit 3) and says that `pdctl run` continues with it."""
@@ -367,6 +374,7 @@ def test_18_sigterm_in_the_last_step_of_a_pipeline_stage(initialized: Path, tmp_
     assert state(run, "pretrain")["status"] == "done" and not state(run, "warmup")
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_18_sigterm_during_report_leaves_the_previous_report_whole(
     warmed: Path, tmp_path: Path
 ) -> None:
@@ -429,6 +437,7 @@ def _recorded_checkpoint(run: Path) -> bool:
         return False
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 @pytest.mark.parametrize("sig", [signal.SIGABRT, signal.SIGKILL])
 def test_7_a_stage_process_dying_by_a_signal_ends_failed_with_one_line(
     initialized: Path, tmp_path: Path, sig: int
@@ -458,6 +467,7 @@ def test_7_a_stage_process_dying_by_a_signal_ends_failed_with_one_line(
     assert f"pretrain: interrupted at step {latest + 5}" in result.stdout
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_7_kill_9_of_pdctl_takes_the_stage_process_with_it(
     initialized: Path, tmp_path: Path
 ) -> None:

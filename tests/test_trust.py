@@ -77,6 +77,7 @@ def run(initialized: Path, tmp_path: Path) -> Path:
 # ---- 3. inspect-sharding's child imports nothing from the current directory --------------------
 
 
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_3_inspect_child_does_not_import_from_the_run_directory(tmp_path: Path) -> None:
     """The issue's reproduction: `cd run1; echo 'open("../PWNED","w")' > typer.py; pdctl
     inspect-sharding --devices 4`. The parent here is itself started with `-P` (as the `pdctl`
