@@ -215,7 +215,8 @@ def main() -> None:
                     rows.append(r)
                     print(
                         f"{name:>10} {n:3d} sites {r['devices']} dev  step {r['step_ms']:8.1f} ms  "
-                        f"forward {r['forward_ms']:6.1f} ms  step/fwd {r['step_ms'] / r['forward_ms']:5.2f}  "
+                        f"forward {r['forward_ms']:6.1f} ms  "
+                        f"step/fwd {r['step_ms'] / r['forward_ms']:5.2f}  "
                         f"compile {r['compile_s']:6.1f} s  {r['gflop']:7.1f} GFLOP  "
                         f"RSS {r['peak_rss_gib']:5.2f} GiB  loss {r['loss']:.6g}",
                         flush=True,
