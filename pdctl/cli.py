@@ -477,6 +477,22 @@ def inspect_sharding(
     show_all: Annotated[
         bool, typer.Option("--all", help="One row per array (no grouping of same-shaped sites).")
     ] = False,
+    device_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--device-memory",
+            help="Fit check: compile the step and the evaluation's programs and compare each "
+            "one's per-device peak with this much memory (80GiB, 40GB).",
+        ),
+    ] = None,
+    device_kind: Annotated[
+        str | None,
+        typer.Option(
+            "--device-kind",
+            help="Fit check against a device's memory: a100-40, a100-80, h100, h200, b200, "
+            "tpu-v5e, tpu-v5p.",
+        ),
+    ] = None,
 ) -> None:
     """Show each array's shape, PartitionSpec and bytes per device, without allocating."""
     import sys
@@ -487,8 +503,11 @@ def inspect_sharding(
     runtime.configure_devices()  # the devices a stage would see
     runtime.check_backend()  # JAX_PLATFORMS=gpu without a GPU: one line, exit 2
 
+    from pdctl.stages import fit
+
     stage = insp.parse_stage(stage)
     override = insp.parse_mesh(mesh)
+    budget = fit.device_budget(device_memory, device_kind)
     proj = _project(ctx)
     if devices is not None and insp.needs_child(devices, proj.config, override):
         child = insp.run_child(
@@ -500,12 +519,20 @@ def inspect_sharding(
             as_json,
             show_all,
             columns=console.width,
+            device_memory=device_memory,
+            device_kind=device_kind,
         )
         sys.stdout.write(child.stdout)
         sys.stderr.write(child.stderr)
         raise typer.Exit(child.returncode)
     report = insp.inspect(
-        proj.config, stage, override, compile=compile_step, expand=show_all, root=proj.root
+        proj.config,
+        stage,
+        override,
+        compile=compile_step,
+        expand=show_all,
+        root=proj.root,
+        budget=budget,
     )
     if as_json:
         typer.echo(json.dumps(report))

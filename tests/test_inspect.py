@@ -334,3 +334,89 @@ def test_child_error_is_relayed(tmp_path: Path) -> None:
         "error: mesh: data=3 x fsdp=1 = 3 devices, but 8 are available; set mesh.data = -1 to "
         "use them all"
     ]
+
+
+# ---- the fit check ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two compiles of the step and two eval programs: ~10-20 s
+def test_fit_check_arithmetic_and_verdict(tmp_path: Path) -> None:
+    """--device-memory compiles the train step and the evaluation's programs (4 devices, data x
+    fsdp); each program's bytes are XLA's memory_analysis() of that compiled program, the
+    peak is argument + output + temporaries - aliased, and the verdict is peak <= budget (exit
+    0 either way). The step's figures equal the plain --compile report's."""
+    import jax
+
+    from pdctl.project import Project
+    from pdctl.stages import fit
+    from pdctl.stages import inspect as insp
+
+    run = tiny_llama(tmp_path, data=2, fsdp=2)
+    cfg = Project.load(run / "pdctl.toml").config
+    report = insp.inspect(cfg, "train", devices=jax.devices()[:4], budget=(10**12, "1 TB"))
+    f = report["fit"]
+    names = [q["program"] for q in f["programs"]]
+    assert names == ["train step", "eval: CI", "eval: masked forwards"]
+    for q in f["programs"]:
+        assert q["available"]
+        parts = q["argument_bytes"] + q["output_bytes"] + q["temp_bytes"] - q["alias_bytes"]
+        assert q["peak_bytes"] == parts > 0
+    step = f["programs"][0]
+    m = report["memory"]
+    assert (step["argument_bytes"], step["output_bytes"], step["temp_bytes"]) == (
+        m["argument_bytes"], m["output_bytes"], m["temp_bytes"],
+    )  # fmt: skip
+    assert step["alias_bytes"] == m["alias_bytes"] > 0  # the donated state aliases
+    # every program's figures are XLA's for that program, compiled here on its own
+    p = insp.plan(cfg, "train", sharding_mesh(cfg, 4))
+    compiled = fit.compile_all(p, *insp.compile_step(p))
+    for q in f["programs"]:
+        got = compiled[q["program"]][0].memory_analysis()
+        assert (q["argument_bytes"], q["temp_bytes"], q["alias_bytes"]) == (
+            got.argument_size_in_bytes, got.temp_size_in_bytes, got.alias_size_in_bytes,
+        )  # fmt: skip
+    peak = max(q["peak_bytes"] for q in f["programs"])
+    assert f["peak_bytes"] == peak and f["fits"] and f["margin_bytes"] == 10**12 - peak
+    assert len(f["largest_arrays"]) == 10
+    sizes = [r["bytes_per_device"] for r in f["largest_arrays"]]
+    assert sizes == sorted(sizes, reverse=True)
+    # at exactly the peak it fits; one byte less and it does not
+    rows = insp.array_rows(p)
+    at = fit.check(p, compiled, (peak, "peak"), rows)
+    assert at["fits"] and at["margin_bytes"] == 0
+    under = fit.check(p, compiled, (peak - 1, "peak - 1"), rows)
+    assert not under["fits"] and under["margin_bytes"] == -1
+
+
+def sharding_mesh(cfg, n: int):
+    import jax
+
+    from pdctl.engine import sharding
+
+    return sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, jax.devices()[:n])
+
+
+def test_fit_check_cli(tmp_path: Path) -> None:
+    from pdctl.stages import fit
+
+    assert fit.parse_memory("80GiB") == 80 * 2**30
+    assert fit.parse_memory("40 GB") == 40 * 10**9
+    assert fit.parse_memory("1.5TiB") == int(1.5 * 2**40)
+    assert fit.DEVICE_MEMORY["h200"] == 141 * 2**30
+    run = tiny_tms(tmp_path)
+    out = invoke("--project", str(run), "inspect-sharding", "--device-kind", "h100", "--json")
+    assert out.exit_code == 0, out.output
+    f = json.loads(out.stdout)["fit"]
+    assert f["budget_bytes"] == 80 * 2**30 and f["fits"]
+    text = invoke("--project", str(run), "inspect-sharding", "--device-memory", "1KiB")
+    assert text.exit_code == 0 and "DOES NOT FIT" in text.stdout, text.output
+    for args, says in (
+        (["--device-memory", "lots"], "--device-memory: expected a size"),
+        (["--device-memory", "0GB"], "--device-memory: expected a size"),
+        (["--device-kind", "v100"], "--device-kind: unknown kind 'v100'"),
+        (["--device-kind", "h100", "--device-memory", "8GB"], "give one of them"),
+    ):
+        bad = invoke("--project", str(run), "inspect-sharding", *args)
+        assert bad.exit_code == 2, (args, bad.output)
+        lines = [x for x in bad.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and says in lines[0], (args, bad.stderr)

@@ -122,6 +122,7 @@ class Plan:
     program: Any = None  # the stage's StepProgram (None: init_weights has no step)
     notes: list[str] = field(default_factory=list)
     decomp: sharding.Decomp | None = None  # the axes the components shard over
+    target: Any = None
 
 
 def _specs(abstract: Any, cfg: Config, mesh, target) -> Any:
@@ -161,6 +162,7 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
             ],
             notes=["init_weights has no step; rows are what it creates"],
             decomp=decomp,
+            target=target,
         )
     if stage == "pretrain" and target.kind == "hf":
         raise PdctlError("--stage: an imported model (target.kind = hf) has no pretrain stage")
@@ -173,9 +175,8 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     args.append(Arg("state", prog.abstract_state, _spec_tree(prog.state_shardings), True))
     batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
     args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
-    return Plan(
-        stage, cfg, mesh, args, prog, notes=weight_space_notes(stage, decomp), decomp=decomp
-    )
+    notes = weight_space_notes(stage, decomp)
+    return Plan(stage, cfg, mesh, args, prog, notes=notes, decomp=decomp, target=target)
 
 
 def weight_space_notes(stage: str, decomp: sharding.Decomp) -> list[str]:
@@ -424,9 +425,12 @@ def inspect(
     expand: bool = False,
     devices: list[Any] | None = None,
     root: Path | None = None,
+    budget: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
     """The `inspect-sharding` report as a JSON-ready dict: rows, totals and (with `compile`)
-    the compiled step's memory."""
+    the compiled step's memory; with a device `budget` (bytes, as given) also the fit check
+    (`stages.fit`: the step and the evaluation's programs against it)."""
+    compile = compile or budget is not None
     stage = parse_stage(stage)
     devices = list(jax.devices() if devices is None else devices)
     mc = mesh_config(cfg, mesh_override)
@@ -456,6 +460,11 @@ def inspect(
             compiled, secs = compile_step(p)
             report["memory"] = memory_report(compiled, report["totals"]["donated_per_device"])
             report["memory"]["compile_s"] = round(secs, 3)
+            if budget is not None:
+                from pdctl.stages import fit
+
+                programs = fit.compile_all(p, compiled, secs)
+                report["fit"] = fit.check(p, programs, budget, rows)
     return report
 
 
@@ -521,6 +530,8 @@ def run_child(
     as_json: bool,
     expand: bool,
     columns: int | None = None,
+    device_memory: str | None = None,
+    device_kind: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Rerun this inspection in `sys.executable -P -m pdctl` with N simulated CPU devices,
     started outside the run directory with the current directory off its import path."""
@@ -529,6 +540,9 @@ def run_child(
     if mesh is not None:
         argv += ["--mesh", mesh]
     argv += [f for f, on in (("--compile", compile), ("--json", as_json), ("--all", expand)) if on]
+    for flag, value in (("--device-memory", device_memory), ("--device-kind", device_kind)):
+        if value:
+            argv += [flag, value]
     env = child_env(n)
     if columns:
         env["COLUMNS"] = str(columns)
@@ -630,3 +644,7 @@ def render(report: dict[str, Any], console: Any) -> None:
             f"({verdict}, threshold {donation.THRESHOLD:.0%})",
             markup=False,
         )
+    if report.get("fit"):
+        from pdctl.stages import fit
+
+        fit.render(report["fit"], console, fmt_bytes)

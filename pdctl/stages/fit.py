@@ -1,0 +1,194 @@
+"""The fit check: does a stage's step, and every program its evaluation compiles, fit a device?
+
+`pdctl inspect-sharding --device-memory 80GiB` (or `--device-kind h100`) compiles, from
+abstract sharded arguments (nothing is allocated, a `config.json` is enough for an imported
+model), the train step and the evaluation's programs for the mesh at hand (simulated CPU
+devices with `--devices N`), and compares each program's per-device peak as XLA's
+`memory_analysis()` states it (arguments + outputs + temporaries - aliased donated buffers)
+with the device's memory. Compiling is not fitting: a program that compiles for 64 devices
+can still need more than a device has.
+
+XLA:CPU plans the same HLO as a GPU backend would after SPMD partitioning, so argument, output
+and alias sizes are exact; temporaries can differ, because each backend fuses, schedules and
+rematerialises on its own (a GPU compile adds cuDNN / cuBLAS workspaces and its own collective
+buffers; XLA:CPU has none of them). The verdict is therefore a floor with a margin, not a
+promise: see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pdctl.engine import sharding
+from pdctl.errors import PdctlError
+
+GIB = 2**30
+# Memory per device (bytes) by kind: what `--device-kind` accepts.
+DEVICE_MEMORY: dict[str, int] = {
+    "a100-40": 40 * GIB,
+    "a100-80": 80 * GIB,
+    "h100": 80 * GIB,
+    "h200": 141 * GIB,
+    "b200": 180 * GIB,
+    "tpu-v5e": 16 * GIB,
+    "tpu-v5p": 95 * GIB,
+}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_memory(value: str) -> int:
+    """'80GiB', '40 GB', '1.5TiB', '123456' -> bytes; a one-line error naming the flag."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise PdctlError(f"--device-memory: expected a size such as 80GiB or 40GB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def device_budget(memory: str | None, kind: str | None) -> tuple[int, str] | None:
+    """(bytes, how it was given) from `--device-memory` or `--device-kind`, or None."""
+    if memory and kind:
+        raise PdctlError("--device-memory and --device-kind: give one of them")
+    if memory:
+        return parse_memory(memory), memory
+    if kind:
+        key = kind.lower()
+        if key not in DEVICE_MEMORY:
+            raise PdctlError(
+                f"--device-kind: unknown kind {kind!r}; one of {', '.join(DEVICE_MEMORY)} (or "
+                f"give --device-memory)"
+            )
+        return DEVICE_MEMORY[key], f"{key}, {DEVICE_MEMORY[key] / GIB:.0f} GiB"
+    return None
+
+
+def eval_programs(p: Any) -> dict[str, Any]:
+    """The evaluation's own programs for the train stage, lowered from abstract arguments with
+    the train state's shardings (the CPU-only replicated evaluation is a CPU workaround, not
+    what a device run compiles): the CI program and, for an LM, the masked-forwards program."""
+    if p.stage != "train" or p.program is None:
+        return {}
+    from pdctl.science.spd import evaluate
+    from pdctl.stages import train
+    from pdctl.stages.common import STREAM_TRAIN, stream_key
+
+    cfg, prog = p.cfg, p.program
+    target = p.target
+    fns = train.spd_fns(cfg, target)
+    state = sharding.abstract_with_shardings(prog.abstract_state, prog.state_shardings)
+    params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
+    comps = jax.eval_shape(fns.expand, state["trainable"]["components"])
+    comps = jax.tree.map(  # tied sites come out unsharded: shard them as their sources are
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding.replicated(p.mesh)),
+        comps,
+    ) if fns.ties else state["trainable"]["components"]  # fmt: skip
+    ci_fns = state["trainable"]["ci_fns"]
+    n = cfg.train.eval_batch_size
+    d = cfg.decomp
+    if target.output_kind == "logits":
+        shape, dtype = (n, cfg.data.seq_len), jnp.int32
+    else:
+        batch = jax.eval_shape(lambda k: target.make_batch(k, n), jax.random.key(0))
+        x = target.inputs(batch)
+        shape, dtype = tuple(x.shape), x.dtype
+    x = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(p.mesh, len(shape)))
+    ci = evaluate._ci_fn(target, fns.paths, d.ci_fn.type, d.sigmoid, d.sampling)
+    out: dict[str, Any] = {"eval: CI": ci.lower(params, comps, ci_fns, x)}
+    if target.output_kind == "logits":
+        key = jax.eval_shape(lambda: stream_key(cfg, STREAM_TRAIN))
+        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(p.mesh))
+        fn = evaluate._lm_eval_fn(
+            target, fns.paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
+            cfg.train.eval_rounding_threshold,
+        )  # fmt: skip
+        out["eval: masked forwards"] = fn.lower(params, comps, ci_fns, x, x, key)
+    return out
+
+
+def compile_all(p: Any, step_compiled: Any, step_s: float) -> dict[str, tuple[Any, float]]:
+    """{program name: (compiled, seconds)}: the step (already compiled) and eval_programs."""
+    out = {f"{p.stage} step": (step_compiled, step_s)}
+    for name, lowered in eval_programs(p).items():
+        t0 = time.perf_counter()
+        out[name] = (lowered.compile(), time.perf_counter() - t0)
+    return out
+
+
+def check(p: Any, compiled: dict[str, tuple[Any, float]], budget: tuple[int, str],
+          rows: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Per program XLA's per-device bytes and peak; the worst against the budget."""
+    programs = []
+    for name, (c, secs) in compiled.items():
+        m = c.memory_analysis()
+        if m is None:
+            programs.append({"program": name, "available": False, "compile_s": round(secs, 3)})
+            continue
+        arg, out = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
+        alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
+        programs.append({
+            "program": name,
+            "available": True,
+            "compile_s": round(secs, 3),
+            "argument_bytes": arg,
+            "output_bytes": out,
+            "temp_bytes": temp,
+            "alias_bytes": alias,
+            "peak_bytes": arg + out + temp - alias,
+        })  # fmt: skip
+    known = [q for q in programs if q["available"]]
+    peak = max((q["peak_bytes"] for q in known), default=0)
+    largest = sorted(rows, key=lambda r: (-r["bytes_per_device"], r["path"]))[:10]
+    return {
+        "budget_bytes": budget[0],
+        "budget": budget[1],
+        "programs": programs,
+        "peak_bytes": peak,
+        "worst": max(known, key=lambda q: q["peak_bytes"])["program"] if known else None,
+        "fits": bool(known) and peak <= budget[0],
+        "margin_bytes": budget[0] - peak,
+        "largest_arrays": [
+            {"path": r["path"], "shape": r["shape"], "bytes_per_device": r["bytes_per_device"]}
+            for r in largest
+        ],
+    }
+
+
+def render(fit: dict[str, Any], console: Any, fmt_bytes) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"fit check against {fit['budget']} per device", title_justify="left")
+    for col in ("program", "compile s", "arguments", "outputs", "temporaries", "aliased", "peak"):
+        table.add_column(col, justify="left" if col == "program" else "right")
+    for q in fit["programs"]:
+        if not q["available"]:
+            table.add_row(q["program"], f"{q['compile_s']:.1f}", *["n/a"] * 5)
+            continue
+        table.add_row(
+            q["program"], f"{q['compile_s']:.1f}",
+            *(fmt_bytes(q[k]) for k in ("argument_bytes", "output_bytes", "temp_bytes",
+                                         "alias_bytes", "peak_bytes")),
+        )  # fmt: skip
+    console.print(table)
+    console.print("largest arrays per device (arguments; XLA states temporaries only in sum):",
+                  markup=False)  # fmt: skip
+    for r in fit["largest_arrays"]:
+        console.print(f"  {r['path']} {tuple(r['shape'])} {fmt_bytes(r['bytes_per_device'])}",
+                      markup=False)  # fmt: skip
+    margin = fit["margin_bytes"]
+    if fit["fits"]:
+        verdict = (
+            f"FITS: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}), margin "
+            f"{fmt_bytes(margin)} ({margin / fit['budget_bytes']:.0%} of the device)"
+        )
+    else:
+        verdict = (
+            f"DOES NOT FIT: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) is "
+            f"{fmt_bytes(-margin)} over {fmt_bytes(fit['budget_bytes'])}"
+        )
+    console.print(verdict, markup=False)
