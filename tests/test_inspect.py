@@ -420,3 +420,26 @@ def test_fit_check_cli(tmp_path: Path) -> None:
         assert bad.exit_code == 2, (args, bad.output)
         lines = [x for x in bad.stderr.splitlines() if x.strip()]
         assert len(lines) == 1 and says in lines[0], (args, bad.stderr)
+
+
+def test_an_imported_model_inspects_from_its_config_json_alone(tmp_path: Path) -> None:
+    """The fit check's promise: a config.json is enough to lay out (and compile) a model one
+    does not have; a stage that needs the weights still refuses the directory."""
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "eos_token_id": 2,
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    run = make_run(tmp_path, "hf-lm", tiny=False, target={"path": str(model)},
+                   data={"seq_len": 16})  # fmt: skip
+    out = invoke("--project", str(run), "inspect-sharding", "--json")
+    assert out.exit_code == 0, out.output
+    rows = {r["path"] for r in json.loads(out.stdout)["rows"]}
+    assert any("model.layers" in r and r.endswith(".V") for r in rows), sorted(rows)[:5]
+    bad = invoke("--project", str(run), "init-weights")
+    assert bad.exit_code == 2 and "no weights in" in bad.stderr, bad.output

@@ -47,9 +47,10 @@ def stream_key(cfg: Config, stream: int) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), stream)
 
 
-def target_from_config(cfg: Config, root: Path | None = None) -> Target:
+def target_from_config(cfg: Config, root: Path | None = None, need_weights: bool = True) -> Target:
     """The target of `[target]`: its own keys, plus what it reads from other tables. An
-    imported model's relative `path` is relative to the run directory `root`."""
+    imported model's relative `path` is relative to the run directory `root`; without
+    `need_weights` its config.json alone is enough (shapes only)."""
     t = cfg.target
     fields = t.model_dump(exclude={"kind"})
     fields["param_dtype"] = DTYPES[cfg.precision.param_dtype]
@@ -59,6 +60,7 @@ def target_from_config(cfg: Config, root: Path | None = None) -> Target:
         fields["seq_len"] = cfg.data.seq_len
     if t.kind == "hf":
         fields["path"] = str(resolve(root, t.path))
+        fields["need_weights"] = need_weights
     return build_target(t.kind, **fields)
 
 

@@ -141,7 +141,7 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     imported model's relative path starts there)."""
     from pdctl.stages import init_weights, pretrain, train, warmup
 
-    target = target_from_config(cfg, root)
+    target = target_from_config(cfg, root, need_weights=False)  # shapes only: no weights read
     decomp = decomp_layout(cfg, mesh, target)
     if stage == "init_weights":
         abstract_params = abstract_target(cfg, target)

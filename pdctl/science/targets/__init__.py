@@ -4,21 +4,23 @@ from collections.abc import Callable
 from typing import Any
 
 from pdctl.science.targets.base import Params, Target
-from pdctl.science.targets.hf import HFCausalLM
+from pdctl.science.targets.hf import HFCausalLM, read_hf_config
 from pdctl.science.targets.llama_mlp import LlamaMLP
 from pdctl.science.targets.resid_mlp import ResidMLP
 from pdctl.science.targets.tms import TMS
 
 
-def _hf(*, path: str, **kwargs: Any) -> HFCausalLM:
+def _hf(*, path: str, need_weights: bool = True, **kwargs: Any) -> HFCausalLM:
     """An imported model: its architecture and sizes come from `path`, a Hugging Face model
-    directory (config.json) or a GGUF file (or a directory holding exactly one)."""
+    directory (config.json) or a GGUF file (or a directory holding exactly one).
+    `need_weights=False` accepts a directory with only its config.json (shapes for
+    `inspect-sharding`; nothing is loaded)."""
     from pdctl.science.targets.gguf import find_gguf, gguf_spec
 
     gguf = find_gguf(path)
     if gguf is not None:
         return HFCausalLM(spec=gguf_spec(gguf), **kwargs)
-    return HFCausalLM.from_dir(path, **kwargs)
+    return HFCausalLM(spec=read_hf_config(path, need_weights=need_weights), **kwargs)
 
 
 TARGETS: dict[str, Callable[..., Target]] = {

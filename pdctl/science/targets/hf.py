@@ -82,16 +82,17 @@ def has_weights(model_dir: Path) -> bool:
     return (model_dir / "model.safetensors").is_file() or any(model_dir.glob("*.safetensors"))
 
 
-def read_hf_config(model_dir: str | Path) -> HfSpec:
+def read_hf_config(model_dir: str | Path, need_weights: bool = True) -> HfSpec:
     """The spec of the model in `model_dir`; a missing file or an unsupported model or feature
-    is a one-line PdctlError naming what was found and what is supported."""
+    is a one-line PdctlError naming what was found and what is supported. Without
+    `need_weights` a directory holding only config.json is enough."""
     d = Path(model_dir).expanduser()
     if not d.is_dir():
         raise _err(f"{d} is not a directory (expected a Hugging Face model directory)")
     path = d / "config.json"
     if not path.is_file():
         raise _err(f"no config.json in {d} (expected config.json and {WEIGHTS_HELP})")
-    if not has_weights(d):
+    if need_weights and not has_weights(d):
         raise _err(f"no weights in {d} (expected {WEIGHTS_HELP})")
     try:
         cfg = json.loads(path.read_text())
