@@ -277,6 +277,7 @@ def test_second_process_hits_the_compile_cache(tms_initialized: Path, tmp_path: 
     )
 
 
+@pytest.mark.slow  # a profiler trace of a compiled stage: ~10 s with its fixture
 def test_profile_steps_write_a_trace(tms_initialized: Path) -> None:
     out = pdctl(tms_initialized, "pretrain", "--fresh", "--profile-steps", "2:4")
     assert out.returncode == 0, out.stderr
