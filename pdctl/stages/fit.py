@@ -97,7 +97,11 @@ def eval_programs(p: Any) -> dict[str, Any]:
         batch = jax.eval_shape(lambda k: target.make_batch(k, n), jax.random.key(0))
         x = target.inputs(batch)
         shape, dtype = tuple(x.shape), x.dtype
-    x = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(p.mesh, len(shape)))
+    # The evaluation batch splits over the devices like a train batch; one that does not
+    # divide is laid out replicated (the fit check then states a larger peak, not a crash).
+    split = n % sharding.batch_shards(p.mesh) == 0
+    x_sh = sharding.batch_sharding(p.mesh, len(shape)) if split else sharding.replicated(p.mesh)
+    x = jax.ShapeDtypeStruct(shape, dtype, sharding=x_sh)
     ci = evaluate._ci_fn(target, fns.paths, d.ci_fn.type, d.sigmoid, d.sampling)
     out: dict[str, Any] = {"eval: CI": ci.lower(params, comps, ci_fns, x)}
     if target.output_kind == "logits":
