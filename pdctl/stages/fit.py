@@ -11,8 +11,8 @@ can still need more than a device has.
 XLA:CPU plans the same HLO as a GPU backend would after SPMD partitioning, so argument, output
 and alias sizes are exact; temporaries can differ, because each backend fuses, schedules and
 rematerialises on its own (a GPU compile adds cuDNN / cuBLAS workspaces and its own collective
-buffers; XLA:CPU has none of them). The verdict is therefore a floor with a margin, not a
-promise: see docs/performance.md.
+buffers; XLA:CPU has none of them), in either direction. The verdict is an estimate to
+keep a margin against, not a promise: see docs/performance.md.
 """
 
 from __future__ import annotations
