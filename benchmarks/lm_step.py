@@ -43,22 +43,6 @@ def _gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def top_ops(trace_dir: Path, n: int, k: int = 20) -> list[tuple[str, float]]:
-    """The XLA ops that took the most time per step in a jax.profiler trace of n steps."""
-    import collections
-    import gzip
-
-    path = next(trace_dir.rglob("*.trace.json.gz"))
-    totals: collections.Counter = collections.Counter()
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and "dur" in e and not name.startswith(("$", "Thunk", "Pjit")):
-            totals[name] += e["dur"] / n / 1e3
-    return totals.most_common(k)
-
-
 def child(n_sites: int, n_steps: int, C: int, trace: Path | None = None) -> dict:
     from pdctl.engine import runtime
 
@@ -138,7 +122,9 @@ def child(n_sites: int, n_steps: int, C: int, trace: Path | None = None) -> dict
     if trace is not None:
         with jax.profiler.trace(str(trace)):
             jax.block_until_ready([one_step() for _ in range(n_steps)])
-        ops = top_ops(trace, n_steps)
+        from spd_profile import top_ops  # this directory is on sys.path (a script's own)
+
+        ops = top_ops(trace, n_steps, 20)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {
         "sites": n_sites,

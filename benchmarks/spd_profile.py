@@ -80,6 +80,12 @@ def trace(template: str, directory: Path, n: int) -> list[tuple[str, float]]:
         for _ in range(n):
             state, _ = step(params, state, None)
         jax.block_until_ready(state)
+    return top_ops(directory, n)
+
+
+def top_ops(directory: Path, n: int, k: int = 15) -> list[tuple[str, float]]:
+    """The XLA ops that took the most ms per step in the jax.profiler trace of n steps under
+    `directory` (also used by benchmarks/lm_step.py)."""
     path = next(directory.rglob("*.trace.json.gz"))
     totals: collections.Counter = collections.Counter()
     with gzip.open(path) as f:
@@ -89,7 +95,7 @@ def trace(template: str, directory: Path, n: int) -> list[tuple[str, float]]:
         # XLA's own ops (fusions, dots, copies); not the Python frames or executor spans
         if e.get("ph") == "X" and "dur" in e and not name.startswith(("$", "Thunk", "Pjit")):
             totals[name] += e["dur"] / n / 1e3
-    return totals.most_common(15)
+    return totals.most_common(k)
 
 
 def main() -> None:

@@ -42,6 +42,11 @@ class Decomp:
     axes: tuple[str, ...] = ("fsdp",)
     size: int = 1
 
+    @property
+    def spec_axes(self) -> Any:
+        """The axes as one PartitionSpec entry: a name, or a tuple of names."""
+        return self.axes if len(self.axes) > 1 else self.axes[0]
+
 
 def decomp_axes(mesh: Mesh, mode: str, lm: bool) -> Decomp:
     """`[mesh] decomposition`: "fsdp" (the fsdp axis only), "all" (every mesh axis larger than
@@ -90,30 +95,28 @@ def make_mesh(data: int, fsdp: int, devices: list[Any] | None = None) -> Mesh:
 @dataclass(frozen=True)
 class WeightSpace:
     """Where the faithfulness term's d_in x d_out work runs when the components shard their
-    component axis over `axes`: on gathered V and U (the token path gathers them anyway),
+    component axis as `decomp` says: on gathered V and U (the token path gathers them anyway),
     each device forming only its rows of W - V U. Left to itself GSPMD contracts the sharded
     component axis and all-reduces every site's whole d_in x d_out partial product (at 90
     SmolLM2 sites that was 318 MB per step); this way the term's only collectives are V / U
     sized (C x (d_in + d_out))."""
 
     mesh: Mesh
-    axes: tuple[str, ...]
-    size: int
+    decomp: Decomp
 
     def gathered(self, x: jax.Array) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
 
     def rows(self, x: jax.Array) -> jax.Array:
-        if x.shape[0] % self.size:
+        if x.shape[0] % self.decomp.size:
             return x
-        axes: Any = self.axes if len(self.axes) > 1 else self.axes[0]
-        spec = P(axes, *([None] * (x.ndim - 1)))
+        spec = P(self.decomp.spec_axes, *([None] * (x.ndim - 1)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
 def weight_space(mesh: Mesh, decomp: Decomp) -> WeightSpace | None:
     """The faithfulness layout for components sharded by `decomp` (None: not sharded)."""
-    return WeightSpace(mesh, decomp.axes, decomp.size) if decomp.size > 1 else None
+    return WeightSpace(mesh, decomp) if decomp.size > 1 else None
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -157,7 +160,7 @@ def _component_axis(axis: int) -> Callable[[tuple[int, ...], int, int, Decomp], 
             return None
         C = shape[axis]
         if C % decomp.size == 0:
-            axes: Any = decomp.axes if len(decomp.axes) > 1 else decomp.axes[0]
+            axes = decomp.spec_axes
         elif fsdp > 1 and C % fsdp == 0:
             axes = "fsdp"  # C divides the fsdp axis but not the whole mesh
         else:

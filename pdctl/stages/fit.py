@@ -126,25 +126,20 @@ def compile_all(p: Any, step_compiled: Any, step_s: float) -> dict[str, tuple[An
 
 def check(p: Any, compiled: dict[str, tuple[Any, float]], budget: tuple[int, str],
           rows: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
-    """Per program XLA's per-device bytes and peak; the worst against the budget."""
+    """Per program XLA's per-device bytes and peak (`inspect.memory_report`, as --compile
+    reports the step); the worst against the budget."""
+    from pdctl.stages.inspect import memory_report
+
     programs = []
     for name, (c, secs) in compiled.items():
-        m = c.memory_analysis()
-        if m is None:
-            programs.append({"program": name, "available": False, "compile_s": round(secs, 3)})
-            continue
-        arg, out = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
-        alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
-        programs.append({
-            "program": name,
-            "available": True,
-            "compile_s": round(secs, 3),
-            "argument_bytes": arg,
-            "output_bytes": out,
-            "temp_bytes": temp,
-            "alias_bytes": alias,
-            "peak_bytes": arg + out + temp - alias,
-        })  # fmt: skip
+        m = memory_report(c, donated_bytes=0)
+        row: dict[str, Any] = {"program": name, "available": m["available"]}
+        row["compile_s"] = round(secs, 3)
+        if m["available"]:
+            for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
+                row[k] = m[k]
+            row["peak_bytes"] = m["peak_bytes_estimate"]
+        programs.append(row)
     known = [q for q in programs if q["available"]]
     peak = max((q["peak_bytes"] for q in known), default=0)
     largest = sorted(rows, key=lambda r: (-r["bytes_per_device"], r["path"]))[:10]

@@ -28,9 +28,9 @@ def parent_checkpoint(root: Path, init_from: str) -> tuple[Path, Path, int]:
     """The parent run, its train checkpoint directory and newest complete step; a one-line
     error naming `train.init_from` when there is none."""
     from pdctl.project import Project
+    from pdctl.stages.common import resolve
 
-    run = Path(init_from).expanduser()
-    run = run if run.is_absolute() else root / run
+    run = resolve(root, init_from)
     toml = run / "pdctl.toml"
     if not toml.is_file():
         raise PdctlError(f"train.init_from: {run} is not a pdctl run directory (no pdctl.toml)")
@@ -82,8 +82,9 @@ def parent_decomposition(root: Path, init_from: str, abstract: Any, shardings: A
     try:
         host = read_host(directory, step, ITEM)
     except Exception as e:  # orbax/tensorstore raise many kinds; all mean "unreadable"
-        reason = " ".join(str(e).split())[:160] or type(e).__name__
-        raise PdctlError(f"train.init_from: {where} does not restore ({reason})") from None
+        from pdctl.stages.common import _one_line
+
+        raise PdctlError(f"train.init_from: {where} does not restore ({_one_line(e)})") from None
     check_structure(host, abstract, where)
     cast = jax.tree.map(lambda x, a: np.asarray(x, dtype=a.dtype), host, abstract)
     arrays = jax.device_put(cast, shardings)

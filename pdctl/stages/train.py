@@ -289,15 +289,14 @@ def make_eval(env: StageEnv, target_params, fns):
     cfg, target = env.cfg, env.target
     eval_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
     eval_batch = None
+    # Several XLA:CPU devices: the batch and the decomposition come to the evaluation
+    # replicated, so that none of its many small programs has a collective (they can deadlock
+    # XLA:CPU; runtime.CPU_INFLIGHT_LIMIT). The decomposition, sharded over its component axis
+    # (`[mesh] decomposition`), goes through the host: not even the gather is a collective.
+    replicate = runtime.collective_free_eval(env.mesh)
     if target.output_kind == "logits":
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        # Several XLA:CPU devices: a replicated batch, so that none of the evaluation's many
-        # small programs has a collective (they can deadlock XLA:CPU; runtime.CPU_INFLIGHT_LIMIT).
         batch_sh = (
-            NamedSharding(env.mesh, PartitionSpec())
-            if runtime.collective_free_eval(env.mesh)
-            else sharding.batch_sharding(env.mesh, 2)
+            sharding.replicated(env.mesh) if replicate else sharding.batch_sharding(env.mesh, 2)
         )
         it = text_batches(
             env,
@@ -312,10 +311,6 @@ def make_eval(env: StageEnv, target_params, fns):
     else:
         eval_batch = jax.jit(lambda k: target.make_batch(k, cfg.train.eval_batch_size))(eval_key)
     expand = jax.jit(fns.expand)
-    # On such a mesh the decomposition comes to the evaluation replicated too: sharded over
-    # the component axis (`[mesh] decomposition`), its matmuls would need collectives. Through
-    # the host, so that not even the gather is a collective program.
-    replicate = runtime.collective_free_eval(env.mesh)
 
     def eval_fn(state) -> dict[str, Any]:
         trainable = state["trainable"]
