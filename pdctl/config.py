@@ -510,6 +510,16 @@ class TrainConfig(Section):
     )
     grad_accum_steps: Pos = Field(1, description="micro-batches accumulated per optimizer step")
     remat: Literal["none", "dots_saveable", "full"] = Field("none", description=_REMAT)
+    scan_layers: bool = Field(
+        True,
+        description=(
+            "imported (hf) models: run the blocks as a scan over layers and hold each site "
+            "that repeats over consecutive layers as one stacked array in the train state, so "
+            "that the train step's compile time barely grows with depth; false unrolls the "
+            "blocks (one copy per layer in the program). Not part of the fingerprint: a run "
+            "resumes across a change of it"
+        ),
+    )
     init_from: str = Field(
         "",
         description=(
@@ -621,6 +631,9 @@ def fingerprint(cfg: Config, stage: str) -> str:
     full = cfg.model_dump(mode="json", by_alias=True)
     dumped = _keep_tags(full, cfg.model_dump(mode="json", by_alias=True, exclude_defaults=True))
     dumped["target"] = _keep_tags(full["target"], dumped.get("target", {}))
+    # How the train step runs, not what it computes (train resumes across it, `stages.train.
+    # restore`): not part of any fingerprint.
+    dumped.get("train", {}).pop("scan_layers", None)
     deps = stage_dependencies(stage)
     if cfg.target.kind == "hf":  # an imported target is not trained: [pretrain] changes nothing
         deps = tuple(d for d in deps if d != "pretrain")

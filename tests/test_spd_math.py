@@ -344,7 +344,7 @@ def test_masked_forward_with_unit_masks_and_delta_reproduces_target():
     weights = target.site_weights(params)
     ones = {p: jnp.ones((16, 5)) for p in weights}
     d_ones = {p: jnp.ones((16,)) for p in weights}
-    out = L.masked_forward(target, params, weights, comps, x, ones, d_ones)
+    out = L.masked_forward(target, params, comps, x, ones, d_ones)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(target.apply(params, x)))
     # scalar masks broadcast too
     fn = comp_mod.masked_site_fn(weights["a"], comps["a"]["V"], comps["a"]["U"], 1.0, 1.0)
@@ -400,7 +400,7 @@ def test_masked_forward_with_exact_components_and_no_delta_reproduces_target():
     comps = {p: {"V": jnp.eye(W.shape[0]), "U": W} for p, W in weights.items()}
     x = rand(2, 16, 4, normal=True)
     masks = {p: jnp.ones((16, W.shape[0])) for p, W in weights.items()}
-    out = L.masked_forward(target, params, weights, comps, x, masks, None)
+    out = L.masked_forward(target, params, comps, x, masks, None)
     np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-6)
 
 

@@ -66,6 +66,15 @@ def read_host(directory: Path, step: int, name: str) -> Any:
         handler.close()
 
 
+def item_tree(directory: Path, step: int, name: str) -> Any:
+    """The tree structure of item `name` of checkpoint `step` (its metadata: nothing read)."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return handler.metadata(Path(directory) / str(step) / name).tree
+    finally:
+        handler.close()
+
+
 def remove_unfinished(directory: Path) -> None:
     """Delete the temporary directories (`<step>.orbax-checkpoint-tmp*`) of saves that never
     finished, before a manager is opened on `directory`; process 0 deletes, all wait."""

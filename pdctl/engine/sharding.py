@@ -156,16 +156,18 @@ def _no_fsdp(shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp) -
 
 def _component_axis(axis: int) -> Callable[[tuple[int, ...], int, int, Decomp], P | None]:
     def spec(shape: tuple[int, ...], fsdp: int, min_size: int, decomp: Decomp) -> P | None:
-        if len(shape) != 2 or decomp.size == 1:
+        # (d_in, C) / (C, d_out), or with a leading layer axis for stacked sites
+        lead = len(shape) - 2
+        if lead not in (0, 1) or decomp.size == 1:
             return None
-        C = shape[axis]
+        C = shape[lead + axis]
         if C % decomp.size == 0:
             axes = decomp.spec_axes
         elif fsdp > 1 and C % fsdp == 0:
             axes = "fsdp"  # C divides the fsdp axis but not the whole mesh
         else:
             return P()  # C not divisible: replicated
-        return P(None, axes) if axis == 1 else P(axes, None)
+        return P(*([None] * lead), *((None, axes) if axis == 1 else (axes, None)))
 
     return spec
 
@@ -248,10 +250,17 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
-def leading_batch_shardings(abstract: Any, mesh: Mesh) -> Any:
-    """Arrays whose leading axis is the (micro-)batch, sharded like the batch they go with (the
-    per-example PPGD sources and their optimizer moments)."""
-    return jax.tree.map(lambda x: batch_sharding(mesh, len(x.shape)), abstract)
+def leading_batch_shardings(abstract: Any, mesh: Mesh, lead: int = 0) -> Any:
+    """Arrays whose leading axis (after `lead` others: the layer axis of stacked sites) is the
+    (micro-)batch, sharded like the batch they go with (the per-example PPGD sources and their
+    optimizer moments)."""
+
+    def one(x: Any) -> NamedSharding:
+        return NamedSharding(
+            mesh, P(*([None] * lead), BATCH_AXES, *([None] * (len(x.shape) - lead - 1)))
+        )
+
+    return jax.tree.map(one, abstract)
 
 
 def batch_shards(mesh: Mesh) -> int:

@@ -80,6 +80,7 @@ def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, 
     import orbax.checkpoint as ocp
 
     from pdctl.engine.checkpoint import read_host
+    from pdctl.science.spd.stacked import per_site_tree
 
     directory = project.checkpoint_dir(stage)
     found = ocp.step.standard_name_format().find_all(directory) if directory.is_dir() else []
@@ -89,7 +90,8 @@ def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, 
     latest = steps[-1]
     try:
         step = int(latest.step)
-        return {n: read_host(directory, step, n) for n in names}, step
+        # a train state's stacked sites come out per site (`science.spd.stacked`)
+        return {n: per_site_tree(read_host(directory, step, n)) for n in names}, step
     except Exception as e:  # orbax raises many kinds; the report lists it and goes on
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise LookupError(f"{stage} checkpoint {latest.step} is unreadable ({reason})") from None

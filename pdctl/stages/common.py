@@ -82,6 +82,14 @@ def with_remat(target: Target, remat: str) -> Target:
     return dataclasses.replace(target, remat=remat)
 
 
+def with_scan(target: Target, scan: bool) -> Target:
+    """The target with its blocks scanned over layers in `apply_sites` (`[train] scan_layers`;
+    only models with blocks have it)."""
+    if not hasattr(target, "scan_layers") or target.scan_layers == scan:
+        return target
+    return dataclasses.replace(target, scan_layers=scan)
+
+
 @dataclass
 class StageEnv:
     """A stage's view of the run: config, mesh, target, its checkpoint directory and state."""
@@ -772,6 +780,9 @@ class StageSpec:
     fresh_inputs: Callable[[StageEnv, Any], tuple[Any, ...]]
     frozen: Callable[[StageEnv, Any], tuple[Any, ...]] | None = None
     evaluation: Callable[[StageEnv, tuple[Any, ...], Any], Callable[[Any], dict]] | None = None
+    # (env, step, program) -> (state, meta); default `env.restore_state` into the program's
+    # abstract state (train converts an older checkpoint layout)
+    restore: Callable[[StageEnv, int, Any], tuple[Any, dict[str, Any]]] | None = None
 
 
 def run_stage(
@@ -810,13 +821,18 @@ def _run_stage(env, spec, until, resume, fresh, profile, overrides, program_opti
         start = 0
     else:
         env.begin(fresh=False, steps=prog.total_steps)
-        state, meta = later(
-            env.restore_state,
-            ckpt_step,
-            prog.abstract_state,
-            prog.state_shardings,
-            what=f"restoring checkpoint {ckpt_step}",
-        )
+        if spec.restore is not None:
+            state, meta = later(
+                spec.restore, env, ckpt_step, prog, what=f"restoring checkpoint {ckpt_step}"
+            )
+        else:
+            state, meta = later(
+                env.restore_state,
+                ckpt_step,
+                prog.abstract_state,
+                prog.state_shardings,
+                what=f"restoring checkpoint {ckpt_step}",
+            )
         start, data_state = int(meta["step"]), meta.get("data")
     batches = None
     if not prog.makes_own_batch:

@@ -76,19 +76,28 @@ def eval_programs(p: Any) -> dict[str, Any]:
         return {}
     from pdctl.science.spd import evaluate
     from pdctl.stages import train
-    from pdctl.stages.common import STREAM_TRAIN, stream_key
+    from pdctl.stages.common import STREAM_TRAIN, decomp_layout, stream_key, with_scan
+    from pdctl.stages.warmup import abstract_decomposition
 
     cfg, prog = p.cfg, p.program
-    target = p.target
+    target = with_scan(p.target, cfg.train.scan_layers)  # as the train stage evaluates
     fns = train.spd_fns(cfg, target)
-    state = sharding.abstract_with_shardings(prog.abstract_state, prog.state_shardings)
     params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
-    comps = jax.eval_shape(fns.expand, state["trainable"]["components"])
+    # The evaluation takes the decomposition per site (a stacked train state is split first),
+    # laid out as the state lays out its sites.
+    dec = abstract_decomposition(cfg, target)
+    per_site = {"components": dec["components"], "ci_fns": dec["ci_fns"]}
+    layout = decomp_layout(cfg, p.mesh, target)
+    per_site = sharding.abstract_with_shardings(
+        per_site,
+        sharding.tree_shardings(per_site, p.mesh, cfg.mesh.fsdp_min_param_size, layout),
+    )
+    comps = jax.eval_shape(fns.expand, per_site["components"])
     comps = jax.tree.map(  # tied sites come out unsharded: shard them as their sources are
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding.replicated(p.mesh)),
         comps,
-    ) if fns.ties else state["trainable"]["components"]  # fmt: skip
-    ci_fns = state["trainable"]["ci_fns"]
+    ) if fns.ties else per_site["components"]  # fmt: skip
+    ci_fns = per_site["ci_fns"]
     n = cfg.train.eval_batch_size
     d = cfg.decomp
     if target.output_kind == "logits":

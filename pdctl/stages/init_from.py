@@ -20,6 +20,7 @@ import numpy as np
 from pdctl.engine import sharding
 from pdctl.engine.checkpoint import complete_steps, read_host
 from pdctl.errors import PdctlError
+from pdctl.science.spd.stacked import per_site_tree
 
 ITEM = "trainable"  # the decomposition item of a train checkpoint
 
@@ -80,7 +81,7 @@ def parent_decomposition(root: Path, init_from: str, abstract: Any, shardings: A
     run, directory, step = parent_checkpoint(root, init_from)
     where = f"{run} (train checkpoint {step})"
     try:
-        host = read_host(directory, step, ITEM)
+        host = per_site_tree(read_host(directory, step, ITEM))  # stacked sites split
     except Exception as e:  # orbax/tensorstore raise many kinds; all mean "unreadable"
         from pdctl.stages.common import _one_line
 

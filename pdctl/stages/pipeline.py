@@ -17,6 +17,7 @@ from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
 from pdctl.files import atomic_output
 from pdctl.project import Project
+from pdctl.science.spd.stacked import per_site_tree
 from pdctl.stages.common import CLI_NAME, checkpoint_changes, guarded, stale_reason
 
 
@@ -388,7 +389,8 @@ def _load(
         raise PdctlError(f"{stage} has no checkpoint in {directory}")
     step = steps[-1]
     try:
-        items = {name: read_host(directory, step, name) for name in names}
+        # a train state's stacked sites come out per site (`science.spd.stacked`)
+        items = {name: per_site_tree(read_host(directory, step, name)) for name in names}
     except Exception as e:  # truncated or missing files: orbax/tensorstore errors of all kinds
         reason = " ".join(str(e).split())[:160] or type(e).__name__
         raise PdctlError(

@@ -21,12 +21,14 @@ from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
 from pdctl.engine.program import StepProgram
 from pdctl.science.spd import evaluate
+from pdctl.science.spd.components import component_ties
 from pdctl.science.spd.losses import (
     importance_minimality_from_sums,
     importance_sums,
     make_spd_fns,
     p_at,
 )
+from pdctl.science.spd.stacked import Stacking, host_per_site, is_stacked, members, per_site
 from pdctl.science.targets import Target
 from pdctl.stages.common import (
     STREAM_TRAIN,
@@ -41,6 +43,7 @@ from pdctl.stages.common import (
     text_batch_spec,
     text_batches,
     with_remat,
+    with_scan,
 )
 from pdctl.stages.warmup import abstract_decomposition
 
@@ -55,7 +58,7 @@ def optimizer(cfg, steps: int) -> optax.GradientTransformation:
     )
 
 
-def make_step(target, fns, tx, cfg, total: int, batch_sharding):
+def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacking | None = None):
     """The SPD step, in the reference's order (goodfire-ai/spd `run_spd.py` with
     `persistent_pgd.py`):
 
@@ -72,11 +75,20 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     mesh = batch_sharding.mesh
     use_ppgd = lcfg.ppgd_recon > 0
     source_lr = schedule(pcfg, total)
+    stacking = stacking or Stacking()
+    unstack = stacking.unstack
+
+    def view(trainable):
+        """Per-site views of the (stacked) trainable state."""
+        return {
+            "components": unstack(trainable["components"]),
+            "ci_fns": unstack(trainable["ci_fns"]),
+        }
 
     def loss_fn(trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None):
         return fns.loss(
-            policy.to_compute(trainable), target_params, sources, clean, x, key, step_frac,
-            imp_totals,
+            policy.to_compute(view(trainable)), target_params, unstack(sources), clean, x, key,
+            step_frac, imp_totals,
         )  # fmt: skip
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
@@ -90,8 +102,8 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             # Importance minimality sums over the whole accumulated batch: a forward-only first
             # pass collects S_c over every micro-batch.
             def sums(c):
-                comps, ci_fns = trainable["components"], trainable["ci_fns"]
-                _, up = fns.ci(comps, ci_fns, c.site_inputs, key)
+                v = view(trainable)
+                _, up = fns.ci(v["components"], v["ci_fns"], c.site_inputs, key)
                 return importance_sums(up, p, lcfg.eps)
 
             S = jax.tree.map(lambda a: a.sum(0), jax.lax.map(sums, micro["clean"]))
@@ -135,7 +147,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         sources, src_opt = state["sources"], state["src_opt"]
         lr_src = source_lr(loop["step"])
         if use_ppgd and pcfg.n_warmup_steps:
-            const = jax.lax.stop_gradient(policy.to_compute(trainable))
+            const = jax.lax.stop_gradient(policy.to_compute(view(trainable)))
             comps = const["components"]
             ci_lower, _ = fns.ci(comps, const["ci_fns"], clean.site_inputs, fns.ci_key(k_loss))
 
@@ -143,7 +155,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
                 srcs, opt = carry
                 g = jax.grad(
                     lambda s: fns.ppgd_loss(
-                        comps, ci_lower, params, s, clean, x, jax.random.fold_in(k_src, i)
+                        comps, ci_lower, params, unstack(s), clean, x, jax.random.fold_in(k_src, i)
                     )
                 )(srcs)
                 return fns.source_step(srcs, g, opt, lr_src), None
@@ -183,13 +195,48 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     tc = cfg.train
     total = tc.steps
     sharding.check_batch_divides(tc.batch_size, mesh, "train.batch_size", tc.grad_accum_steps)
-    target = with_remat(target, tc.remat)
+    target = with_scan(with_remat(target, tc.remat), tc.scan_layers)
     fns = spd_fns(cfg, target, mesh)
     tx = optimizer(cfg, total)
-    rng = stream_key(cfg, STREAM_TRAIN)
     dec = abstract_decomposition(cfg, target)
+    stacking = stacking_for(cfg, target, dec)
+
+    make_state, abstract, state_sh = _state_spec(cfg, mesh, target, fns, tx, stacking, dec)
+    abstract_params = abstract_target(cfg, target)
+    batch_abstract, batch_shardings = text_batch_spec(cfg, target, tc.batch_size, mesh)
+    lr = schedule(tc.optim, total)
+    return StepProgram(
+        stage="train",
+        step=make_step(target, fns, tx, cfg, total, sharding.batch_sharding(mesh, 2), stacking),
+        make_state=make_state,
+        abstract_state=abstract,
+        state_shardings=state_sh,
+        mesh=mesh,
+        policy=Policy.from_config(cfg.precision),
+        total_steps=total,
+        frozen_abstract=(abstract_params,),
+        frozen_shardings=(
+            sharding.tree_shardings(
+                abstract_params,
+                mesh,
+                cfg.mesh.fsdp_min_param_size,
+                decomp_layout(cfg, mesh, target),
+            ),
+        ),
+        batch_abstract=batch_abstract,
+        batch_shardings=batch_shardings,
+        examples_per_step=tc.batch_size,
+        lr_fn=lambda s: {"lr": float(lr(s))},
+    )
+
+
+def _state_spec(cfg, mesh, target, fns, tx, stacking: Stacking, dec):
+    """(make_state, its abstract output, its shardings) for the given stacking."""
+    rng = stream_key(cfg, STREAM_TRAIN)
 
     def make_state(components, ci_fns, sources):
+        # the upstream arrays come per site; the state holds repeated sites stacked
+        components, ci_fns, sources = (stacking.stack(t) for t in (components, ci_fns, sources))
         trainable = {"components": components, "ci_fns": ci_fns}
         return {
             "trainable": trainable,
@@ -200,40 +247,97 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
             "loop": loop_counters(rng),
         }
 
-    def shardings(abstract: Any) -> Any:
-        return sharding.tree_shardings(
-            abstract, mesh, cfg.mesh.fsdp_min_param_size, decomp_layout(cfg, mesh, target)
-        )
-
     abstract = jax.eval_shape(make_state, dec["components"], dec["ci_fns"], dec["sources"])
-    state_sh = shardings(abstract)
-    if tc.ppgd.scope == "per_batch_per_position":
-        # one source per example (and position): shard them like the batch they mask
-        state_sh["sources"] = sharding.leading_batch_shardings(abstract["sources"], mesh)
+    layout = decomp_layout(cfg, mesh, target)
+    state_sh = sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size, layout)
+    if cfg.train.ppgd.scope == "per_batch_per_position":
+        # one source per example (and position): shard them like the batch they mask (behind
+        # the layer axis of stacked sites)
+        def by_batch(tree):
+            return {
+                k: sharding.leading_batch_shardings(v, mesh, lead=int(members(k) is not None))
+                for k, v in tree.items()
+            }
+
+        state_sh["sources"] = by_batch(abstract["sources"])
         for k in ("m", "v"):
             if k in abstract["src_opt"]:
-                state_sh["src_opt"][k] = sharding.leading_batch_shardings(
-                    abstract["src_opt"][k], mesh
-                )
-    abstract_params = abstract_target(cfg, target)
-    batch_abstract, batch_shardings = text_batch_spec(cfg, target, tc.batch_size, mesh)
-    lr = schedule(tc.optim, total)
-    return StepProgram(
-        stage="train",
-        step=make_step(target, fns, tx, cfg, total, sharding.batch_sharding(mesh, 2)),
-        make_state=make_state,
-        abstract_state=abstract,
-        state_shardings=state_sh,
-        mesh=mesh,
-        policy=Policy.from_config(cfg.precision),
-        total_steps=total,
-        frozen_abstract=(abstract_params,),
-        frozen_shardings=(shardings(abstract_params),),
-        batch_abstract=batch_abstract,
-        batch_shardings=batch_shardings,
-        examples_per_step=tc.batch_size,
-        lr_fn=lambda s: {"lr": float(lr(s))},
-    )
+                state_sh["src_opt"][k] = by_batch(abstract["src_opt"][k])
+    return make_state, abstract, state_sh
+
+
+def restore(env: StageEnv, step: int, prog: StepProgram) -> tuple[Any, dict[str, Any]]:
+    """Checkpoint `step` as this program's state, whichever layout wrote it: a checkpoint with
+    one array per site (a pdctl before stacked sites, or `scan_layers = false`) restores into
+    a stacked state and the other way round, bit for bit (`scan_layers` is not part of the
+    fingerprint: it changes how the step runs, not what it computes)."""
+    cfg = env.cfg
+    target = with_scan(with_remat(env.target, cfg.train.remat), cfg.train.scan_layers)
+    dec = abstract_decomposition(cfg, target)
+    stacking = stacking_for(cfg, target, dec)
+    other = stacking_for(cfg, with_scan(target, not cfg.train.scan_layers), dec)
+    stacked = _checkpoint_is_stacked(env, step)
+    if stacked is None or stacked == (not stacking.trivial) or other.trivial == stacking.trivial:
+        return env.restore_state(step, prog.abstract_state, prog.state_shardings)
+    fns = spd_fns(cfg, target, env.mesh)
+    tx = optimizer(cfg, cfg.train.steps)
+    _, abstract, shardings = _state_spec(cfg, env.mesh, target, fns, tx, other, dec)
+    state, meta = env.restore_state(step, abstract, shardings)
+    if stacking.trivial:
+        convert, how = unstack_state, "one array per site"
+    else:
+        convert, how = functools.partial(stack_state, stacking), "repeated sites stacked"
+    # (not donated: the layouts differ in shape, so no buffer could be reused)
+    state = jax.jit(convert, out_shardings=prog.state_shardings)(state)
+    notify(f"train: checkpoint {meta['step']} was written in the other layout; restored it "
+           f"with {how}")  # fmt: skip
+    return state, meta
+
+
+def _checkpoint_is_stacked(env: StageEnv, step: int) -> bool | None:
+    from pdctl.engine.checkpoint import item_tree
+
+    try:
+        tree = item_tree(env.project.checkpoint_dir("train"), step, "trainable")
+    except Exception:  # unreadable: let restore_state name it (and fall back to an older one)
+        return None
+    return is_stacked(tree.get("components", {}))
+
+
+def stack_state(stacking: Stacking, state: Any) -> Any:
+    """A per-site train state (every dict keyed by sites: components, CI functions, sources,
+    their optimizer moments) in `stacking`'s layout."""
+    firsts = {ms[0] for _, ms in stacking.groups}
+
+    def by_site(x: Any) -> bool:
+        return isinstance(x, dict) and any(k in firsts for k in x)
+
+    return jax.tree.map(lambda x: stacking.stack(x) if by_site(x) else x, state, is_leaf=by_site)
+
+
+def unstack_state(state: Any) -> Any:
+    """A stacked train state with one array per site again (the inverse of `stack_state`)."""
+
+    def grouped(x: Any) -> bool:
+        return isinstance(x, dict) and is_stacked(x)
+
+    return jax.tree.map(lambda x: per_site(x) if grouped(x) else x, state, is_leaf=grouped)
+
+
+def stacking_for(cfg: Config, target: Target, dec: Any | None = None) -> Stacking:
+    """Which sites this run's train state stacks: those repeated over consecutive layers of a
+    target whose layers run as a scan, with equal shapes (`science.spd.stacked`); none when
+    components are tied (the toys)."""
+    dec = dec if dec is not None else abstract_decomposition(cfg, target)
+    paths = [p for p in target.site_paths() if p in dec["components"]]
+    if component_ties(target.tied_sites(), dict.fromkeys(paths, 0)):
+        return Stacking()
+
+    def signature(p: str) -> Any:
+        trees = (dec["components"][p], dec["ci_fns"][p], dec["sources"][p])
+        return tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(trees))
+
+    return Stacking.plan(target, paths, signature)
 
 
 def spd_fns(cfg: Config, target: Target, mesh: Mesh | None = None):
@@ -247,7 +351,8 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
     """What a fresh train starts from: warmup's components, init-weights' CI functions and
     PPGD sources; with `[train] init_from`, the parent run's final components and CI
     functions instead (`stages.init_from`), and this run's fresh sources."""
-    trainable = prog.abstract_state["trainable"]
+    dec = abstract_decomposition(env.cfg, env.target)  # per site, as upstream stages save it
+    trainable = {"components": dec["components"], "ci_fns": dec["ci_fns"]}
     if env.cfg.train.init_from:
         from pdctl.stages.init_from import parent_decomposition
 
@@ -255,16 +360,15 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
             env.project.root,
             env.cfg.train.init_from,
             trainable,
-            prog.state_shardings["trainable"],
+            env.shardings(trainable),
         )
-        init, _ = env.restore_items("init_weights", {"sources": prog.abstract_state["sources"]})
+        init, _ = env.restore_items("init_weights", {"sources": dec["sources"]})
         env.on_state(init_from=origin)
         notify(f"train: starting from the decomposition of {origin['run']} at step "
                f"{origin['step']} (fresh optimizer, sources and step)")  # fmt: skip
         return parent["components"], parent["ci_fns"], init["sources"]
     init, _ = env.restore_items(
-        "init_weights",
-        {"ci_fns": trainable["ci_fns"], "sources": prog.abstract_state["sources"]},
+        "init_weights", {"ci_fns": trainable["ci_fns"], "sources": dec["sources"]}
     )
     warm, _ = env.restore_items("warmup", {"components": trainable["components"]})
     return warm["components"], init["ci_fns"], init["sources"]
@@ -272,7 +376,10 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
 
 def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
     (target_params,) = frozen
-    return make_eval(env, target_params, spd_fns(env.cfg, env.target))
+    target = with_scan(env.target, env.cfg.train.scan_layers)
+    return make_eval(
+        env, target_params, spd_fns(env.cfg, target), target, stacking_for(env.cfg, target)
+    )
 
 
 SPEC = StageSpec(
@@ -282,11 +389,19 @@ SPEC = StageSpec(
     fresh_inputs=fresh_inputs,
     frozen=frozen_target,
     evaluation=evaluation,
+    restore=restore,
 )
 
 
-def make_eval(env: StageEnv, target_params, fns):
-    cfg, target = env.cfg, env.target
+def make_eval(
+    env: StageEnv,
+    target_params,
+    fns,
+    target: Target | None = None,
+    stacking: Stacking | None = None,
+):
+    cfg, target = env.cfg, target or env.target
+    stacking = stacking or Stacking()
     eval_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
     eval_batch = None
     # Several XLA:CPU devices: the batch and the decomposition come to the evaluation
@@ -315,7 +430,11 @@ def make_eval(env: StageEnv, target_params, fns):
     def eval_fn(state) -> dict[str, Any]:
         trainable = state["trainable"]
         if replicate:
-            trainable = jax.device_put(jax.device_get(trainable), sharding.replicated(env.mesh))
+            trainable = jax.device_get(trainable)
+        if not stacking.trivial:  # per-site arrays, as the evaluation speaks per site
+            trainable = {k: host_per_site(v) for k, v in trainable.items()}
+        if replicate or not stacking.trivial:
+            trainable = jax.device_put(trainable, sharding.replicated(env.mesh))
         comps = expand(trainable["components"])
         ci_fns = trainable["ci_fns"]
         out: dict[str, Any] = {}

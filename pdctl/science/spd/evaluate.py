@@ -17,6 +17,7 @@ from scipy.optimize import linear_sum_assignment
 
 from pdctl.config import Config
 from pdctl.science.spd.ci import compute_ci
+from pdctl.science.spd.grouped import map_sites
 from pdctl.science.spd.losses import clean_forward, kl_distance, l0_per_site, masked_forward
 from pdctl.science.spd.masks import stochastic_masks
 
@@ -38,7 +39,10 @@ def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, samplin
     def run(target_params, components, ci_fns, x):
         _, site_inputs = clean_forward(target, target_params, x, paths)
         key = jax.random.PRNGKey(EVAL_KEY)
-        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, key)
+        grouped = bool(getattr(target, "scan_layers", False))
+        return compute_ci(
+            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, key, grouped
+        )
 
     return jax.jit(run)
 
@@ -255,21 +259,25 @@ def _lm_eval_fn(
         )
 
     def run(target_params, components, ci_fns, x, labels, key):
-        weights = target.site_weights(target_params)
         clean, site_inputs = clean_forward(target, target_params, x, paths)
         k_ci, k_mask, k_rand = jax.random.split(key, 3)
+        grouped = bool(getattr(target, "scan_layers", False))
         ci_lower, _ = compute_ci(
-            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci
+            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci, grouped
         )
-        stoch, stoch_delta = stochastic_masks(k_mask, ci_lower, sampling, delta)
+        stoch, stoch_delta = stochastic_masks(k_mask, ci_lower, sampling, delta, grouped)
         mask_sets = {
             "ci_masked": (ci_lower, None),
             "stoch_masked": (stoch, stoch_delta),
             "random_masked": (
-                {
-                    p: jax.random.uniform(jax.random.fold_in(k_rand, i), c.shape, c.dtype)
-                    for i, (p, c) in enumerate(ci_lower.items())
-                },
+                map_sites(
+                    lambda i, c: jax.random.uniform(
+                        jax.random.fold_in(k_rand, i), c.shape, c.dtype
+                    ),
+                    list(ci_lower),
+                    ci_lower,
+                    grouped=grouped,
+                ),
                 None,
             ),
             "rounded_masked": (
@@ -281,7 +289,7 @@ def _lm_eval_fn(
         }
         out = {"ce/target": ce(clean, labels)}
         for name, (masks, dmasks) in mask_sets.items():
-            logits = masked_forward(target, target_params, weights, components, x, masks, dmasks)
+            logits = masked_forward(target, target_params, components, x, masks, dmasks)
             out[f"ce/{name}"] = ce(logits, labels)
             out[f"kl/{name}"] = kl_distance(logits, clean)
         return out

@@ -40,9 +40,12 @@ from pdctl.science.spd.components import (
     component_ties,
     expand_tied,
     fold_tied,
-    masked_overrides,
+    masked_site_fn,
 )
+from pdctl.science.spd.grouped import map_sites
 from pdctl.science.spd.masks import routing_masks, source_masks, stochastic_masks
+from pdctl.science.spd.stacked import is_stacked
+from pdctl.science.targets.base import apply_sites
 
 Array = jax.Array
 Dict = Mapping[str, Array]
@@ -61,44 +64,44 @@ class Clean(NamedTuple):
 
 
 def clean_forward(target: Any, params: Any, x: Array, paths: tuple[str, ...] | list[str]) -> Clean:
-    """The frozen target's output and the inputs of the sites in `paths`, stop-gradient.
-
-    Site inputs are captured by overrides that store `x_in` and return `x_in @ W` (pure overall:
-    the dict lives only inside this trace)."""
-    weights = target.site_weights(params)
-    captured: dict[str, Array] = {}
-
-    def capture(path: str) -> Callable[[Array], Array]:
-        W = weights[path]
-
-        def fn(x_in: Array) -> Array:
-            captured[path] = x_in
-            return x_in @ W
-
-        return fn
-
+    """The frozen target's output and the inputs of the sites in `paths`, stop-gradient
+    (`Target.apply_sites` captures them)."""
     if getattr(target, "remat", "none") != "none":
-        # Capturing site inputs from inside a rematerialised block would leak its tracers;
-        # this forward is stop-gradient anyway, so it has nothing to rematerialise.
+        # This forward is stop-gradient: it has nothing to rematerialise (and capturing site
+        # inputs from inside a rematerialised block would leak its tracers).
         target = dataclasses.replace(target, remat="none")
-    out = target.apply(params, x, {p: capture(p) for p in paths})
+    out, captured = apply_sites(target, params, x, capture=tuple(paths))
     site_inputs = {p: jax.lax.stop_gradient(captured[p]) for p in paths}
     return Clean(jax.lax.stop_gradient(out), site_inputs)
+
+
+def _masked_site(x_in: Array, W: Array, data: tuple) -> Array:
+    return masked_site_fn(W, *data)(x_in)
 
 
 def masked_forward(
     target: Any,
     params: Any,
-    weights: Dict,
     components: Components,
     x: Array,
     masks: Dict,
     delta_masks: Dict | None,
     routes: Dict | None = None,
 ) -> Array:
-    """Target forward with the sites in `masks` replaced by their masked components."""
-    overrides = masked_overrides(weights, components, masks, delta_masks, routes)
-    return target.apply(params, x, overrides)
+    """Target forward with the sites in `masks` replaced by their masked components
+    (`components.masked_site_fn`, with each site's W as the target reads it from `params`)."""
+    data = {
+        path: (
+            components[path]["V"],
+            components[path]["U"],
+            mask,
+            None if delta_masks is None else delta_masks[path],
+            None if routes is None else routes[path],
+        )
+        for path, mask in masks.items()
+    }
+    out, _ = apply_sites(target, params, x, _masked_site, data)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,12 +140,12 @@ class Recon:
     clean_out: Array
     delta: bool
     out_kind: str
+    grouped: bool = False  # same-shaped sites' per-site work (mask draws) as one vmap
 
     def __call__(self, masks: Dict, delta_masks: Dict | None, routes: Dict | None = None) -> Array:
         out = masked_forward(
-            self.target, self.params, self.weights, self.components, self.x, masks, delta_masks,
-            routes,
-        )  # fmt: skip
+            self.target, self.params, self.components, self.x, masks, delta_masks, routes
+        )
         return output_distance(self.out_kind, out, self.clean_out)
 
     def detached(self) -> "Recon":
@@ -154,23 +157,30 @@ class Recon:
 # loss terms
 
 
-def faithfulness_loss(weights: Dict, components: Components, layout: Any = None) -> Array:
+def faithfulness_loss(
+    weights: Dict, components: Components, layout: Any = None, grouped: bool = False
+) -> Array:
     """sum_s ||W_s - V_s U_s||_F^2 / sum_s numel(W_s), over the sites in `components`.
 
     `layout` (`engine.sharding.WeightSpace`, for components sharded over the mesh): the same
-    value computed on gathered V / U, each device forming its rows of the residual."""
-    total = jnp.zeros((), jnp.float32)
-    numel = 0
-    for path, comp in components.items():
+    value computed on gathered V / U, each device forming its rows of the residual.
+    `grouped`: same-shaped sites as one vmap (`grouped.map_sites`; sums in another order)."""
+
+    def site(i, W: Array, comp: Mapping[str, Array]) -> Array:
         V, U = comp["V"].astype(jnp.float32), comp["U"].astype(jnp.float32)
-        W = weights[path].astype(jnp.float32)
+        W = W.astype(jnp.float32)
         if layout is not None:
             V, U = layout.gathered(V), layout.gathered(U)
             W, V = layout.rows(W), layout.rows(V)
         diff = W - V @ U
-        total = total + jnp.sum(diff * diff)
-        numel += diff.size
-    return total / numel
+        return jnp.sum(diff * diff)
+
+    paths = list(components)
+    sums = map_sites(site, paths, weights, components, grouped=grouped)
+    total = jnp.zeros((), jnp.float32)
+    for p in paths:
+        total = total + sums[p]
+    return total / sum(weights[p].size for p in paths)
 
 
 def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
@@ -186,12 +196,15 @@ def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     return loss_cfg.p + (loss_cfg.p_final - loss_cfg.p) * progress
 
 
-def importance_sums(ci_upper: Dict, p: Array | float, eps: float) -> dict[str, Array]:
+def importance_sums(
+    ci_upper: Dict, p: Array | float, eps: float, grouped: bool = False
+) -> dict[str, Array]:
     """S_c = sum over all leading axes of (ci_upper + eps)^p, per site (C,)."""
-    return {
-        path: jnp.sum(jnp.power(ci.astype(jnp.float32) + eps, p), axis=tuple(range(ci.ndim - 1)))
-        for path, ci in ci_upper.items()
-    }
+
+    def site(i, ci: Array) -> Array:
+        return jnp.sum(jnp.power(ci.astype(jnp.float32) + eps, p), axis=tuple(range(ci.ndim - 1)))
+
+    return map_sites(site, list(ci_upper), ci_upper, grouped=grouped)
 
 
 def importance_minimality_loss(
@@ -200,6 +213,7 @@ def importance_minimality_loss(
     eps: float,
     beta: float,
     totals: tuple[Mapping[str, Array], int] | None = None,
+    grouped: bool = False,
 ) -> Array:
     """sum_s sum_c [m_c + beta * m_c * log2(1 + S_c)], S_c = sum over all leading axes of
     (ci_upper + eps)^p, m_c = S_c / (number of examples x positions).
@@ -210,7 +224,7 @@ def importance_minimality_loss(
     whose gradients, summed over the micro-batches, equal the gradient of the loss of the
     whole batch (its value is not the loss; the step reports that from `totals`)."""
     total = jnp.zeros((), jnp.float32)
-    for path, S_C in importance_sums(ci_upper, p, eps).items():
+    for path, S_C in importance_sums(ci_upper, p, eps, grouped).items():
         if totals is None:
             ci = ci_upper[path]
             n_examples = ci.size // ci.shape[-1]
@@ -251,7 +265,7 @@ def stochastic_recon_loss(
     lead = next(iter(ci_lower.values())).shape[:-1]
     for s in range(n_samples):
         k_mask, k_route = jax.random.split(jax.random.fold_in(key, s))
-        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta)
+        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta, recon.grouped)
         routes = routing_masks(k_route, paths, lead, routing, routing_p)
         total = total + recon(masks, dmasks, routes)
     return total / n_samples
@@ -264,7 +278,7 @@ def stochastic_recon_layerwise_loss(
     total = jnp.zeros((), jnp.float32)
     for s in range(n_samples):
         k_mask, _ = jax.random.split(jax.random.fold_in(key, s))
-        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta)
+        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta, recon.grouped)
         for path in masks:
             one_d = None if dmasks is None else {path: dmasks[path]}
             total = total + recon({path: masks[path]}, one_d)
@@ -337,12 +351,13 @@ def unmasked_recon_loss(recon: Recon, ci_lower: Dict) -> Array:
     return recon({p: jnp.ones_like(ci) for p, ci in ci_lower.items()}, None)
 
 
-def l0_per_site(ci_lower: Dict, threshold: float) -> dict[str, Array]:
+def l0_per_site(ci_lower: Dict, threshold: float, grouped: bool = False) -> dict[str, Array]:
     """Mean number of components with ci > threshold per example/position, per site."""
-    return {
-        p: jnp.mean(jnp.sum((ci > threshold).astype(jnp.float32), axis=-1))
-        for p, ci in ci_lower.items()
-    }
+
+    def site(i, ci: Array) -> Array:
+        return jnp.mean(jnp.sum((ci > threshold).astype(jnp.float32), axis=-1))
+
+    return map_sites(site, list(ci_lower), ci_lower, grouped=grouped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,6 +424,9 @@ def make_spd_fns(
     )  # fmt: skip
     remat = cfg.train.remat
     out_kind = lcfg.output
+    # A target whose layers run as a scan has its per-site work grouped as well: both keep
+    # the program's size flat in depth.
+    grouped = bool(getattr(target, "scan_layers", False))
 
     def site_weights(target_params: Any) -> dict[str, Array]:
         w = target.site_weights(target_params)
@@ -418,7 +436,9 @@ def make_spd_fns(
         return clean_forward(target, target_params, x, paths)
 
     def ci(components: Components, ci_fns: Any, site_inputs: Dict, key: Array | None = None):
-        return compute_ci(components, ci_fns, site_inputs, kind, sigmoid, remat, sampling, key)
+        return compute_ci(
+            components, ci_fns, site_inputs, kind, sigmoid, remat, sampling, key, grouped
+        )
 
     def ci_key(key: Array) -> Array:
         return jax.random.fold_in(key, _CI_KEY)
@@ -426,7 +446,7 @@ def make_spd_fns(
     def recon_of(components: Components, target_params: Any, c: Clean, x: Array) -> Recon:
         return Recon(
             target, target_params, site_weights(target_params), components, x, c.out, delta,
-            out_kind,
+            out_kind, grouped,
         )  # fmt: skip
 
     def ppgd_term(recon: Recon, ci_lower: Dict, sources: Dict, key: Array) -> Array:
@@ -451,9 +471,11 @@ def make_spd_fns(
         # Each term draws from its own fold of the key, so switching one term on or off leaves
         # the others' draws unchanged.
         compute: dict[str, Callable[[Array], Array]] = {
-            "faithfulness": lambda k: faithfulness_loss(recon.weights, comps, weight_space),
+            "faithfulness": lambda k: faithfulness_loss(
+                recon.weights, comps, weight_space, grouped
+            ),
             "importance_minimality": lambda k: importance_minimality_loss(
-                ci_upper, p_at(lcfg, step_frac), lcfg.eps, lcfg.beta, imp_totals
+                ci_upper, p_at(lcfg, step_frac), lcfg.eps, lcfg.beta, imp_totals, grouped
             ),
             "stochastic_recon": lambda k: stochastic_recon_loss(recon, ci_lower, k, n, sampling),
             "stochastic_recon_layerwise": lambda k: stochastic_recon_layerwise_loss(
@@ -486,7 +508,8 @@ def make_spd_fns(
                 metrics[name] = value
                 total = total + coeff * value
         metrics["total"] = total
-        for p, v in l0_per_site(jax.lax.stop_gradient(ci_lower), dcfg.ci_threshold).items():
+        l0 = l0_per_site(jax.lax.stop_gradient(ci_lower), dcfg.ci_threshold, grouped)
+        for p, v in l0.items():
             metrics[f"l0/{p}"] = v
         return total, metrics
 
@@ -517,12 +540,13 @@ def make_spd_fns(
         )
 
     def faithfulness(components: Components, target_params: Any) -> Array:
-        return faithfulness_loss(site_weights(target_params), components, weight_space)
+        return faithfulness_loss(site_weights(target_params), components, weight_space, grouped)
 
     return SpdFns(
         paths=paths,
         ties=ties,
-        expand=lambda free: expand_tied(free, ties, paths),
+        # stacked train state (`stacked.Stacking`) is never tied: it passes through
+        expand=lambda free: dict(free) if is_stacked(free) else expand_tied(free, ties, paths),
         fold=lambda per_site: fold_tied(per_site, ties),
         clean=clean,
         ci=ci,

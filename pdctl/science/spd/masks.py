@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pdctl.science.spd.components import expand_left
+from pdctl.science.spd.grouped import map_sites
 
 Array = jax.Array
 Dict = Mapping[str, Array]
@@ -22,23 +23,25 @@ ROUTINGS = ("all", "uniform_k", "static_p")
 
 
 def stochastic_masks(
-    key: Array, ci_lower: Dict, sampling: str, delta: bool
+    key: Array, ci_lower: Dict, sampling: str, delta: bool, grouped: bool = False
 ) -> tuple[dict[str, Array], dict[str, Array] | None]:
-    """One draw of stochastic masks for every site in `ci_lower` (site i uses fold_in(key, i))."""
-    masks: dict[str, Array] = {}
-    delta_masks: dict[str, Array] | None = {} if delta else None
-    for i, (path, ci) in enumerate(ci_lower.items()):
+    """One draw of stochastic masks for every site in `ci_lower` (site i uses fold_in(key, i);
+    `grouped`: same-shaped sites drawn under one vmap, the same bits)."""
+    if sampling not in ("continuous", "binomial"):
+        raise ValueError(f"unknown sampling {sampling!r}")
+
+    def one(i, ci: Array) -> tuple[Array, Array | None]:
         k_r, k_d = jax.random.split(jax.random.fold_in(key, i))
         if sampling == "continuous":
             r = jax.random.uniform(k_r, ci.shape, ci.dtype)
-        elif sampling == "binomial":
-            r = jax.random.bernoulli(k_r, 0.5, ci.shape).astype(ci.dtype)
         else:
-            raise ValueError(f"unknown sampling {sampling!r}")
-        masks[path] = ci + (1 - ci) * r
-        if delta_masks is not None:
-            delta_masks[path] = jax.random.uniform(k_d, ci.shape[:-1], ci.dtype)
-    return masks, delta_masks
+            r = jax.random.bernoulli(k_r, 0.5, ci.shape).astype(ci.dtype)
+        d = jax.random.uniform(k_d, ci.shape[:-1], ci.dtype) if delta else None
+        return ci + (1 - ci) * r, d
+
+    out = map_sites(one, list(ci_lower), ci_lower, grouped=grouped)
+    masks = {p: m for p, (m, _) in out.items()}
+    return masks, ({p: d for p, (_, d) in out.items()} if delta else None)
 
 
 def source_masks(

@@ -6,7 +6,7 @@ matmul `x_in @ W`. The decomposition code only ever talks to targets through thi
 """
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,10 @@ from pdctl.science.arrays import expand_left
 Params = dict[str, Any]
 Override = Callable[[jax.Array], jax.Array]
 Overrides = Mapping[str, Override]
+# A block's projection: (name within the layer, x_in, that projection's params) -> output.
+SiteFn = Callable[[str, jax.Array, Any], jax.Array]
+# A site computed from data: (x_in, W, that site's data) -> x_in @ W's replacement.
+SiteDataFn = Callable[[jax.Array, jax.Array, Any], jax.Array]
 
 
 class Target:
@@ -56,6 +60,38 @@ class Target:
     def apply(self, params: Params, x: jax.Array, overrides: Overrides | None = None) -> jax.Array:
         raise NotImplementedError
 
+    def apply_sites(
+        self,
+        params: Params,
+        x: jax.Array,
+        site_fn: SiteDataFn | None = None,
+        site_data: Mapping[str, Any] | None = None,
+        capture: Sequence[str] = (),
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The forward with each site in `site_data` computed as `site_fn(x_in, W, data)`
+        instead of `x_in @ W`, and the inputs of the sites in `capture`: (output, {path: x_in}).
+
+        The form of overrides a target can scan over layers (the data stack along a layer
+        axis; closures cannot): targets with blocks override it. This default builds the
+        equivalent closures for `apply`."""
+        site_data = site_data or {}
+        weights = self.site_weights(params) if site_data or capture else {}
+        captured: dict[str, jax.Array] = {}
+
+        def override(path: str) -> Override:
+            def fn(x_in: jax.Array) -> jax.Array:
+                if path in capture:
+                    captured[path] = x_in
+                if path in site_data:
+                    return site_fn(x_in, weights[path], site_data[path])
+                return x_in @ weights[path]
+
+            return fn
+
+        paths = [p for p in self.site_paths() if p in site_data or p in capture]
+        out = self.apply(params, x, {p: override(p) for p in paths} if paths else None)
+        return out, {p: captured[p] for p in capture}
+
     def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
         raise TypeError(f"target {self.kind!r} has no on-device data generator")
 
@@ -84,6 +120,15 @@ class Target:
         if overrides is not None and path in overrides:
             return overrides[path](x_in).astype(x_in.dtype)
         return x_in @ w
+
+
+def apply_sites(target: Any, params: Params, x: jax.Array, *args: Any, **kwargs: Any):
+    """`target.apply_sites(...)`, or `Target`'s closure-based default for an object that only
+    has `apply`, `site_paths` and `site_weights` (a test's stand-in target)."""
+    method = getattr(target, "apply_sites", None)
+    if method is None:
+        return Target.apply_sites(target, params, x, *args, **kwargs)
+    return method(params, x, *args, **kwargs)
 
 
 def add_bias(h: jax.Array, b: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,15 @@ import optax
 
 from pdctl.errors import PdctlError
 from pdctl.science.arrays import expand_left
-from pdctl.science.targets.base import Overrides, Params, Target, add_bias, normal_init
+from pdctl.science.targets.base import (
+    Overrides,
+    Params,
+    SiteDataFn,
+    SiteFn,
+    Target,
+    add_bias,
+    normal_init,
+)
 from pdctl.science.targets.llama_mlp import REMAT_POLICIES
 
 LLAMA, QWEN2, GPT2 = "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
@@ -369,6 +377,8 @@ class HFCausalLM(Target):
     seq_len: int = 128
     param_dtype: Any = jnp.float32
     remat: str = "none"  # none | dots_saveable | full: rematerialise each block in the backward
+    # `apply_sites` runs the blocks as a scan over layers (`[train] scan_layers`)
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -552,77 +562,216 @@ class HFCausalLM(Target):
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxTxKxH)
         return out.reshape(B, T, N * H)
 
-    def _llama_block(self, x, layer: Params, i: int, overrides: Overrides | None) -> jax.Array:
+    def _llama_block(self, x, layer: Params, i: Any, site: SiteFn) -> jax.Array:
+        """One Llama / Qwen2 block; `site(name, x_in, p)` computes the projection `name`
+        (e.g. "self_attn.q_proj") of this layer from its params `p` (weight, bias)."""
         s = self.spec
         B, T, _ = x.shape
-        pre = f"model.layers.{i}"
         attn, mlp = layer["self_attn"], layer["mlp"]
         h = self._norm(x, layer["input_layernorm"])
 
         def heads(name: str, n: int) -> jax.Array:
-            out = self._proj(f"{pre}.self_attn.{name}", h, attn[name], overrides)
+            out = site(f"self_attn.{name}", h, attn[name])
             return out.reshape(B, T, n, s.head_dim)
 
         q = self._rope(heads("q_proj", s.n_heads))
         k = self._rope(heads("k_proj", s.n_kv_heads))
         v = heads("v_proj", s.n_kv_heads)
         o = self._attend(q, k, v, s.head_dim**-0.5)
-        x = x + self._proj(f"{pre}.self_attn.o_proj", o, attn["o_proj"], overrides)
+        x = x + site("self_attn.o_proj", o, attn["o_proj"])
         h = self._norm(x, layer["post_attention_layernorm"])
-        gate = self._proj(f"{pre}.mlp.gate_proj", h, mlp["gate_proj"], overrides)
-        up = self._proj(f"{pre}.mlp.up_proj", h, mlp["up_proj"], overrides)
+        gate = site("mlp.gate_proj", h, mlp["gate_proj"])
+        up = site("mlp.up_proj", h, mlp["up_proj"])
         hidden = _act(s.act, gate) * up
-        return x + self._proj(f"{pre}.mlp.down_proj", hidden, mlp["down_proj"], overrides)
+        return x + site("mlp.down_proj", hidden, mlp["down_proj"])
 
-    def _gpt2_block(self, x, layer: Params, i: int, overrides: Overrides | None) -> jax.Array:
+    def _gpt2_block(self, x, layer: Params, i: Any, site: SiteFn) -> jax.Array:
         s = self.spec
         B, T, d = x.shape
-        pre = f"transformer.h.{i}"
         attn, mlp = layer["attn"], layer["mlp"]
         h = self._norm(x, layer["ln_1"])
-        qkv = self._proj(f"{pre}.attn.c_attn", h, attn["c_attn"], overrides)
+        qkv = site("attn.c_attn", h, attn["c_attn"])
         q, k, v = (
             qkv[..., j * d : (j + 1) * d].reshape(B, T, s.n_heads, s.head_dim) for j in range(3)
         )
         scale = s.head_dim**-0.5 if s.attn_scale_weights else 1.0
-        if s.attn_scale_by_layer:
-            scale /= float(i + 1)
+        if s.attn_scale_by_layer:  # i is a Python int unrolled, a traced index under scan
+            scale = scale / (float(i + 1) if isinstance(i, int) else (i + 1).astype(jnp.float32))
         o = self._attend(q, k, v, scale)
-        x = x + self._proj(f"{pre}.attn.c_proj", o, attn["c_proj"], overrides)
+        x = x + site("attn.c_proj", o, attn["c_proj"])
         h = self._norm(x, layer["ln_2"])
-        hidden = _act(s.act, self._proj(f"{pre}.mlp.c_fc", h, mlp["c_fc"], overrides))
-        return x + self._proj(f"{pre}.mlp.c_proj", hidden, mlp["c_proj"], overrides)
+        hidden = _act(s.act, site("mlp.c_fc", h, mlp["c_fc"]))
+        return x + site("mlp.c_proj", hidden, mlp["c_proj"])
 
-    def apply(
-        self, params: Params, tokens: jax.Array, overrides: Overrides | None = None
-    ) -> jax.Array:
-        """tokens (B, T) int -> logits (B, T, vocab) float32."""
+    def _embed(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, Params, Params]:
+        """(the embedded tokens, the params of the root module, its layers)."""
         s = self.spec
         n_tok = tokens.shape[1]
         if s.is_gpt2:
             if n_tok > s.max_positions:
                 raise ValueError(f"{n_tok} tokens exceed GPT-2's {s.max_positions} positions")
-            root, block_fn, final = params["transformer"], self._gpt2_block, "ln_f"
-            embed = root["wte"]["weight"]
-            x_BxTxD = jnp.take(embed, tokens, axis=0)
+            root = params["transformer"]
+            x_BxTxD = jnp.take(root["wte"]["weight"], tokens, axis=0)
             x_BxTxD = x_BxTxD + expand_left(root["wpe"]["weight"][:n_tok], x_BxTxD.ndim)
-            layers = root["h"]
+            return x_BxTxD, root, root["h"]
+        root = params["model"]
+        return jnp.take(root["embed_tokens"]["weight"], tokens, axis=0), root, root["layers"]
+
+    def _unembed(self, params: Params, root: Params, x_BxTxD: jax.Array) -> jax.Array:
+        s = self.spec
+        h = self._norm(x_BxTxD, root["ln_f" if s.is_gpt2 else "norm"])
+        if s.tie_word_embeddings:
+            unembed_VxD = root["wte" if s.is_gpt2 else "embed_tokens"]["weight"]
         else:
-            root, block_fn, final = params["model"], self._llama_block, "norm"
-            embed = root["embed_tokens"]["weight"]
-            x_BxTxD = jnp.take(embed, tokens, axis=0)
-            layers = root["layers"]
-        for i in range(s.n_layers):
-
-            def block(x, layer, i=i):
-                return block_fn(x, layer, i, overrides)
-
-            if self.remat != "none":
-                block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat])
-            x_BxTxD = block(x_BxTxD, layers[str(i)])
-        h = self._norm(x_BxTxD, root[final])
-        unembed_VxD = embed if s.tie_word_embeddings else params["lm_head"]["weight"]
+            unembed_VxD = params["lm_head"]["weight"]
         return jnp.einsum("btd,vd->btv", h, unembed_VxD, preferred_element_type=jnp.float32)
+
+    def _block_fn(self):
+        return self._gpt2_block if self.spec.is_gpt2 else self._llama_block
+
+    def _remat(self, fn):
+        if self.remat == "none":
+            return fn
+        return jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])
+
+    def apply(
+        self, params: Params, tokens: jax.Array, overrides: Overrides | None = None
+    ) -> jax.Array:
+        """tokens (B, T) int -> logits (B, T, vocab) float32, the blocks unrolled (one copy of
+        the block per layer in the program; `apply_sites` scans them)."""
+        x_BxTxD, root, layers = self._embed(params, tokens)
+        block_fn = self._block_fn()
+        for i in range(self.spec.n_layers):
+            pre = f"{self._prefix()}.{i}"
+
+            def block(x, layer, i=i, pre=pre):
+                def site(name, x_in, p):
+                    return self._proj(f"{pre}.{name}", x_in, p, overrides)
+
+                return block_fn(x, layer, i, site)
+
+            x_BxTxD = self._remat(block)(x_BxTxD, layers[str(i)])
+        return self._unembed(params, root, x_BxTxD)
+
+    # The scanned forward.
+
+    def layer_site(self, path: str) -> tuple[int, str] | None:
+        """(layer, name within the layer) of a site path, None for a path outside the blocks."""
+        prefix = self._prefix() + "."
+        if not path.startswith(prefix):
+            return None
+        layer, _, name = path[len(prefix) :].partition(".")
+        return (int(layer), name) if layer.isdigit() else None
+
+    def apply_sites(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        site_fn: SiteDataFn | None = None,
+        site_data: Mapping[str, Any] | None = None,
+        capture: Sequence[str] = (),
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The forward with the sites in `site_data` computed by `site_fn(x_in, W, data)` and
+        the inputs of the sites in `capture` returned: (logits, {path: x_in}).
+
+        With `scan_layers` the blocks run as `jax.lax.scan` over each run of two or more
+        consecutive layers that have sites and treat them alike (same names overridden or
+        captured, same data shapes): the layer params and each site's data are stacked along
+        a leading layer axis, so the program holds one block per run instead of one per
+        layer, whatever the depth. Other layers (alone, or without sites) stay unrolled. The
+        values are those of the unrolled forward up to float reassociation inside the loop
+        body (tests/test_scan.py)."""
+        site_data = dict(site_data or {})
+        if not self.scan_layers:
+            return super().apply_sites(params, tokens, site_fn, site_data, capture)
+        capture = tuple(capture)
+        x, root, layers = self._embed(params, tokens)
+        block_fn = self._block_fn()
+        site_inputs_out: dict[str, jax.Array] = {}
+        for start, stop in self._runs(site_data, capture):
+            ids = range(start, stop)
+            paths = {
+                name: [f"{self._prefix()}.{i}.{name}" for i in ids]
+                for name, _, _ in self._layer_sites()
+            }
+            caught = tuple(n for n, ps in paths.items() if ps[0] in capture)
+            if stop - start < 2 or not (caught or any(ps[0] in site_data for ps in paths.values())):
+                # Nothing repeats here (one layer, or layers without sites): unrolled. On
+                # XLA:CPU a scan slices (copies) each layer's weights out of the stack on every
+                # iteration of every forward and backward, which cost a 30-layer SmolLM2 step
+                # with 3 sites 1.45x its unrolled time; layers without sites compile cheaply.
+                for i in ids:
+
+                    def site(name, x_in, proj, pre=f"{self._prefix()}.{i}"):
+                        path = f"{pre}.{name}"
+                        if path in capture:
+                            site_inputs_out[path] = x_in
+                        if path in site_data:
+                            h = site_fn(x_in, proj["weight"], site_data[path]).astype(x_in.dtype)
+                        else:
+                            h = x_in @ proj["weight"]
+                        return add_bias(h, proj["bias"]) if "bias" in proj else h
+
+                    def block(x, layer, i=i, site=site):
+                        return block_fn(x, layer, i, site)
+
+                    x = (block if capture else self._remat(block))(x, layers[str(i)])
+                continue
+            stacked = _stack([layers[str(i)] for i in ids])
+            data = {
+                n: _stack([site_data[p] for p in ps])
+                for n, ps in paths.items()
+                if ps[0] in site_data
+            }
+
+            def body(x, xs, data_names=tuple(data), caught=caught):
+                layer, d, i = xs
+                got: dict[str, jax.Array] = {}
+
+                def site(site_name, x_in, proj):
+                    if site_name in caught:
+                        got[site_name] = x_in
+                    if site_name in data_names:
+                        h = site_fn(x_in, proj["weight"], d[site_name]).astype(x_in.dtype)
+                    else:
+                        h = x_in @ proj["weight"]
+                    return add_bias(h, proj["bias"]) if "bias" in proj else h
+
+                return block_fn(x, layer, i, site), got
+
+            body_fn = body if caught else self._remat(body)
+            x, got = jax.lax.scan(body_fn, x, (stacked, data, jnp.arange(start, stop)))
+            for n in caught:
+                parts = jax.lax.split(got[n], [1] * len(paths[n]), axis=0)
+                site_inputs_out.update({p: a[0] for p, a in zip(paths[n], parts, strict=True)})
+        return self._unembed(params, root, x), {p: site_inputs_out[p] for p in capture}
+
+    def _runs(self, site_data: Mapping[str, Any], capture: Sequence[str]) -> list[tuple[int, int]]:
+        """[start, stop) runs of consecutive layers whose sites are treated alike."""
+        names = [n for n, _, _ in self._layer_sites()]
+        cap = set(capture)
+
+        def key(i: int) -> tuple:
+            out = []
+            for n in names:
+                p = f"{self._prefix()}.{i}.{n}"
+                shapes = None
+                if p in site_data:
+                    leaves, tree = jax.tree.flatten(site_data[p])
+                    shapes = (tree, tuple((a.shape, str(a.dtype)) for a in leaves))
+                out.append((shapes, p in cap))
+            return tuple(out)
+
+        runs: list[tuple[int, int]] = []
+        prev = None
+        for i in range(self.spec.n_layers):
+            k = key(i)
+            if runs and k == prev:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+            prev = k
+        return runs
 
     # Training interface (as LlamaMLP: next-token cross-entropy on packed text).
 
@@ -649,6 +798,11 @@ class HFCausalLM(Target):
 
     def n_tokens_per_example(self) -> int:
         return self.seq_len
+
+
+def _stack(trees: Sequence[Any]) -> Any:
+    """Same-structured pytrees stacked leaf by leaf along a new leading axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 def _node(params: Params, path: str) -> Any:

@@ -1,0 +1,184 @@
+"""Train-step compile time as depth grows: layers scanned (`[train] scan_layers = true`, the
+default) against unrolled (`false`), on the same machine in one run.
+
+Tiny random Llamas (d_model 128, 4 heads, 2 kv heads, MLP 256, vocab 512, seq 32, batch 4),
+every attention and MLP projection decomposed (C 64 attention, 128 MLP), the hf-lm template's
+losses (faithfulness, importance minimality, uniform-k subset recon, PPGD with 2 warm-up ascent
+steps), on pdctl's default devices (one CPU device per core). Per depth and side, in a fresh
+child process: the train step's compile s (lower + compile), the evaluation's first call
+(its compiles, then one run) s, the step ms (best of 3 windows), and the loss after 3 steps
+from the same start (scan vs unrolled agree to float reassociation).
+
+    python benchmarks/scan_compile.py [--layers 2 8 32] [--unrolled-max 8]
+
+Unrolled sides run only up to `--unrolled-max` layers (at 32 layers the unrolled step alone
+compiled for ~8 min on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model_dir(n_layers: int) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=f"pdctl-scan-{n_layers}-"))
+    cfg = dict(
+        architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=n_layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def child(n_layers: int, scan: bool, n_steps: int) -> dict:
+    from pdctl.engine import runtime
+
+    runtime.configure_devices()
+    import tomllib
+
+    import jax
+    import numpy as np
+
+    from pdctl.config import parse_config
+    from pdctl.engine import sharding
+    from pdctl.science.spd import evaluate
+    from pdctl.science.spd.stacked import host_per_site
+    from pdctl.stages import train
+    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config, with_scan
+    from pdctl.stages.init_weights import init_decomposition
+    from pdctl.templates import templates_root
+
+    raw = tomllib.loads((templates_root() / "hf-lm" / "pdctl.toml").read_text())
+    raw["target"]["path"] = str(model_dir(n_layers))
+    raw["data"]["seq_len"] = 32
+    raw["decomp"]["sites"] = [
+        {"pattern": "*.mlp.*", "C": 128},
+        {"pattern": "*attn.*", "C": 64},
+    ]
+    raw["decomp"]["ci_fn"]["hidden"] = [64]
+    raw["train"]["batch_size"] = 4
+    raw["train"]["eval_batch_size"] = 4
+    raw["train"]["scan_layers"] = scan
+    cfg = parse_config(raw)
+    mesh = sharding.make_mesh(-1, 1)
+    target = target_from_config(cfg, need_weights=False)
+    prog = train.program(cfg, mesh, target)
+    params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(jax.random.key(0))
+    dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
+    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
+    n_sites = len(dec["components"])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 512, size=(4, 33), dtype=np.int32)
+    batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+
+    t0 = time.perf_counter()
+    step = prog.jit().lower(params, state, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    holder = {"state": state}
+    losses = []
+    for _ in range(3):
+        holder["state"], m = step(params, holder["state"], batch)
+        losses.append(float(jax.device_get(m["total"])))
+
+    def best(n: int) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(n):
+                holder["state"], m = step(params, holder["state"], batch)
+            jax.block_until_ready(m)
+            times.append((time.perf_counter() - t) / n)
+        return min(times) * 1e3
+
+    step_ms = best(n_steps)
+
+    # The evaluation's programs (CI statistics and the LM's masked CE / KL), as the train
+    # stage builds them: compiled on their first call.
+    ev_target = with_scan(target, scan)
+    fns = train.spd_fns(cfg, ev_target)
+    rep = sharding.replicated(mesh)
+    trainable = jax.device_get(holder["state"]["trainable"])
+    comps = jax.device_put({k: host_per_site(v) for k, v in trainable.items()}, rep)
+    eb = jax.device_put({"tokens": tokens}, rep)
+    t0 = time.perf_counter()
+    c = fns.expand(comps["components"])
+    evaluate.ci_stats(ev_target, params, c, comps["ci_fns"], cfg, ev_target.inputs(eb))
+    evaluate.lm_eval(ev_target, params, c, comps["ci_fns"], cfg, eb, jax.random.key(1))
+    eval_s = time.perf_counter() - t0
+    return {
+        "layers": n_layers,
+        "scan": scan,
+        "sites": n_sites,
+        "devices": mesh.size,
+        "compile_s": compile_s,
+        "eval_first_s": eval_s,
+        "step_ms": step_ms,
+        "losses": losses,
+    }
+
+
+def run_child(n_layers: int, scan: bool, n_steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, __file__, "--child", str(n_layers), "--steps", str(n_steps)]
+    if scan:
+        cmd.append("--scan")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        sys.exit(f"child failed ({n_layers} layers, scan {scan}):\n{r.stdout}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    ap.add_argument("--unrolled-max", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timing window")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--scan", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.scan, a.steps)))
+        return
+    rows = []
+    for n in a.layers:
+        for scan in (False, True):  # interleaved: both sides of a depth back to back
+            if not scan and n > a.unrolled_max:
+                continue
+            r = run_child(n, scan, a.steps)
+            rows.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+    print(f"{'layers':>6} {'sites':>5} {'side':>8} {'compile s':>9} {'eval 1st s':>10} "
+          f"{'step ms':>8}  loss after 1, 2, 3 steps")  # fmt: skip
+    for r in rows:
+        side = "scan" if r["scan"] else "unrolled"
+        loss = ", ".join(f"{v:.6g}" for v in r["losses"])
+        print(f"{r['layers']:>6} {r['sites']:>5} {side:>8} {r['compile_s']:>9.1f} "
+              f"{r['eval_first_s']:>10.1f} {r['step_ms']:>8.1f}  {loss}")  # fmt: skip
+    scans = {r["layers"]: r for r in rows if r["scan"]}
+    if len(scans) > 1:
+        lo, hi = min(scans), max(scans)
+        ratio = scans[hi]["compile_s"] / scans[lo]["compile_s"]
+        print(f"scan: compile at {hi} layers / at {lo} layers = {ratio:.2f}x (goal <= 1.5x)")
+    for n, s in scans.items():
+        u = next((r for r in rows if r["layers"] == n and not r["scan"]), None)
+        if u:
+            print(f"{n} layers: compile unrolled / scan = {u['compile_s'] / s['compile_s']:.2f}x, "
+                  f"step scan / unrolled = {s['step_ms'] / u['step_ms']:.2f}x")  # fmt: skip
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
