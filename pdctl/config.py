@@ -511,13 +511,13 @@ class TrainConfig(Section):
     grad_accum_steps: Pos = Field(1, description="micro-batches accumulated per optimizer step")
     remat: Literal["none", "dots_saveable", "full"] = Field("none", description=_REMAT)
     scan_layers: bool = Field(
-        True,
+        False,
         description=(
-            "imported (hf) models: run the blocks as a scan over layers and hold each site "
+            "imported (hf) models: run the layers that have sites as a scan and hold each site "
             "that repeats over consecutive layers as one stacked array in the train state, so "
-            "that the train step's compile time barely grows with depth; false unrolls the "
-            "blocks (one copy per layer in the program). Not part of the fingerprint: a run "
-            "resumes across a change of it"
+            "that a deep model's train step compiles several times faster (measured on CPU: "
+            "the step itself ran 0.7-0.98x as fast, see docs/performance.md). Not part of the "
+            "fingerprint: a run resumes across a change of it"
         ),
     )
     init_from: str = Field(

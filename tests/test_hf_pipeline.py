@@ -240,6 +240,16 @@ def test_train_resumes_across_the_state_layout(tmp_path, assets):
         edit_config(run, {"train": {"scan_layers": scan}})
         return run
 
+    # stacked sites resume bit for bit, as the per-site layout does (the test above)
+    stacked = make("s", True)
+    assert cli("--project", stacked, "run").exit_code == 0
+    final = np.load(_export_npz(stacked, tmp_path / "s1.npz"))
+    assert cli("--project", stacked, "train", "--fresh", "--until", "5").exit_code == 0
+    assert cli("--project", stacked, "resume").exit_code == 0
+    again = np.load(_export_npz(stacked, tmp_path / "s2.npz"))
+    for k in final.files:
+        np.testing.assert_array_equal(final[k], again[k], err_msg=k)
+
     per_site = make("a", False)
     assert cli("--project", per_site, "run").exit_code == 0
     straight = np.load(_export_npz(per_site, tmp_path / "straight.npz"))
