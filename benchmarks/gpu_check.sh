@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the SPD step, as one prepared script (<= 5 minutes on one GPU).
+# The GPU check of the SPD step, as one prepared script (<= 9 minutes on one GPU).
 #
 # For each of tms (TMS 5-2, batch 4096), resid-mlp (ResidMLP-1, batch 2048) and llama-mlp (the
 # byte-level LM, 16 x 64 tokens): train-step compile seconds, step ms, samples/s, one device's
@@ -44,3 +44,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 timeout 280 "$PY" benchmarks/spd_step.py --configs tms resid-mlp llama-mlp \
   --devices default --steps 50 --json "$OUT/spd_step.json"
 echo "== wrote $OUT/spd_step.json"
+
+# Layers as a scan with stacked sites against unrolled (issue 20): compile and step time of a
+# tiny Llama at 8 and 32 layers on the GPU (docs/performance.md has the CPU figures).
+timeout 240 "$PY" benchmarks/scan_compile.py --layers 8 32 --unrolled-max 32 \
+  --json "$OUT/scan_compile.json" || echo "== scan_compile did not finish in its 240 s"

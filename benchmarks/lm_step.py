@@ -12,7 +12,7 @@ checkout's, so the ratio comes from one run on one machine. Per side and site co
 (best of 3 windows), the target's forward ms on the same batch, their ratio, the train step's
 compile s, XLA's FLOP count of one device's step (GFLOP), and the child's peak RSS.
 
-    python benchmarks/lm_step.py [--sites 3 12 90] [--baseline HEAD~3] [--steps 5]
+    python benchmarks/lm_step.py [--sites 3 12 90] [--baseline REV | unrolled] [--scan] [--steps 5]
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def _gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def child(n_sites: int, n_steps: int, C: int, trace: Path | None = None) -> dict:
+def child(
+    n_sites: int, n_steps: int, C: int, trace: Path | None = None, scan: bool = False
+) -> dict:
     from pdctl.engine import runtime
 
     runtime.configure_devices()
@@ -65,6 +67,8 @@ def child(n_sites: int, n_steps: int, C: int, trace: Path | None = None) -> dict
     raw["target"]["path"] = str(_gguf())
     raw["decomp"]["sites"] = [{"pattern": f"model.layers.{LAYERS[n_sites]}.mlp.*", "C": C}]
     raw["train"]["batch_size"] = 4
+    if scan:  # a baseline revision may predate the key: set it only when asked
+        raw["train"]["scan_layers"] = True
     cfg = parse_config(raw)
     mesh = sharding.make_mesh(-1, 1)
     target = target_from_config(cfg)
@@ -139,7 +143,9 @@ def child(n_sites: int, n_steps: int, C: int, trace: Path | None = None) -> dict
     }
 
 
-def run_child(src: Path, n_sites: int, n_steps: int, C: int, devices: int = 0) -> dict:
+def run_child(
+    src: Path, n_sites: int, n_steps: int, C: int, devices: int = 0, scan: bool = False
+) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     if devices:  # else pdctl's default: one CPU device per core
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -152,6 +158,7 @@ def run_child(src: Path, n_sites: int, n_steps: int, C: int, devices: int = 0) -
         str(n_steps),
         "--C",
         str(C),
+        *(["--scan"] if scan else []),
     ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
     if r.returncode:
@@ -171,32 +178,39 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--trace", type=Path, help="one child: profile its steps, print the top ops")
+    ap.add_argument(
+        "--scan", action="store_true",
+        help="this checkout with [train] scan_layers = true (--baseline unrolled: this "
+        "checkout unrolled against itself scanned)",
+    )  # fmt: skip
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.steps, a.C, a.trace)))
+        print(json.dumps(child(a.child, a.steps, a.C, a.trace, a.scan)))
         return
     if a.trace:
-        r = child(a.sites[0], a.steps, a.C, a.trace)
+        r = child(a.sites[0], a.steps, a.C, a.trace, a.scan)
         print(f"{r['sites']} sites: step {r['step_ms']:.1f} ms; XLA ops by ms per step:")
         for name, ms in r["top_ops_ms"]:
             print(f"  {ms:8.2f}  {name}")
         return
-    sides = {"this": ROOT}
+    sides = {"this": (ROOT, a.scan)}
     tmp = None
-    if a.baseline:
+    if a.baseline == "unrolled":
+        sides = {"unrolled": (ROOT, False), "scan": (ROOT, True)}
+    elif a.baseline:
         tmp = tempfile.mkdtemp(prefix="pdctl-baseline-")
         subprocess.run(
             ["git", "-C", str(ROOT), "worktree", "add", "--detach", tmp, a.baseline],
             check=True, capture_output=True,
         )  # fmt: skip
-        sides = {a.baseline: Path(tmp), "this": ROOT}
+        sides = {a.baseline: (Path(tmp), False), "this": (ROOT, a.scan)}
     rows = []
     try:
         for n in a.sites:
             for d in a.devices:
-                for name, src in sides.items():  # interleaved: both sides of a row back to back
-                    r = run_child(src, n, a.steps, a.C, d)
+                for name, (src, scan) in sides.items():  # interleaved: both sides back to back
+                    r = run_child(src, n, a.steps, a.C, d, scan)
                     r["side"] = name
                     rows.append(r)
                     print(

@@ -1,5 +1,5 @@
-"""Train-step compile time as depth grows: layers scanned (`[train] scan_layers = true`, the
-default) against unrolled (`false`), on the same machine in one run.
+"""Train-step compile time as depth grows: layers scanned and sites stacked (`[train]
+scan_layers = true`) against unrolled (`false`, the default), on the same machine in one run.
 
 Tiny random Llamas (d_model 128, 4 heads, 2 kv heads, MLP 256, vocab 512, seq 32, batch 4),
 every attention and MLP projection decomposed (C 64 attention, 128 MLP), the hf-lm template's
