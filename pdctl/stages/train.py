@@ -68,7 +68,11 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacki
     parameters' gradients and the sources' (d total / d sources = coeff * dL_ppgd / d sources)
     -> AdamW update of the parameters (per site; tied sites folded back) -> ONE source ascent
     step with that step's source learning rate. A non-finite step changes nothing but the
-    counters (`guard_update`)."""
+    counters (`guard_update`).
+
+    With a `stacking` (`[train] scan_layers`) the state holds repeated sites stacked: the
+    optimizer, clipping and guard run on the groups, the SPD functions on per-site views
+    (`view`, `unstack`), whose gradients come back stacked."""
     tc, lcfg, pcfg = cfg.train, cfg.train.loss, cfg.train.ppgd
     policy = Policy.from_config(cfg.precision)
     k_accum = tc.grad_accum_steps
