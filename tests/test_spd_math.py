@@ -832,3 +832,13 @@ def test_pgd_sign_steps_raise_the_recon_loss_and_sources_are_held_constant():
     # the gradient reaches CI only through the mask, with the final sources as constants
     g = jax.grad(lambda c: pgd(2, c))(dict(ci))
     assert all(np.all(np.isfinite(np.asarray(v))) for v in g.values())
+
+
+def test_faithfulness_of_a_model_with_more_than_2_31_weight_elements_traces():
+    # Llama-3.1-8B's 224 sites hold 7.0e9 weight elements: the normaliser must not be an int32
+    # (the fit check of issue 20 failed with an OverflowError). Shapes only: nothing allocated.
+    S = jax.ShapeDtypeStruct
+    weights = {"a": S((100_000, 30_000), jnp.float32)}
+    comps = {"a": {"V": S((100_000, 1), jnp.float32), "U": S((1, 30_000), jnp.float32)}}
+    out = jax.eval_shape(L.faithfulness_loss, weights, comps)
+    assert out.shape == () and out.dtype == jnp.float32

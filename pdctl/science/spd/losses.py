@@ -180,7 +180,8 @@ def faithfulness_loss(
     total = jnp.zeros((), jnp.float32)
     for p in paths:
         total = total + sums[p]
-    return total / sum(weights[p].size for p in paths)
+    # a float: the element count of every site of an 8B model (7.0e9) overflows an int32
+    return total / float(sum(weights[p].size for p in paths))
 
 
 def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
