@@ -524,6 +524,10 @@ def inspect_sharding(
         )
         sys.stdout.write(child.stdout)
         sys.stderr.write(child.stderr)
+        died = insp.child_death(devices, child.returncode, child.stderr)
+        if died:
+            err_console.print(f"error: {died}", markup=False)
+            raise typer.Exit(1)
         raise typer.Exit(child.returncode)
     report = insp.inspect(
         proj.config,

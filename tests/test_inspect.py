@@ -444,3 +444,14 @@ def test_an_imported_model_inspects_from_its_config_json_alone(tmp_path: Path) -
     assert any("model.layers" in r and r.endswith(".V") for r in rows), sorted(rows)[:5]
     bad = invoke("--project", str(run), "init-weights")
     assert bad.exit_code == 2 and "no weights in" in bad.stderr, bad.output
+
+
+def test_a_child_that_dies_ends_with_one_error_line():
+    from pdctl.stages.inspect import child_death
+
+    for code in (0, 1, 2, 3):  # done, or pdctl already said why
+        assert child_death(64, code, "x") is None
+    line = child_death(64, 250, "W spam\nLLVM ERROR: Unable to allocate section memory!\n\n")
+    assert line.count("\n") == 0 and "64 simulated devices" in line and "exit 250" in line
+    assert "Unable to allocate section memory" in line
+    assert "signal 9" in child_death(8, -9, "")
