@@ -200,27 +200,6 @@ def masked_site_fn(
     return fn
 
 
-def masked_overrides(
-    weights: Mapping[str, Array],
-    components: Mapping[str, Mapping[str, Array]],
-    masks: Mapping[str, Array],
-    delta_masks: Mapping[str, Array] | None,
-    routes: Mapping[str, Array] | None = None,
-) -> dict[str, Callable[[Array], Array]]:
-    """Overrides for the sites in `masks` (other sites keep the target's own `x @ W`)."""
-    return {
-        path: masked_site_fn(
-            weights[path],
-            components[path]["V"],
-            components[path]["U"],
-            mask,
-            None if delta_masks is None else delta_masks[path],
-            None if routes is None else routes[path],
-        )
-        for path, mask in masks.items()
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # tied components
 #

@@ -706,11 +706,8 @@ class HFCausalLM(Target):
                         path = f"{pre}.{name}"
                         if path in capture:
                             site_inputs_out[path] = x_in
-                        if path in site_data:
-                            h = site_fn(x_in, proj["weight"], site_data[path]).astype(x_in.dtype)
-                        else:
-                            h = x_in @ proj["weight"]
-                        return add_bias(h, proj["bias"]) if "bias" in proj else h
+                        fn = site_fn if path in site_data else None
+                        return _project(x_in, proj, fn, site_data.get(path))
 
                     def block(x, layer, i=i, site=site):
                         return block_fn(x, layer, i, site)
@@ -731,11 +728,8 @@ class HFCausalLM(Target):
                 def site(site_name, x_in, proj):
                     if site_name in caught:
                         got[site_name] = x_in
-                    if site_name in data_names:
-                        h = site_fn(x_in, proj["weight"], d[site_name]).astype(x_in.dtype)
-                    else:
-                        h = x_in @ proj["weight"]
-                    return add_bias(h, proj["bias"]) if "bias" in proj else h
+                    fn = site_fn if site_name in data_names else None
+                    return _project(x_in, proj, fn, d.get(site_name))
 
                 return block_fn(x, layer, i, site), got
 
@@ -798,6 +792,14 @@ class HFCausalLM(Target):
 
     def n_tokens_per_example(self) -> int:
         return self.seq_len
+
+
+def _project(x_in: jax.Array, proj: Params, site_fn: SiteDataFn | None, data: Any) -> jax.Array:
+    """One projection of `apply_sites`: `site_fn(x_in, W, data)` (cast back to the compute
+    dtype) or, without a site_fn, `x_in @ W`; then the bias, if the projection has one."""
+    W = proj["weight"]
+    h = x_in @ W if site_fn is None else site_fn(x_in, W, data).astype(x_in.dtype)
+    return add_bias(h, proj["bias"]) if "bias" in proj else h
 
 
 def _stack(trees: Sequence[Any]) -> Any:
