@@ -591,6 +591,55 @@ def test_4_sigterm_stops_a_two_process_run_with_a_checkpoint(
     ], results[0][1][-3000:]
 
 
+# The sync point JAX's preemption service agrees on is one past the last value any process
+# passed to `reached_preemption_sync_point`, and orbax's CheckpointManager.save passes the step
+# it saves. A notice that came while a checkpoint was written used to fix a sync point the loop
+# (counting its own calls, one ahead of the step) had already passed: both processes trained on
+# past the SIGTERM, then deadlocked in a collective (CI, 2026-12-02; 4 of 13 tries here). The
+# hook holds every process just after its first periodic save returns, and the signal comes
+# then: deterministic on the old code.
+_AFTER_SAVE = (
+    "from pdctl.engine import checkpoint as _ck\n"
+    "_save = _ck.Checkpointer.save\n"
+    "def _held(self, step, *a, **k):\n"
+    "    _save(self, step, *a, **k)\n"
+    "    if step > 0 and not os.path.exists(MARK):\n"
+    "        open(MARK, 'w').close()\n"
+    "        time.sleep(3)\n"
+    "_ck.Checkpointer.save = _held\n"
+)
+
+
+@pytest.mark.slow
+def test_4_sigterm_during_a_checkpoint_of_a_two_process_run(
+    dist_initialized: Path, tmp_path: Path
+) -> None:
+    run = _copy(dist_initialized, tmp_path)
+    port = _free_port()
+    marks = [tmp_path / f"saved{i}" for i in (0, 1)]
+    procs = [
+        _start(
+            run,
+            _AFTER_SAVE,
+            *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
+            *("--process-id", str(i), "pretrain"),
+            mark=marks[i],
+            devices=2,
+        )
+        for i in (0, 1)
+    ]
+    for p, m in zip(procs, marks, strict=True):
+        _wait_for(m.exists, p, what="the first periodic checkpoint")
+    procs[1].send_signal(signal.SIGTERM)
+    results = _finish(procs, timeout=60)
+    for rc, err in results:
+        assert rc == 3, (rc, err[-3000:])
+    st = state(run, "pretrain")
+    assert st["status"] == "interrupted" and st["checkpoint"] == st["step"], st
+    # the first periodic save is at step 100; the agreed stop is the step after it
+    assert st["step"] == DIST["checkpoint"]["every"] + 1, st
+
+
 @pytest.mark.slow
 def test_7_two_processes_one_killed_the_other_ends_failed(
     dist_initialized: Path, tmp_path: Path

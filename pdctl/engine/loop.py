@@ -199,7 +199,7 @@ class Loop:
         """Stop now? Asked before the first step and once per step, identically on every
         process: under jax.distributed all processes answer yes at the same step."""
         if self._signal is None:
-            self._signal = runtime.agreed_stop()
+            self._signal = runtime.agreed_stop(self._step)
         return self._signal is not None
 
     # ---- run -----------------------------------------------------------------------------

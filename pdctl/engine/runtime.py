@@ -243,7 +243,6 @@ _abandoned: str | None = None  # what a stop left running on a worker thread
 _handed_over = False  # this process's own signal was passed on to the preemption notifier
 _notice_seen = False  # the coordination service holds a preemption notice
 _notice_checked = 0.0
-_sync_calls = 0  # calls to the preemption sync point: the same sequence on every process
 _on_stop: list = []  # called once with the signal when a stop is first seen (the supervisor)
 _told = False
 
@@ -336,22 +335,26 @@ def stop_requested() -> int | None:
     return _seen(signal.SIGTERM if _notice_posted() else None)
 
 
-def agreed_stop() -> int | None:
-    """For the training loop, asked once before the first step and once per step, the same way
-    by every process: the signal to stop on now, or None to go on.
+def agreed_stop(step: int) -> int | None:
+    """For the training loop, asked once before the first step and once per step (`step`: the
+    steps done so far), the same way by every process: the signal to stop on now, or None.
 
     One process: the pending signal. Under jax.distributed: SIGTERM (or this process's SIGINT)
-    once every process has reached the call at which they agreed to stop (JAX's preemption
-    sync point: the call after the furthest any process had made when the notice came)."""
-    global _sync_calls
+    once every process has reached the step at which they agreed to stop (JAX's preemption
+    sync point: the step after the furthest any process had reported when the notice came).
+
+    The counter JAX keeps is the last value passed to `reached_preemption_sync_point` by
+    anyone in the process, and orbax's CheckpointManager passes the step it saves. So the loop
+    passes the step too: a counter of its own would be set back by every checkpoint, and a
+    notice that came during one would fix a sync point the loop had already passed (both
+    processes then trained on and deadlocked)."""
     if _preemption_manager() is None:
         return _seen(_stop)
     from jax.experimental import multihost_utils
 
     if _stop is not None:
         _hand_over()
-    _sync_calls += 1
-    if multihost_utils.reached_preemption_sync_point(_sync_calls):
+    if multihost_utils.reached_preemption_sync_point(int(step)):
         return _seen(_stop or signal.SIGTERM)
     return None
 
