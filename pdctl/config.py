@@ -277,6 +277,11 @@ class OptimConfig(Section):
     )
     final_lr_frac: Frac = Field(0.0, description="lr at the last step, as a fraction of the peak")
     grad_clip: NonNegF = Field(0.0, description="global-norm gradient clipping (0 = off)")
+    moments_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="storage of Adam's first moment: float32 | bfloat16 (half its bytes; the "
+        "second moment stays float32: at b2 = 0.999 a bfloat16 average cannot move)",
+    )
 
 
 class PretrainConfig(Section):
@@ -462,6 +467,11 @@ class PpgdConfig(Section):
     )
     routing: Literal["all", "uniform_k", "static_p"] = Field("all", description=_ROUTING)
     routing_p: Prob = Field(0.5, description="static_p routing: probability per site")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="storage of the sources and of their Adam first moment: float32 | bfloat16 "
+        "(each ascent step computes in float32; the second moment stays float32)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -300,6 +300,40 @@ def test_train_until_then_resume_is_bit_exact(base: Path, stopped: Path, tmp_pat
         assert Checkpointer(run / "checkpoints" / "train", keep=2).all_steps() == [35, 40]
 
 
+@pytest.mark.slow  # ~20 s: three TMS train runs
+def test_bfloat16_sources_and_moments_train_and_resume_bit_exact(
+    base: Path, tmp_path: Path
+) -> None:
+    """The memory savers ([train.ppgd] dtype, [train.optim] moments_dtype): the state holds
+    bfloat16 where they say, the losses stay finite and near the float32 run's, and a stop
+    and resume is still bit-exact."""
+    savers = {"train": {"ppgd": {"dtype": "bfloat16"}, "optim": {"moments_dtype": "bfloat16"}}}
+    straight = copy_run(base, tmp_path / "straight")
+    edit_config(straight, savers)
+    ok("--project", straight, "train")
+    stopped = copy_run(base, tmp_path / "stopped")
+    edit_config(stopped, savers)
+    ok("--project", stopped, "train", "--until", TMS_UNTIL)
+    ok("--project", stopped, "resume")
+    step_a, a = checkpoint_arrays(straight, "train")
+    step_b, b = checkpoint_arrays(stopped, "train")
+    assert step_a == step_b == TMS_STEPS
+    assert_trees_equal(a, b)
+    assert metric_lines(straight, "train") == metric_lines(stopped, "train")
+    bf16 = sorted(k for k, v in a.items() if str(v.dtype) == "bfloat16")
+    assert bf16 and all(k.startswith(("sources.", "src_opt.m.", "opt_state.")) for k in bf16), bf16
+    assert any(k.startswith("sources.") for k in bf16) and any(".mu." in k for k in bf16), bf16
+    assert not any(".nu." in k or k.startswith("src_opt.v.") for k in bf16), bf16
+    # near the float32 run: the same schedule and draws, storage rounded to bfloat16
+    plain = copy_run(base, tmp_path / "plain")
+    ok("--project", plain, "train")
+    last = {
+        k: [m for m in metric_lines(r, "train") if "loss" in m][-1]["loss"]
+        for k, r in (("bf", straight), ("f32", plain))
+    }
+    assert np.isfinite(last["bf"]) and abs(last["bf"] - last["f32"]) <= 0.1 * last["f32"], last
+
+
 @pytest.mark.slow  # ~20 s: a text pretrain run twice
 def test_pretrain_on_text_resumes_mid_epoch_bit_exact(tmp_path: Path) -> None:
     init = write_run(tmp_path / "init", LLAMA)

@@ -808,6 +808,45 @@ def test_source_ascent_step_matches_numpy_adam_and_sign():
         S.init_opt(src, "sgd")
 
 
+def test_bfloat16_sources_step_in_float32_and_round_once():
+    """[train.ppgd] dtype = "bfloat16": sources and first moment stored in bfloat16, the step
+    computed in float32 from them (exactly the float32 step of the upcast values, rounded once),
+    the second moment float32."""
+    rng = np.random.default_rng(5)
+    src = {"a": jnp.asarray(rng.uniform(size=64), jnp.bfloat16)}
+    grads = [{"a": jnp.asarray(rng.normal(size=64), jnp.bfloat16)} for _ in range(3)]
+    state = S.init_opt(src, "adam")
+    assert (state["m"]["a"].dtype, state["v"]["a"].dtype) == (jnp.bfloat16, jnp.float32)
+    cur = src
+    for g in grads:
+        up = {"a": cur["a"].astype(jnp.float32)}
+        ref_state = {**state, "m": {"a": state["m"]["a"].astype(jnp.float32)}}
+        want, want_state = S.ascent_step(up, g, ref_state, optimizer="adam", lr=0.05)
+        cur, state = S.ascent_step(cur, g, state, optimizer="adam", lr=0.05)
+        assert cur["a"].dtype == jnp.bfloat16 and state["m"]["a"].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(cur["a"], want["a"].astype(jnp.bfloat16))
+        np.testing.assert_array_equal(state["m"]["a"], want_state["m"]["a"].astype(jnp.bfloat16))
+        np.testing.assert_array_equal(state["v"]["a"], want_state["v"]["a"])
+    # the masks see float32
+    assert S.effective(cur, False)["a"].dtype == jnp.float32
+    assert S.effective(cur, True)["a"].dtype == jnp.float32
+
+
+def test_bfloat16_first_moment_only():
+    """[train.optim] moments_dtype = "bfloat16" halves the first moment; the second stays
+    float32 because a bfloat16 average at b2 = 0.999 cannot move (0.999 * v rounds to v)."""
+    from pdctl.config import OptimConfig
+    from pdctl.engine.optim import adamw
+
+    params = {"w": jnp.ones((8, 4), jnp.float32)}
+    for dt, mu in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        state = adamw(OptimConfig(moments_dtype=dt), 10).init(params)
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(state) if x.ndim == 2}
+        assert dtypes == {str(jnp.dtype(mu)), "float32"}, dtypes
+    v = jnp.asarray([1.0, 0.37, 3e-7], jnp.bfloat16)
+    np.testing.assert_array_equal((0.999 * v).astype(jnp.bfloat16), v)
+
+
 def test_make_spd_fns_rejects_unknown_sites():
     target, _, sites = _tms()
     with pytest.raises(ValueError):

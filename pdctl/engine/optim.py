@@ -48,12 +48,20 @@ def schedule(cfg: Any, steps: int) -> optax.Schedule:
 
 def adamw(cfg: OptimConfig, steps: int, trainable: Any = None) -> optax.GradientTransformation:
     """AdamW with the schedule and optional global-norm clipping; `trainable` (a bool pytree)
-    freezes the False leaves entirely (no update, no weight decay)."""
+    freezes the False leaves entirely (no update, no weight decay). `moments_dtype` bfloat16
+    stores the first moment in bfloat16 (optax's `mu_dtype`: the update still computes in
+    float32); the second moment stays float32."""
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
     parts.append(
-        optax.adamw(schedule(cfg, steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+        optax.adamw(
+            schedule(cfg, steps),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            weight_decay=cfg.weight_decay,
+            mu_dtype=jnp.bfloat16 if cfg.moments_dtype == "bfloat16" else None,
+        )
     )
     tx = optax.chain(*parts)
     if trainable is None:

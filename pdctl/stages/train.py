@@ -237,10 +237,13 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
 def _state_spec(cfg, mesh, target, fns, tx, stacking: Stacking, dec):
     """(make_state, its abstract output, its shardings) for the given stacking."""
     rng = stream_key(cfg, STREAM_TRAIN)
+    src_dtype = jnp.dtype(cfg.train.ppgd.dtype)
 
     def make_state(components, ci_fns, sources):
         # the upstream arrays come per site; the state holds repeated sites stacked
         components, ci_fns, sources = (stacking.stack(t) for t in (components, ci_fns, sources))
+        # init-weights makes float32 sources; the state keeps them as [train.ppgd] dtype says
+        sources = jax.tree.map(lambda s: s.astype(src_dtype), sources)
         trainable = {"components": components, "ci_fns": ci_fns}
         return {
             "trainable": trainable,

@@ -6,6 +6,11 @@ sigmoid parametrisation they are unconstrained and the masks see `sigmoid(s)`; o
 live in [0, 1] and are clipped after every step. Each step is an ASCENT step on the
 reconstruction loss: Adam (bias-corrected, betas and eps configurable) or `lr * sign(grad)`.
 
+Storage may be bfloat16 (`[train.ppgd] dtype`): the sources and the first moment are kept in
+it, every ascent step computes in float32 and rounds its result once, and the second moment
+stays float32 (a bfloat16 average with b2 = 0.999 would not move: 0.999 * v rounds back to v).
+The masks always see float32 sources.
+
 Written out rather than taken from optax: the update must run under
 `jax_numpy_dtype_promotion="strict"` (optax's bias correction mixes int and float) and the
 moments are a plain dict that checkpoints and shards like the sources themselves.
@@ -23,18 +28,19 @@ OPTIMIZERS = ("adam", "sign")
 
 
 def effective(sources: Dict, sigmoid: bool) -> dict[str, Array]:
-    """The sources as the masks see them, in [0, 1]."""
+    """The sources as the masks see them, in [0, 1], float32 whatever their storage."""
+    f32 = {p: s.astype(jnp.float32) for p, s in sources.items()}
     if sigmoid:
-        return {p: jax.nn.sigmoid(s) for p, s in sources.items()}
-    return dict(sources)
+        return {p: jax.nn.sigmoid(s) for p, s in f32.items()}
+    return f32
 
 
 def init_opt(sources: Dict, optimizer: str) -> dict[str, Any]:
     """{"count", "m", "v"} for Adam, {"count"} for sign steps."""
     state: dict[str, Any] = {"count": jnp.zeros((), jnp.float32)}
     if optimizer == "adam":
-        state["m"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
-        state["v"] = {p: jnp.zeros_like(s) for p, s in sources.items()}
+        state["m"] = {p: jnp.zeros_like(s) for p, s in sources.items()}  # the sources' dtype
+        state["v"] = {p: jnp.zeros_like(s, jnp.float32) for p, s in sources.items()}
     elif optimizer != "sign":
         raise ValueError(f"unknown source optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
     return state
@@ -56,18 +62,21 @@ def ascent_step(
     projection onto [0, 1]."""
     count = opt_state["count"] + 1
     new_state: dict[str, Any] = {"count": count}
+    f32 = jnp.float32
+    grads = {p: g.astype(f32) for p, g in grads.items()}
     if optimizer == "adam":
-        m = {p: b1 * opt_state["m"][p] + (1 - b1) * g for p, g in grads.items()}
+        m = {p: b1 * opt_state["m"][p].astype(f32) + (1 - b1) * g for p, g in grads.items()}
         v = {p: b2 * opt_state["v"][p] + (1 - b2) * g * g for p, g in grads.items()}
-        c1 = 1 - jnp.power(jnp.float32(b1), count)
-        c2 = 1 - jnp.power(jnp.float32(b2), count)
+        c1 = 1 - jnp.power(f32(b1), count)
+        c2 = 1 - jnp.power(f32(b2), count)
         direction = {p: (m[p] / c1) / (jnp.sqrt(v[p] / c2) + eps) for p in grads}
-        new_state["m"], new_state["v"] = m, v
+        new_state["m"] = {p: m[p].astype(opt_state["m"][p].dtype) for p in m}
+        new_state["v"] = v
     elif optimizer == "sign":
         direction = {p: jnp.sign(g) for p, g in grads.items()}
     else:
         raise ValueError(f"unknown source optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
-    new = {p: sources[p] + lr * direction[p] for p in sources}
+    new = {p: sources[p].astype(f32) + lr * direction[p] for p in sources}
     if not sigmoid:
         new = {p: jnp.clip(s, 0.0, 1.0) for p, s in new.items()}
-    return new, new_state
+    return {p: s.astype(sources[p].dtype) for p, s in new.items()}, new_state

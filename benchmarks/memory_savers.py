@@ -1,0 +1,206 @@
+"""The train state's memory savers, measured: `[train.optim] moments_dtype = "bfloat16"` (Adam's
+first moment of V/U and of the CI functions in bfloat16) and `[train.ppgd] dtype = "bfloat16"`
+(the PPGD sources and their first moment in bfloat16), alone and together, against float32.
+
+Two measurements, each side in a fresh child process, the sides interleaved:
+
+- memory: the train step of a Llama shaped like SmolLM2-135M (d_model 576, MLP 1536, 9 heads,
+  3 kv heads, vocab 49152; `--layers` of its 30 layers, every projection decomposed as the hf-lm
+  template does: C 512 MLP, 256 attention, seq 256, batch 32, per-example-and-position sources),
+  lowered and compiled from abstract arguments on pdctl's default devices (nothing is run):
+  XLA's per-device argument bytes (the state and the frozen target), temporaries and peak, and
+  the state's own bytes per device.
+- numerics: a tiny random Llama (d_model 128, 2 layers, seq 32, batch 4, the same losses)
+  trained `--steps` steps from the same start on the same batch: the loss at the end and its
+  relative difference to float32, and the step time.
+
+    python benchmarks/memory_savers.py [--layers 4] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDES = {
+    "float32": {},
+    "moments bf16": {"optim": {"moments_dtype": "bfloat16"}},
+    "sources bf16": {"ppgd": {"dtype": "bfloat16"}},
+    "both bf16": {"optim": {"moments_dtype": "bfloat16"}, "ppgd": {"dtype": "bfloat16"}},
+}
+SMOL = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+    intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+)  # fmt: skip
+TINY = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=128,
+    intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+
+
+def config(shape: dict, side: str, seq: int, batch: int, tiny: bool):
+    import tomllib
+
+    from pdctl.config import parse_config
+    from pdctl.templates import templates_root
+
+    d = Path(tempfile.mkdtemp(prefix="pdctl-savers-"))
+    (d / "config.json").write_text(json.dumps(shape))
+    raw = tomllib.loads((templates_root() / "hf-lm" / "pdctl.toml").read_text())
+    raw["target"]["path"] = str(d)
+    raw["data"]["seq_len"] = seq
+    raw["train"]["batch_size"] = raw["train"]["eval_batch_size"] = batch
+    raw["train"]["scan_layers"] = True
+    if tiny:
+        raw["decomp"]["sites"] = [{"pattern": "*.mlp.*", "C": 128}, {"pattern": "*attn.*", "C": 64}]
+        raw["decomp"]["ci_fn"]["hidden"] = [64]
+    for table, keys in SIDES[side].items():
+        raw["train"].setdefault(table, {}).update(keys)
+    return parse_config(raw)
+
+
+def child_memory(side: str, layers: int) -> dict:
+    from pdctl.engine import runtime
+
+    runtime.configure_devices()
+    import jax
+
+    from pdctl.engine import sharding
+    from pdctl.stages import train
+    from pdctl.stages.common import target_from_config
+    from pdctl.stages.inspect import memory_report
+
+    cfg = config({**SMOL, "num_hidden_layers": layers}, side, 256, 32, tiny=False)
+    mesh = sharding.make_mesh(-1, 1)
+    target = target_from_config(cfg, need_weights=False)
+    prog = train.program(cfg, mesh, target)
+
+    t0 = time.perf_counter()
+    compiled = prog.lower().compile()  # from abstract arguments, as inspect-sharding --compile
+    compile_s = time.perf_counter() - t0
+
+    def per_device(tree, shardings) -> int:
+        total = 0
+        for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+            shard = s.shard_shape(a.shape)
+            n = 1
+            for x in shard:
+                n *= x
+            total += n * a.dtype.itemsize
+        return total
+
+    by_item = {
+        k: per_device(prog.abstract_state[k], prog.state_shardings[k]) for k in prog.abstract_state
+    }
+    rep = memory_report(compiled, sum(by_item.values()))
+    return {
+        "side": side,
+        "layers": layers,
+        "devices": mesh.size,
+        "compile_s": compile_s,
+        "state_bytes": by_item,
+        **{k: rep[k] for k in ("argument_bytes", "temp_bytes", "peak_bytes_estimate")},
+    }
+
+
+def child_numerics(side: str, steps: int) -> dict:
+    from pdctl.engine import runtime
+
+    runtime.configure_devices()
+    import jax
+    import numpy as np
+
+    from pdctl.engine import sharding
+    from pdctl.stages import train
+    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
+    from pdctl.stages.init_weights import init_decomposition
+
+    cfg = config(TINY, side, 32, 4, tiny=True)
+    mesh = sharding.make_mesh(-1, 1)
+    target = target_from_config(cfg, need_weights=False)
+    prog = train.program(cfg, mesh, target)
+    params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(jax.random.key(0))
+    dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
+    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
+    tokens = np.random.default_rng(0).integers(0, 512, size=(4, 33), dtype=np.int32)
+    batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+    step = prog.jit().lower(params, state, batch).compile()
+    losses = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = step(params, state, batch)
+        losses.append(m["total"])
+    jax.block_until_ready(losses)
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    losses = [float(x) for x in jax.device_get(losses)]
+    return {"side": side, "steps": steps, "step_ms": step_ms, "losses": losses}
+
+
+def run_child(*args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True
+    )
+    if r.returncode:
+        sys.exit(f"child {args} failed:\n{r.stdout}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:9.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        kind, side, n = a.child
+        fn = child_memory if kind == "memory" else child_numerics
+        print(json.dumps(fn(side, int(n))))
+        return
+    mem, num = [], []
+    for side in SIDES:  # interleaved: one side's memory and numerics children back to back
+        mem.append(run_child("memory", side, str(a.layers)))
+        print(json.dumps(mem[-1]), file=sys.stderr, flush=True)
+        num.append(run_child("numerics", side, str(a.steps)))
+        print(json.dumps({k: v for k, v in num[-1].items() if k != "losses"}), file=sys.stderr)
+    base = mem[0]
+    print(f"memory: SmolLM2-135M shape, {a.layers} layers, {base['devices']} devices, "
+          "MiB per device")  # fmt: skip
+    items = list(base["state_bytes"])
+    print(f"{'side':<13}" + "".join(f"{k:>12}" for k in items)
+          + f"{'argument':>10}{'temp':>10}{'peak':>10}{'vs f32':>8}")  # fmt: skip
+    for r in mem:
+        sb = r["state_bytes"]
+        print(f"{r['side']:<13}" + "".join(f"{mib(sb[k]):>12}" for k in items)
+              + f"{mib(r['argument_bytes']):>10}{mib(r['temp_bytes']):>10}"
+              f"{mib(r['peak_bytes_estimate']):>10}"
+              f"{r['peak_bytes_estimate'] / base['peak_bytes_estimate']:>8.3f}")  # fmt: skip
+    ref = num[0]["losses"]
+    print(f"numerics: tiny Llama, {a.steps} steps from the same start on one batch")
+    print(f"{'side':<13}{'loss 1':>12}{'loss end':>12}{'rel. diff end':>15}"
+          f"{'max rel. diff':>15}{'step ms':>9}")  # fmt: skip
+    for r in num:
+        ls = r["losses"]
+        rel = [abs(x - y) / abs(y) for x, y in zip(ls, ref, strict=True)]
+        print(f"{r['side']:<13}{ls[0]:>12.6g}{ls[-1]:>12.6g}{rel[-1]:>15.2e}{max(rel):>15.2e}"
+              f"{r['step_ms']:>9.1f}")  # fmt: skip
+    if a.json:
+        a.json.write_text(json.dumps({"memory": mem, "numerics": num}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
