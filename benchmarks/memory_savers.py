@@ -1,6 +1,7 @@
-"""The train state's memory savers, measured: `[train.optim] moments_dtype = "bfloat16"` (Adam's
-first moment of V/U and of the CI functions in bfloat16) and `[train.ppgd] dtype = "bfloat16"`
-(the PPGD sources and their first moment in bfloat16), alone and together, against float32.
+"""The train state's memory savers, measured: `moments_dtype = "bfloat16"` in `[train.optim]`
+and `[train.ci_optim]` (Adam's first moment of V/U and of the CI functions in bfloat16) and
+`[train.ppgd] dtype = "bfloat16"` (the PPGD sources and their first moment in bfloat16), alone
+and together, against float32.
 
 Two measurements, each side in a fresh child process, the sides interleaved:
 
@@ -29,11 +30,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BF16_MOMENTS = {"optim": {"moments_dtype": "bfloat16"}, "ci_optim": {"moments_dtype": "bfloat16"}}
 SIDES = {
     "float32": {},
-    "moments bf16": {"optim": {"moments_dtype": "bfloat16"}},
+    "moments bf16": BF16_MOMENTS,
     "sources bf16": {"ppgd": {"dtype": "bfloat16"}},
-    "both bf16": {"optim": {"moments_dtype": "bfloat16"}, "ppgd": {"dtype": "bfloat16"}},
+    "both bf16": {**BF16_MOMENTS, "ppgd": {"dtype": "bfloat16"}},
 }
 SMOL = dict(
     architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
