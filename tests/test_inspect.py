@@ -454,4 +454,6 @@ def test_a_child_that_dies_ends_with_one_error_line():
     line = child_death(64, 250, "W spam\nLLVM ERROR: Unable to allocate section memory!\n\n")
     assert line.count("\n") == 0 and "64 simulated devices" in line and "exit 250" in line
     assert "Unable to allocate section memory" in line
+    assert "vm.max_map_count" in line  # the bound that was hit, not RAM: the fix is named
     assert "signal 9" in child_death(8, -9, "")
+    assert "max_map_count" not in child_death(8, -9, "")
