@@ -562,6 +562,7 @@ def main() -> None:
             code = e.code if isinstance(e.code, int) else 1
             sys.stdout.flush()
             sys.stderr.flush()
+            runtime.leave_together()
             os._exit(code)
         raise
 

@@ -641,6 +641,47 @@ def test_4_sigterm_during_a_checkpoint_of_a_two_process_run(
 
 
 @pytest.mark.slow
+def test_4_sigterm_to_one_process_while_both_compile(dist_initialized: Path, tmp_path: Path):
+    """Before the first step the loop is not there to agree on a step: the other process
+    hears of the signal from the coordination service's preemption notice while it waits on
+    its compile, and both leave it within the grace, `interrupted` with no checkpoint. Both
+    end with os._exit (the compile is left running); before `runtime.leave_together` process
+    0, which hosts the coordination service, could leave first and JAX's agent in process 1
+    then aborted it (SIGABRT) before its stop line: 4 of 53 runs here, 0 of 50 after."""
+    run = _copy(dist_initialized, tmp_path)
+    port = _free_port()
+    marks = [tmp_path / f"compiling{i}" for i in (0, 1)]
+    hook = "import jax; slow(jax.stages.Lowered, 'compile')"
+    procs = [
+        _start(
+            run,
+            hook,
+            *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
+            *("--process-id", str(i), "pretrain"),
+            mark=marks[i],
+            devices=2,
+        )
+        for i in (0, 1)
+    ]
+    for p, m in zip(procs, marks, strict=True):
+        _wait_for(m.exists, p, what="the step's compile")
+    t0 = time.monotonic()
+    procs[1].send_signal(signal.SIGTERM)
+    results = _finish(procs, timeout=60)
+    dt = time.monotonic() - t0
+    print(f"2 processes compiling, SIGTERM to one: both exited {dt:.2f} s later")
+    want = (
+        "error: pretrain: stopped by SIGTERM while compiling the step (left unfinished); no "
+        "checkpoint of this run was saved; `pdctl resume` starts it over"
+    )
+    for rc, err in results:
+        assert rc == 3 and _errors(err) == [want], (rc, err[-3000:])
+    assert dt < LATENCY_S + 5, dt  # the grace, the notice's 0.25 s polling, two exits
+    st = state(run, "pretrain")
+    assert st["status"] == "interrupted" and st.get("checkpoint") is None, st
+
+
+@pytest.mark.slow
 def test_7_two_processes_one_killed_the_other_ends_failed(
     dist_initialized: Path, tmp_path: Path
 ) -> None:

@@ -372,6 +372,26 @@ def abandoned() -> str | None:
     return _abandoned
 
 
+def leave_together(timeout_s: float = 10.0) -> None:
+    """Under jax.distributed, before a stop that abandoned a call ends the process with
+    os._exit: every process meets at one barrier, and process 0 (which hosts the coordination
+    service) then waits a moment, so it leaves last. Otherwise a process still writing its stop
+    line sees the service vanish, and JAX's agent aborts it ("the JAX distributed service
+    detected fatal errors", SIGABRT). A process that does not come (it ended another way)
+    costs the others `timeout_s`; any error here is ignored: the process is ending anyway."""
+    mod = sys.modules.get("jax._src.distributed")
+    state = getattr(mod, "global_state", None)
+    client = getattr(state, "client", None)
+    if client is None:
+        return
+    import time
+
+    with contextlib.suppress(Exception):
+        client.wait_at_barrier("pdctl-stop-abandoned", int(timeout_s * 1000))
+    if getattr(state, "process_id", 0) == 0:
+        time.sleep(1.0)
+
+
 def interruptible(fn, *args, what: str, **kwargs):
     """`fn(*args, **kwargs)`, with SIGTERM/SIGINT still acted on while it runs.
 
