@@ -11,9 +11,9 @@ Two measurements, each side in a fresh child process, the sides interleaved:
   lowered and compiled from abstract arguments on pdctl's default devices (nothing is run):
   XLA's per-device argument bytes (the state and the frozen target), temporaries and peak, and
   the state's own bytes per device.
-- numerics: a tiny random Llama (d_model 128, 2 layers, seq 32, batch 4, the same losses)
-  trained `--steps` steps from the same start on the same batch: the loss at the end and its
-  relative difference to float32, and the step time.
+- numerics: benchmarks/scan_compile.py's tiny random Llama (d_model 128, 2 layers, seq 32,
+  batch 4, the same losses) trained `--steps` steps from the same start on the same batch:
+  the loss at the end and its relative difference to float32, and the step time.
 
     python benchmarks/memory_savers.py [--layers 4] [--steps 200]
 """
@@ -42,32 +42,31 @@ SMOL = dict(
     intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
     max_position_embeddings=8192, tie_word_embeddings=True,
 )  # fmt: skip
-TINY = dict(
-    architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=128,
-    intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
 
 
-def config(shape: dict, side: str, seq: int, batch: int, tiny: bool):
+def with_side(raw: dict, side: str) -> dict:
+    """`raw` (a parsed pdctl.toml) with `side`'s keys set in its [train] tables."""
+    for table, keys in SIDES[side].items():
+        raw["train"].setdefault(table, {}).update(keys)
+    return raw
+
+
+def smol_config(side: str, layers: int):
+    """The hf-lm template on a SmolLM2-135M-shaped config.json of `layers` layers (its sites,
+    C and batch), seq 256, batch 32, layers scanned, with `side`'s keys."""
     import tomllib
 
     from pdctl.config import parse_config
     from pdctl.templates import templates_root
 
     d = Path(tempfile.mkdtemp(prefix="pdctl-savers-"))
-    (d / "config.json").write_text(json.dumps(shape))
+    (d / "config.json").write_text(json.dumps({**SMOL, "num_hidden_layers": layers}))
     raw = tomllib.loads((templates_root() / "hf-lm" / "pdctl.toml").read_text())
     raw["target"]["path"] = str(d)
-    raw["data"]["seq_len"] = seq
-    raw["train"]["batch_size"] = raw["train"]["eval_batch_size"] = batch
+    raw["data"]["seq_len"] = 256
+    raw["train"]["batch_size"] = raw["train"]["eval_batch_size"] = 32
     raw["train"]["scan_layers"] = True
-    if tiny:
-        raw["decomp"]["sites"] = [{"pattern": "*.mlp.*", "C": 128}, {"pattern": "*attn.*", "C": 64}]
-        raw["decomp"]["ci_fn"]["hidden"] = [64]
-    for table, keys in SIDES[side].items():
-        raw["train"].setdefault(table, {}).update(keys)
-    return parse_config(raw)
+    return parse_config(with_side(raw, side))
 
 
 def child_memory(side: str, layers: int) -> dict:
@@ -81,7 +80,7 @@ def child_memory(side: str, layers: int) -> dict:
     from pdctl.stages.common import target_from_config
     from pdctl.stages.inspect import memory_report
 
-    cfg = config({**SMOL, "num_hidden_layers": layers}, side, 256, 32, tiny=False)
+    cfg = smol_config(side, layers)
     mesh = sharding.make_mesh(-1, 1)
     target = target_from_config(cfg, need_weights=False)
     prog = train.program(cfg, mesh, target)
@@ -119,22 +118,13 @@ def child_numerics(side: str, steps: int) -> dict:
 
     runtime.configure_devices()
     import jax
-    import numpy as np
+    import scan_compile
 
-    from pdctl.engine import sharding
-    from pdctl.stages import train
-    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
-    from pdctl.stages.init_weights import init_decomposition
+    from pdctl.config import parse_config
 
-    cfg = config(TINY, side, 32, 4, tiny=True)
-    mesh = sharding.make_mesh(-1, 1)
-    target = target_from_config(cfg, need_weights=False)
-    prog = train.program(cfg, mesh, target)
-    params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(jax.random.key(0))
-    dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
-    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
-    tokens = np.random.default_rng(0).integers(0, 512, size=(4, 33), dtype=np.int32)
-    batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+    raw = scan_compile.tiny_raw(2, scan=True)
+    with_side(raw, side)
+    _, _, prog, params, state, batch, _ = scan_compile.fresh_train(parse_config(raw))
     step = prog.jit().lower(params, state, batch).compile()
     losses = []
     t0 = time.perf_counter()

@@ -40,22 +40,11 @@ def model_dir(n_layers: int) -> Path:
     return d
 
 
-def child(n_layers: int, scan: bool, n_steps: int) -> dict:
-    from pdctl.engine import runtime
-
-    runtime.configure_devices()
+def tiny_raw(n_layers: int, scan: bool) -> dict:
+    """The hf-lm template's table for the tiny Llama of `n_layers` (seq 32, batch 4, C 128 /
+    64, CI hidden 64), as parsed TOML to edit further."""
     import tomllib
 
-    import jax
-    import numpy as np
-
-    from pdctl.config import parse_config
-    from pdctl.engine import sharding
-    from pdctl.science.spd import evaluate
-    from pdctl.science.spd.stacked import host_per_site
-    from pdctl.stages import train
-    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config, with_scan
-    from pdctl.stages.init_weights import init_decomposition
     from pdctl.templates import templates_root
 
     raw = tomllib.loads((templates_root() / "hf-lm" / "pdctl.toml").read_text())
@@ -69,17 +58,47 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
     raw["train"]["batch_size"] = 4
     raw["train"]["eval_batch_size"] = 4
     raw["train"]["scan_layers"] = scan
-    cfg = parse_config(raw)
+    return raw
+
+
+def fresh_train(cfg):
+    """(mesh, target, train program, random target params, fresh train state, one batch of
+    random tokens, number of sites) for `cfg` on pdctl's default devices."""
+    import jax
+    import numpy as np
+
+    from pdctl.engine import sharding
+    from pdctl.stages import train
+    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
+    from pdctl.stages.init_weights import init_decomposition
+
     mesh = sharding.make_mesh(-1, 1)
     target = target_from_config(cfg, need_weights=False)
     prog = train.program(cfg, mesh, target)
     params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(jax.random.key(0))
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
     state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
-    n_sites = len(dec["components"])
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 512, size=(4, 33), dtype=np.int32)
+    tokens = np.random.default_rng(0).integers(0, 512, size=(4, 33), dtype=np.int32)
     batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+    return mesh, target, prog, params, state, batch, len(dec["components"])
+
+
+def child(n_layers: int, scan: bool, n_steps: int) -> dict:
+    from pdctl.engine import runtime
+
+    runtime.configure_devices()
+    import jax
+
+    from pdctl.config import parse_config
+    from pdctl.engine import sharding
+    from pdctl.science.spd import evaluate
+    from pdctl.science.spd.stacked import host_per_site
+    from pdctl.stages import train
+    from pdctl.stages.common import with_scan
+
+    cfg = parse_config(tiny_raw(n_layers, scan))
+    mesh, target, prog, params, state, batch, n_sites = fresh_train(cfg)
+    tokens = jax.device_get(batch["tokens"])
 
     t0 = time.perf_counter()
     step = prog.jit().lower(params, state, batch).compile()

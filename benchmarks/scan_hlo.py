@@ -28,24 +28,14 @@ SOURCE = re.compile(r'"[^"]*/(pdctl/[^"]+)":(\d+)')
 
 
 def lowered_text(n_layers: int) -> tuple[str, float]:
-    import tomllib
-
     import scan_compile
 
     from pdctl.config import parse_config
     from pdctl.engine import sharding
     from pdctl.stages import train
     from pdctl.stages.common import target_from_config
-    from pdctl.templates import templates_root
 
-    raw = tomllib.loads((templates_root() / "hf-lm" / "pdctl.toml").read_text())
-    raw["target"]["path"] = str(scan_compile.model_dir(n_layers))
-    raw["data"]["seq_len"] = 32
-    raw["decomp"]["sites"] = [{"pattern": "*.mlp.*", "C": 128}, {"pattern": "*attn.*", "C": 64}]
-    raw["decomp"]["ci_fn"]["hidden"] = [64]
-    raw["train"]["batch_size"] = raw["train"]["eval_batch_size"] = 4
-    raw["train"]["scan_layers"] = True
-    cfg = parse_config(raw)
+    cfg = parse_config(scan_compile.tiny_raw(n_layers, scan=True))
     mesh = sharding.make_mesh(-1, 1)
     target = target_from_config(cfg, need_weights=False)
     prog = train.program(cfg, mesh, target)

@@ -554,6 +554,27 @@ def _two_training(dist_initialized: Path, tmp_path: Path) -> tuple[Path, list]:
     return run, procs
 
 
+def _two_held(run: Path, hook: str, tmp_path: Path, what: str) -> list[subprocess.Popen]:
+    """`pdctl pretrain` as two processes of one run (2 devices each, unsupervised: the hook
+    runs in the stage process), returned once both have touched their MARK (`what`)."""
+    port = _free_port()
+    marks = [tmp_path / f"held{i}" for i in (0, 1)]
+    procs = [
+        _start(
+            run,
+            hook,
+            *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
+            *("--process-id", str(i), "pretrain"),
+            mark=marks[i],
+            devices=2,
+        )
+        for i in (0, 1)
+    ]
+    for p, m in zip(procs, marks, strict=True):
+        _wait_for(m.exists, p, what=what)
+    return procs
+
+
 def _finish(procs: list, timeout: float = 120) -> list[tuple[int, str]]:
     out = []
     for p in procs:
@@ -615,21 +636,7 @@ def test_4_sigterm_during_a_checkpoint_of_a_two_process_run(
     dist_initialized: Path, tmp_path: Path
 ) -> None:
     run = _copy(dist_initialized, tmp_path)
-    port = _free_port()
-    marks = [tmp_path / f"saved{i}" for i in (0, 1)]
-    procs = [
-        _start(
-            run,
-            _AFTER_SAVE,
-            *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
-            *("--process-id", str(i), "pretrain"),
-            mark=marks[i],
-            devices=2,
-        )
-        for i in (0, 1)
-    ]
-    for p, m in zip(procs, marks, strict=True):
-        _wait_for(m.exists, p, what="the first periodic checkpoint")
+    procs = _two_held(run, _AFTER_SAVE, tmp_path, "the first periodic checkpoint")
     procs[1].send_signal(signal.SIGTERM)
     results = _finish(procs, timeout=60)
     for rc, err in results:
@@ -649,22 +656,8 @@ def test_4_sigterm_to_one_process_while_both_compile(dist_initialized: Path, tmp
     0, which hosts the coordination service, could leave first and JAX's agent in process 1
     then aborted it (SIGABRT) before its stop line: 4 of 53 runs here, 0 of 50 after."""
     run = _copy(dist_initialized, tmp_path)
-    port = _free_port()
-    marks = [tmp_path / f"compiling{i}" for i in (0, 1)]
     hook = "import jax; slow(jax.stages.Lowered, 'compile')"
-    procs = [
-        _start(
-            run,
-            hook,
-            *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
-            *("--process-id", str(i), "pretrain"),
-            mark=marks[i],
-            devices=2,
-        )
-        for i in (0, 1)
-    ]
-    for p, m in zip(procs, marks, strict=True):
-        _wait_for(m.exists, p, what="the step's compile")
+    procs = _two_held(run, hook, tmp_path, "the step's compile")
     t0 = time.monotonic()
     procs[1].send_signal(signal.SIGTERM)
     results = _finish(procs, timeout=60)
