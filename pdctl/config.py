@@ -172,6 +172,15 @@ class MeshConfig(Section):
     fsdp: int = Field(
         1, ge=-1, description="parameter-sharding mesh axis size (-1 = all devices left after data)"
     )
+    tp: int = Field(
+        1,
+        ge=1,
+        description=(
+            "tensor-parallel mesh axis size: each LM block's attention and MLP projections "
+            "(and their components) split over tp devices, column-parallel q/k/v/gate/up, "
+            "row-parallel o/down; must divide the heads, kv heads and MLP width"
+        ),
+    )
     fsdp_min_param_size: NonNeg = Field(
         1024, description="arrays with fewer elements than this stay replicated"
     )
@@ -571,7 +580,9 @@ class Config(Section):
         "keys",
     )
     data: DataConfig = Field(DataConfig(), description="what the stages train and evaluate on")
-    mesh: MeshConfig = Field(MeshConfig(), description="the device mesh, axes ('data', 'fsdp')")
+    mesh: MeshConfig = Field(
+        MeshConfig(), description="the device mesh, axes ('data', 'fsdp', 'tp')"
+    )
     distributed: DistributedConfig = Field(DistributedConfig(), description="multi-host runs")
     precision: PrecisionConfig = Field(
         PrecisionConfig(), description="one precision policy for every stage"

@@ -253,9 +253,13 @@ def test_make_mesh_that_does_not_fit_names_the_numbers(data, fsdp, numbers) -> N
 
 
 def test_make_mesh_fills_the_wildcard() -> None:
-    assert dict(sharding.make_mesh(-1, 2).shape) == {"data": 2, "fsdp": 2}
-    assert dict(sharding.make_mesh(1, -1).shape) == {"data": 1, "fsdp": 4}
-    assert dict(sharding.make_mesh(1, 1, jax.devices()[:1]).shape) == {"data": 1, "fsdp": 1}
+    assert dict(sharding.make_mesh(-1, 2).shape) == {"data": 2, "fsdp": 2, "tp": 1}
+    assert dict(sharding.make_mesh(1, -1).shape) == {"data": 1, "fsdp": 4, "tp": 1}
+    assert dict(sharding.make_mesh(1, 1, jax.devices()[:1]).shape) == {
+        "data": 1,
+        "fsdp": 1,
+        "tp": 1,
+    }
 
 
 # ---- parity gates --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from helpers import edit_config, make_run, pdctl_process
 from typer.testing import CliRunner
 
 from pdctl.cli import app
+from pdctl.engine import sharding
 
 # ---- tiny runs -------------------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ def test_preview_8_devices_bytes_match_shapes(tmp_path: Path) -> None:
     data=2,fsdp=4 mesh; every array's bytes per device = shape x itemsize / shards."""
     run = tiny_llama(tmp_path)
     full = ok_json("--project", str(run), "inspect-sharding", "--devices", "8", "--all")
-    assert full["devices"] == 8 and full["mesh"] == {"data": 1, "fsdp": 8}
+    assert full["devices"] == 8 and full["mesh"] == {"data": 1, "fsdp": 8, "tp": 1}
     assert full["stage"] == "train" and not full["grouped"]
     check_rows(full)
     assert any(r["sharded"] for r in full["rows"])
@@ -142,7 +143,7 @@ def test_preview_8_devices_bytes_match_shapes(tmp_path: Path) -> None:
         "--stage",
         "init_weights",
     )
-    assert grouped["mesh"] == {"data": 2, "fsdp": 4} and grouped["grouped"]
+    assert grouped["mesh"] == {"data": 2, "fsdp": 4, "tp": 1} and grouped["grouped"]
     check_rows(grouped)
     assert any(r["sharded"] for r in grouped["rows"])
     assert set(grouped["totals"]["per_device"]) == {"target", "components", "ci_fns", "sources"}
@@ -185,7 +186,7 @@ def test_text_output(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, (result.output, result.exception)
     out = result.stdout
-    assert "pretrain: 4 cpu devices, mesh data=2 x fsdp=2" in out
+    assert "pretrain: 4 cpu devices, mesh data=2 x fsdp=2 x tp=1" in out
     for word in ("params.linear1.W", "replicated", "optimizer state", "largest replicated"):
         assert word in out
 
@@ -293,14 +294,16 @@ def test_profile_steps_write_a_trace(tms_initialized: Path) -> None:
     ("argv", "expected"),
     [
         (["--stage", "nope"], "--stage: unknown stage 'nope'"),
-        (["--mesh", "data"], "--mesh: expected data=A,fsdp=B"),
-        (["--mesh", "data=x,fsdp=2"], "--mesh: expected data=A,fsdp=B"),
-        (["--mesh", "data=2,model=2"], "--mesh: expected data=A,fsdp=B"),
+        (["--mesh", "data"], "--mesh: expected data=A,fsdp=B,tp=C"),
+        (["--mesh", "data=x,fsdp=2"], "--mesh: expected data=A,fsdp=B,tp=C"),
+        (["--mesh", "data=2,model=2"], "--mesh: expected data=A,fsdp=B,tp=C"),
         (["--mesh", "data=-1,fsdp=-1"], "--mesh: only one of mesh.data and mesh.fsdp"),
         (["--mesh", "data=0,fsdp=4"], "--mesh: mesh sizes must be positive"),
         (["--mesh", "data=2,fsdp=3"], "--mesh: data=2,fsdp=3 does not fit"),
         (["--mesh", "data=3,fsdp=2", "--devices", "8"], "--mesh: data=3,fsdp=2 does not fit"),
         (["--devices", "0"], "--devices: must be >= 1"),
+        (["--mesh", "tp=3"], "--mesh: data=-1,fsdp=1,tp=3 does not fit: mesh.tp: 3 does not"),
+        (["--mesh", "tp=2"], "mesh.tp: the tms target has no tensor-parallel layout"),
     ],
     ids=[
         "stage",
@@ -312,6 +315,8 @@ def test_profile_steps_write_a_trace(tms_initialized: Path) -> None:
         "mesh-no-fit",
         "mesh-no-fit-preview",
         "devices-zero",
+        "tp-no-fit",
+        "tp-toy",
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path: Path, argv: list[str], expected: str) -> None:
@@ -444,6 +449,36 @@ def test_an_imported_model_inspects_from_its_config_json_alone(tmp_path: Path) -
     assert any("model.layers" in r and r.endswith(".V") for r in rows), sorted(rows)[:5]
     bad = invoke("--project", str(run), "init-weights")
     assert bad.exit_code == 2 and "no weights in" in bad.stderr, bad.output
+
+
+def test_tensor_parallel_layout_is_shown_and_a_tp_the_heads_refuse_is_one_line(
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 128, "max_position_embeddings": 64,
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    run = make_run(tmp_path, "hf-lm", tiny=False, target={"path": str(model)},
+                   data={"seq_len": 16}, train={"batch_size": 4})  # fmt: skip
+    report = ok_json("--project", str(run), "inspect-sharding", "--stage", "train", "--mesh",
+                     "data=2,tp=2", "--all")  # fmt: skip
+    assert report["mesh"] == {"data": 2, "fsdp": 1, "tp": 2}
+    check_rows(report)
+    rows = {r["path"]: r for r in report["rows"]}
+    q = rows["target.model.layers.1.self_attn.q_proj.weight"]
+    assert (q["spec"], q["rule"]) == ([None, "tp"], sharding.RULES[1].name)
+    down_v = next(r for p, r in rows.items() if p.endswith("mlp.down_proj.V") and "mu" in p)
+    assert down_v["spec"][-2:] == ["tp", "data"], down_v
+    assert any("tensor parallel over tp=2" in n for n in report["notes"])
+    text = invoke("--project", str(run), "inspect-sharding", "--mesh", "data=2,tp=2")
+    assert "x tp=2" in text.output, text.output
+    bad = invoke("--project", str(run), "inspect-sharding", "--mesh", "data=1,tp=4")
+    assert bad.exit_code == 2 and bad.output.count("\n") == 1, bad.output
+    assert "mesh.tp: 4 does not divide num_key_value_heads = 2 in" in bad.output
 
 
 def test_a_child_that_dies_ends_with_one_error_line():

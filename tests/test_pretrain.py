@@ -93,7 +93,7 @@ def _check_done(run: Path, template: str) -> None:
     assert st["compile_s"]["step"] > 0
     assert st["wall_s"] > 0 and st["step_ms"] > 0
     assert st["donation_fraction"] >= 0.95
-    assert st["devices"] == 4 and st["mesh"] == {"data": 4, "fsdp": 1}
+    assert st["devices"] == 4 and st["mesh"] == {"data": 4, "fsdp": 1, "tp": 1}
     assert np.isfinite(st["metrics"]["loss"]) and st["metrics"]["finite"] == 1.0
     assert _ckpt_steps(run) == [10, 20]  # every 10, keep 2
     lines = _metrics(run)

@@ -548,7 +548,7 @@ def test_checkpoint_continues_on_other_device_counts(base: Path, tmp_path_factor
     assert (st["status"], st["checkpoint"], st["mesh"]) == (
         "interrupted",
         half,
-        {"data": 1, "fsdp": 4},
+        {"data": 1, "fsdp": 4, "tp": 1},
     )
 
     never_moved = copy_run(four, tmp / "never-moved")
@@ -559,7 +559,7 @@ def test_checkpoint_continues_on_other_device_counts(base: Path, tmp_path_factor
     _set_mesh(on_two, -1, 2)
     pdctl(on_two, "resume", devices=2)
     st = state(on_two, "train")
-    assert (st["status"], st["devices"], st["mesh"]) == ("done", 2, {"data": 1, "fsdp": 2})
+    assert (st["status"], st["devices"], st["mesh"]) == ("done", 2, {"data": 1, "fsdp": 2, "tp": 1})
 
     _set_mesh(via_one, 1, 1)
     pdctl(via_one, "train", "--resume", "--until", str(three_q), devices=1)
@@ -568,7 +568,7 @@ def test_checkpoint_continues_on_other_device_counts(base: Path, tmp_path_factor
     _set_mesh(via_one, 1, 4)
     pdctl(via_one, "resume", devices=4)
     st = state(via_one, "train")
-    assert (st["status"], st["devices"], st["mesh"]) == ("done", 4, {"data": 1, "fsdp": 4})
+    assert (st["status"], st["devices"], st["mesh"]) == ("done", 4, {"data": 1, "fsdp": 4, "tp": 1})
 
     ref = _losses(never_moved, 0)
     assert ref.shape == (SUB_STEPS,)

@@ -148,12 +148,10 @@ def eval_inputs(project: Project, target: Any) -> tuple[np.ndarray, np.ndarray |
         key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
         batch = jax.jit(lambda k: target.make_batch(k, n))(key)
         return np.asarray(target.inputs(batch)), None
-    from jax.sharding import Mesh
-
     from pdctl.engine import sharding
     from pdctl.stages.common import StageEnv, text_batches
 
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     env = StageEnv(project, "train", mesh, target)  # a view only: no lock, nothing written
     it = text_batches(
         env,

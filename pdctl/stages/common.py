@@ -69,6 +69,31 @@ def decomp_layout(cfg: Config, mesh: Mesh, target: Target) -> sharding.Decomp:
     return sharding.decomp_axes(mesh, cfg.mesh.decomposition, target.output_kind == "logits")
 
 
+def check_tensor_parallel(target: Target, mesh: Mesh, key: str = "mesh.tp") -> None:
+    """A tp axis > 1 needs a target with a tensor-parallel layout whose heads and widths it
+    divides, and (on several hosts) the tp devices of a group on one host."""
+    tp = sharding.axis_size(mesh, "tp")
+    if tp == 1:
+        return
+    sizes = target.tp_divisors()
+    if sizes is None:
+        raise PdctlError(
+            f"{key}: the {target.kind} target has no tensor-parallel layout (its projections "
+            "are not split over devices); set mesh.tp = 1 and use mesh.data / mesh.fsdp"
+        )
+    where = getattr(getattr(target, "spec", None), "config_path", None)
+    for name, n in sizes.items():
+        if n % tp:
+            of = f" in {where}" if where else ""
+            raise PdctlError(f"{key}: {tp} does not divide {name} = {n}{of}")
+    local = len(mesh.local_devices)
+    if jax.process_count() > 1 and local % tp:
+        raise PdctlError(
+            f"{key}: {tp} does not divide the {local} devices of each process (a tensor-"
+            "parallel group must sit on one host)"
+        )
+
+
 def resolve(root: Path | None, path: str) -> Path:
     """A path from pdctl.toml: `~` expanded, relative to the run directory."""
     p = Path(path).expanduser()
@@ -134,8 +159,9 @@ class StageEnv:
         if project.writer:  # one writer per run directory, until the stage closes
             project.acquire_lock()
         try:
-            mesh = sharding.make_mesh(project.config.mesh.data, project.config.mesh.fsdp, devices)
+            mesh = sharding.mesh_from_config(project.config.mesh, devices)
             target = target_from_config(project.config, project.root)
+            check_tensor_parallel(target, mesh)
         except BaseException:
             if project.writer:
                 project.release_lock()

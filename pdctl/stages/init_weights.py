@@ -59,10 +59,10 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
     sites = decomposed_sites(cfg, target)
     names = list(sites)
     comp_keys, ci_keys, src_keys = comps.site_keys(key, len(names))
-    fsdp = mesh.shape["fsdp"]
     spec_fn = partial(
         sharding.spec_for,
-        fsdp=fsdp,
+        fsdp=sharding.axis_size(mesh, "fsdp"),
+        tp=sharding.axis_size(mesh, "tp"),
         min_size=cfg.mesh.fsdp_min_param_size,
         decomp=decomp_layout(cfg, mesh, target),
     )

@@ -30,7 +30,12 @@ from pydantic import ValidationError
 from pdctl.config import STAGES, Config, MeshConfig
 from pdctl.engine import donation, sharding
 from pdctl.errors import PdctlError
-from pdctl.stages.common import abstract_target, decomp_layout, target_from_config
+from pdctl.stages.common import (
+    abstract_target,
+    check_tensor_parallel,
+    decomp_layout,
+    target_from_config,
+)
 
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
 KIND_LABEL = {
@@ -56,7 +61,7 @@ def parse_stage(value: str) -> str:
 
 
 def parse_mesh(value: str | None) -> dict[str, int] | None:
-    """`data=A,fsdp=B` (either key may be left out; -1 = all remaining devices)."""
+    """`data=A,fsdp=B,tp=C` (any key may be left out; -1 = all remaining devices)."""
     if value is None:
         return None
     out: dict[str, int] = {}
@@ -69,7 +74,7 @@ def parse_mesh(value: str | None) -> dict[str, int] | None:
             n = None
         if not eq or key not in sharding.AXES or key in out or n is None:
             raise PdctlError(
-                f"--mesh: expected data=A,fsdp=B (integers, -1 = the rest), got {value!r}"
+                f"--mesh: expected data=A,fsdp=B,tp=C (integers, -1 = the rest), got {value!r}"
             )
         out[key] = n
     return out
@@ -78,7 +83,7 @@ def parse_mesh(value: str | None) -> dict[str, int] | None:
 def mesh_config(cfg: Config, override: dict[str, int] | None) -> MeshConfig:
     if not override:
         return cfg.mesh
-    fields = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, **override}
+    fields = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tp": cfg.mesh.tp, **override}
     if "data" in override and "fsdp" not in override and override["data"] != -1:
         fields["fsdp"] = -1  # data=A alone: the rest of the devices shard parameters
     if "fsdp" in override and "data" not in override and override["fsdp"] != -1:
@@ -94,10 +99,13 @@ def mesh_config(cfg: Config, override: dict[str, int] | None) -> MeshConfig:
 
 def check_mesh_fits(mc: MeshConfig, n_devices: int, from_flag: bool) -> tuple[int, int]:
     try:
-        return sharding.resolve_mesh_shape(mc.data, mc.fsdp, n_devices)
+        return sharding.resolve_mesh_shape(mc.data, mc.fsdp, n_devices, mc.tp)
     except PdctlError as e:
         if from_flag:
-            raise PdctlError(f"--mesh: data={mc.data},fsdp={mc.fsdp} does not fit: {e}") from None
+            tp = f",tp={mc.tp}" if mc.tp > 1 else ""
+            raise PdctlError(
+                f"--mesh: data={mc.data},fsdp={mc.fsdp}{tp} does not fit: {e}"
+            ) from None
         raise
 
 
@@ -142,6 +150,7 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     from pdctl.stages import init_weights, pretrain, train, warmup
 
     target = target_from_config(cfg, root, need_weights=False)  # shapes only: no weights read
+    check_tensor_parallel(target, mesh)
     decomp = decomp_layout(cfg, mesh, target)
     if stage == "init_weights":
         abstract_params = abstract_target(cfg, target)
@@ -175,7 +184,7 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     args.append(Arg("state", prog.abstract_state, _spec_tree(prog.state_shardings), True))
     batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
     args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
-    notes = weight_space_notes(stage, decomp)
+    notes = weight_space_notes(stage, decomp) + tensor_parallel_notes(mesh)
     return Plan(stage, cfg, mesh, args, prog, notes=notes, decomp=decomp, target=target)
 
 
@@ -197,6 +206,18 @@ def weight_space_notes(stage: str, decomp: sharding.Decomp) -> list[str]:
             "per forward and twice that in the backward, to the same token work)"
         )
     return notes
+
+
+def tensor_parallel_notes(mesh) -> list[str]:
+    tp = sharding.axis_size(mesh, "tp")
+    if tp == 1:
+        return []
+    return [
+        f"tensor parallel over tp={tp}: column-parallel projections (q/k/v, gate/up) split "
+        "their output dimension and U (C, d_out); row-parallel ones (o, down) their input "
+        "dimension and V (d_in, C); one all-reduce per row-parallel projection, the batch "
+        "shared by the tp devices"
+    ]
 
 
 # ---- rows ------------------------------------------------------------------------------------
@@ -264,7 +285,8 @@ def rule_name(arg: str, path: str, shape: tuple[int, ...], axes: list[Any], p: P
     if arg == "batch":
         return "the batch: leading axis over (data, fsdp)"
     fsdp, min_size = p.mesh.shape["fsdp"], p.cfg.mesh.fsdp_min_param_size
-    rule, spec = sharding.rule_for(path, shape, fsdp, min_size, p.decomp)
+    tp = sharding.axis_size(p.mesh, "tp")
+    rule, spec = sharding.rule_for(path, shape, fsdp, min_size, p.decomp, tp)
     if _spec_axes(spec, len(shape)) != axes:
         return "with the batch (per-example PPGD sources)"
     return rule.name
@@ -436,7 +458,7 @@ def inspect(
     mc = mesh_config(cfg, mesh_override)
     check_mesh_fits(mc, len(devices), from_flag=bool(mesh_override))
     cfg = cfg.model_copy(update={"mesh": mc})
-    mesh = sharding.make_mesh(mc.data, mc.fsdp, devices)
+    mesh = sharding.mesh_from_config(mc, devices)
     p = plan(cfg, stage, mesh, root)
     rows = array_rows(p)
     report: dict[str, Any] = {
@@ -589,7 +611,8 @@ def render(report: dict[str, Any], console: Any) -> None:
     t = report["totals"]
     console.print(
         f"{report['stage']}: {report['devices']} {report['platform']} devices, mesh "
-        f"data={mesh['data']} x fsdp={mesh['fsdp']}, fsdp_min_param_size="
+        f"data={mesh['data']} x fsdp={mesh['fsdp']} x tp={mesh.get('tp', 1)}, "
+        "fsdp_min_param_size="
         f"{report['fsdp_min_param_size']}, components over "
         f"{' x '.join(report['decomposition'])}, {t['arrays']} arrays",
         markup=False,

@@ -99,12 +99,13 @@ def check_configs(project: Project) -> None:
     split over the devices and micro-batches, the text file): the checks a stage would make
     only once the stages before it had run."""
     from pdctl.engine import sharding
-    from pdctl.stages.common import target_from_config
+    from pdctl.stages.common import check_tensor_parallel, target_from_config
     from pdctl.stages.init_weights import decomposed_sites
 
     cfg = project.config
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+    mesh = sharding.mesh_from_config(cfg.mesh)
     target = target_from_config(cfg, project.root)
+    check_tensor_parallel(target, mesh)
     decomposed_sites(cfg, target)
     if cfg.target.kind != "hf":  # an imported model is not pretrained
         sharding.check_batch_divides(

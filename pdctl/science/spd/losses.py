@@ -26,6 +26,7 @@ Conventions (the SPD paper, Bushnaq et al. 2025, as goodfire-ai/spd implements i
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -166,17 +167,25 @@ def faithfulness_loss(
     value computed on gathered V / U, each device forming its rows of the residual.
     `grouped`: same-shaped sites as one vmap (`grouped.map_sites`; sums in another order)."""
 
-    def site(i, W: Array, comp: Mapping[str, Array]) -> Array:
+    def site(i, W: Array, comp: Mapping[str, Array], role: str | None = None) -> Array:
         V, U = comp["V"].astype(jnp.float32), comp["U"].astype(jnp.float32)
         W = W.astype(jnp.float32)
         if layout is not None:
-            V, U = layout.gathered(V), layout.gathered(U)
-            W, V = layout.rows(W), layout.rows(V)
+            V, U = layout.gathered(V, role, "V"), layout.gathered(U, role, "U")
+            W, V = layout.rows(W, role, "W"), layout.rows(V, role, "V")
         diff = W - V @ U
         return jnp.sum(diff * diff)
 
     paths = list(components)
-    sums = map_sites(site, paths, weights, components, grouped=grouped)
+    # Under tensor parallelism sites split over tp differently (column / row) are laid out
+    # differently, so they are never stacked into one vmap together.
+    by_role: dict[str | None, list[str]] = {}
+    for p in paths:
+        by_role.setdefault(None if layout is None else layout.role(p), []).append(p)
+    sums: dict[str, Array] = {}
+    for role, ps in by_role.items():
+        fn = functools.partial(site, role=role)
+        sums.update(map_sites(fn, ps, weights, components, grouped=grouped))
     total = jnp.zeros((), jnp.float32)
     for p in paths:
         total = total + sums[p]

@@ -92,6 +92,11 @@ class Target:
         out = self.apply(params, x, {p: override(p) for p in paths} if paths else None)
         return out, {p: captured[p] for p in capture}
 
+    def tp_divisors(self) -> dict[str, int] | None:
+        """The sizes a tensor-parallel mesh axis must divide, by the config key that sets each
+        (heads, kv heads, MLP width); None: the target has no tensor-parallel layout."""
+        return None
+
     def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
         raise TypeError(f"target {self.kind!r} has no on-device data generator")
 

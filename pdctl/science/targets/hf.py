@@ -436,6 +436,18 @@ class HFCausalLM(Target):
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
         return {path: _node(params, path)["weight"] for path in self.site_shapes()}
 
+    def tp_divisors(self) -> dict[str, int]:
+        """Column-parallel q/k/v (or c_attn) split heads, gate/up (c_fc) the MLP width, over
+        tp devices (`engine.sharding.COLUMN_SITES`)."""
+        s = self.spec
+        if s.is_gpt2:
+            return {"n_head": s.n_heads, "n_inner": s.d_mlp}
+        return {
+            "num_attention_heads": s.n_heads,
+            "num_key_value_heads": s.n_kv_heads,
+            "intermediate_size": s.d_mlp,
+        }
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Dotted leaf path (= checkpoint tensor name) -> shape as pdctl stores it."""
         s = self.spec

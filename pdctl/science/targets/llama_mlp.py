@@ -65,6 +65,9 @@ class LlamaMLP(Target):
                 shapes[f"layers.{i}.mlp.{name}"] = mlp_shapes[name]
         return shapes
 
+    def tp_divisors(self) -> dict[str, int]:
+        return {"target.n_heads": self.n_heads, "target.d_mlp": self.d_mlp}
+
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
         weights: dict[str, jax.Array] = {}
         for path in self.site_shapes():
