@@ -99,6 +99,8 @@ def fit(run: Path, devices: int, mesh: str) -> dict:
         "peak_gib": step["peak_bytes"] / GIB,
         "temp_gib": step["temp_bytes"] / GIB,
         "args_gib": step["argument_bytes"] / GIB,
+        # what the arguments are, by kind (target, components, sources, optimizer, ...)
+        "per_device_gib": {k: v / GIB for k, v in rep["totals"]["per_device"].items()},
         "eval_gib": {q["program"]: q["peak_bytes"] / GIB for q in evals if q["available"]},
         "verdict": "FITS" if rep["fit"]["fits"] else "DOES NOT FIT",
         "margin_gib": rep["fit"]["margin_bytes"] / GIB,

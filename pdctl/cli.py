@@ -197,9 +197,11 @@ def status(
             str(st.get("checkpoint", "")),
         )
     console.print(table)
-    line = report_line(proj)
-    if line:
-        console.print(line, markup=False)
+    from pdctl.harvest.run import harvest_line
+
+    for line in (report_line(proj), harvest_line(proj)):
+        if line:
+            console.print(line, markup=False)
 
 
 @app.command()
@@ -223,6 +225,49 @@ def report(
     for line in result.missing:
         console.print(f"missing: {line}", markup=False)
     console.print(f"wrote {len(result.files)} files; open {result.index}", markup=False)
+
+
+@app.command()
+@_guard
+def harvest(
+    ctx: typer.Context,
+    stage: Annotated[
+        str, typer.Option("--stage", help="Decomposition to harvest: train | warmup.")
+    ] = "train",
+    tokens: Annotated[
+        int | None,
+        typer.Option("--tokens", help="Tokens to harvest (toys: inputs); default: the split."),
+    ] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", help="Sequences (toys: inputs) per batch."),
+    ] = None,
+    split: Annotated[str, typer.Option("--split", help="eval | train (LMs).")] = "eval",
+    top_k: Annotated[
+        int, typer.Option("--top-k", help="Top and sampled examples kept per component.")
+    ] = 20,
+) -> None:
+    """What each component does over a corpus: firing frequency, CI statistics, top and
+    sampled examples, co-occurring components and input tokens, into <run>/harvest/harvest.db
+    (resumable: run it again after an interruption)."""
+    from pdctl import report as rep
+    from pdctl.harvest import run as hv
+
+    proj = _project(ctx)
+    with rep.progress_bar(err_console) as progress:
+        task = progress.add_task("harvest", total=None)
+
+        def on_batch(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        result = hv.harvest(proj, stage=stage, n_tokens=tokens, batch_size=batch_size,
+                            split=split, top_k=top_k, on_batch=on_batch)  # fmt: skip
+    again = f" (went on from batch {result.resumed_from})" if result.resumed_from else ""
+    console.print(
+        f"harvested {result.n_positions} positions in {result.batches} batches{again}: "
+        f"{result.path}",
+        markup=False,
+    )
 
 
 def _stage_project(ctx: typer.Context):

@@ -51,8 +51,8 @@ def test_projections_split_column_and_row_and_their_components_follow():
     assert _spec(f"opt_state.0.mu.components.{grp}.V", (30, 128, 8), decomp=dec) == P(
         None, "tp", "data"
     )
-    # fsdp shards the other dimension of a large matrix
-    assert _spec(f"{q}.weight", (64, 64), fsdp=2) == P("fsdp", "tp")
+    # and only over tp, whatever fsdp is (docs/performance.md, "Tensor parallelism")
+    assert _spec(f"{q}.weight", (64, 64), fsdp=2) == P(None, "tp")
     # GPT-2 and llama-mlp names; a toy's or a norm's arrays are not tp's
     assert _spec("transformer.h.0.attn.c_attn.weight", (32, 96)) == P(None, "tp")
     assert _spec("transformer.h.0.mlp.c_proj.weight", (128, 32)) == P("tp", None)

@@ -1,0 +1,150 @@
+"""harvest.db: the SQLite file a harvest writes and `browse` reads.
+
+Written whole into `harvest.db.tmp` next to it and renamed over `harvest.db` when complete, so
+a reader sees the previous harvest or the new one, never a part. Journal mode WAL (readers do
+not block each other). `meta.schema_version` says which layout this is; a reader refuses
+another version with one line.
+
+Tables (component = index within its site; "global" = index over all sites in site order):
+  meta(key, value)                        schema_version, run_id, stage, step, n_positions, ...
+  sites(site, idx, C, offset, l0, alive)  one row per decomposed site, in the run's order
+  components(site, component, count, frequency, mean_ci, max_ci, hist)   hist: JSON list
+  examples(site, component, kind, rank, ci, position, tokens, cis)       kind: top | sample
+  cooc(site, component, other_site, other_component, count, precision, recall, jaccard, pmi)
+  tokens(site, component, kind, token, count, pmi)                       kind: count | pmi
+  toy_features(site, component, feature, ci)                             toys only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdctl.harvest.accumulate import BINS, Harvest
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE sites (site TEXT PRIMARY KEY, idx INTEGER NOT NULL, C INTEGER NOT NULL,
+  offset INTEGER NOT NULL, l0 REAL NOT NULL, alive INTEGER NOT NULL);
+CREATE TABLE components (site TEXT NOT NULL, component INTEGER NOT NULL, count INTEGER NOT NULL,
+  frequency REAL NOT NULL, mean_ci REAL NOT NULL, max_ci REAL NOT NULL, hist TEXT NOT NULL,
+  PRIMARY KEY (site, component));
+CREATE TABLE examples (site TEXT NOT NULL, component INTEGER NOT NULL, kind TEXT NOT NULL,
+  rank INTEGER NOT NULL, ci REAL NOT NULL, position INTEGER NOT NULL, tokens TEXT NOT NULL,
+  cis TEXT NOT NULL, PRIMARY KEY (site, component, kind, rank));
+CREATE TABLE cooc (site TEXT NOT NULL, component INTEGER NOT NULL, other_site TEXT NOT NULL,
+  other_component INTEGER NOT NULL, count INTEGER NOT NULL, precision REAL NOT NULL,
+  recall REAL NOT NULL, jaccard REAL NOT NULL, pmi REAL NOT NULL);
+CREATE INDEX cooc_by_component ON cooc (site, component);
+CREATE TABLE tokens (site TEXT NOT NULL, component INTEGER NOT NULL, kind TEXT NOT NULL,
+  token INTEGER NOT NULL, count INTEGER NOT NULL, pmi REAL NOT NULL);
+CREATE INDEX tokens_by_component ON tokens (site, component);
+CREATE INDEX tokens_by_token ON tokens (token);
+CREATE TABLE toy_features (site TEXT NOT NULL, component INTEGER NOT NULL,
+  feature INTEGER NOT NULL, ci REAL NOT NULL);
+"""
+
+
+def _r(x: float) -> float:
+    """A float as SQLite stores it, rounded to float32's precision (stable text in JSON)."""
+    return float(np.float32(x))
+
+
+def write(
+    path: Path,
+    h: Harvest,
+    meta: dict[str, Any],
+    toy_features: dict[str, np.ndarray] | None = None,
+    top_pairs: int = 20,
+    top_tokens: int = 20,
+) -> None:
+    """The whole database for accumulator `h`, atomically at `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+        p.unlink(missing_ok=True)
+    con = sqlite3.connect(tmp)
+    try:
+        con.executescript(SCHEMA)
+        rows = {"schema_version": SCHEMA_VERSION, "bins": BINS, "threshold": h.threshold,
+                "n_positions": h.n_positions, "cooc": "dense" if h.cooc is not None else
+                f"skipped: {h.c_total} components > cooc_max {h.cooc_max}", **meta}  # fmt: skip
+        con.executemany(
+            "INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in rows.items()]
+        )
+        offsets = h.offsets()
+        where = {}  # global component -> (site, component)
+        N = max(h.n_positions, 1)
+        for idx, (s, C) in enumerate(h.sites.items()):
+            st = h.stats[s]
+            for c in range(C):
+                where[offsets[s] + c] = (s, c)
+            l0 = float(st.count.sum()) / N
+            con.execute(
+                "INSERT INTO sites VALUES (?, ?, ?, ?, ?, ?)",
+                (s, idx, C, offsets[s], _r(l0), int((st.count > 0).sum())),
+            )
+            con.executemany(
+                "INSERT INTO components VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (s, c, int(st.count[c]), _r(st.count[c] / N), _r(st.ci_sum[c] / N),
+                     _r(st.ci_max[c]), json.dumps(st.hist[c].tolist()))
+                    for c in range(C)
+                ],
+            )  # fmt: skip
+            for kind, top in (("top", st.top), ("sample", st.sample)):
+                ex = []
+                for rank in range(top.key.shape[0]):
+                    for c in range(C):
+                        if top.pos[rank, c] < 0:
+                            continue
+                        ex.append((s, c, kind, rank, _r(top.ci[rank, c]), int(top.pos[rank, c]),
+                                   json.dumps(top.win_tok[rank, c].tolist()),
+                                   json.dumps([_r(v) for v in top.win_ci[rank, c]])))  # fmt: skip
+                con.executemany("INSERT INTO examples VALUES (?, ?, ?, ?, ?, ?, ?, ?)", ex)
+        con.executemany(
+            "INSERT INTO cooc VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(*where[a], *where[b], n, _r(p), _r(r), _r(j), _r(pmi))
+             for a, b, n, p, r, j, pmi in h.cooc_rows(top_pairs)],
+        )  # fmt: skip
+        con.executemany(
+            "INSERT INTO tokens VALUES (?, ?, ?, ?, ?, ?)",
+            [(*where[c], kind, t, n, _r(pmi)) for c, t, n, pmi, kind in h.token_rows(top_tokens)],
+        )
+        for s, m in (toy_features or {}).items():  # (n_features, C) CI of one-hot inputs
+            con.executemany(
+                "INSERT INTO toy_features VALUES (?, ?, ?, ?)",
+                [(s, c, f, _r(m[f, c])) for f in range(m.shape[0]) for c in range(m.shape[1])],
+            )
+        con.commit()
+        con.execute("PRAGMA journal_mode=WAL")
+    finally:
+        con.close()
+    os.replace(tmp, path)
+
+
+def open_readonly(path: Path) -> sqlite3.Connection:
+    """A read-only connection; a database of another schema version is refused."""
+    from pdctl.errors import PdctlError
+
+    if not path.is_file():
+        raise PdctlError(f"{path}: no harvest here (run `pdctl harvest` first)")
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        (v,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    except (sqlite3.DatabaseError, TypeError):
+        con.close()
+        raise PdctlError(f"{path}: not a pdctl harvest database") from None
+    if json.loads(v) != SCHEMA_VERSION:
+        con.close()
+        raise PdctlError(
+            f"{path}: harvest schema version {v}, this pdctl reads {SCHEMA_VERSION}: run "
+            "`pdctl harvest` again"
+        )
+    return con

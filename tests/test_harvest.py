@@ -1,0 +1,206 @@
+"""`pdctl harvest`: the accumulator against hand-computed values on CI known in closed form,
+independence from how the data is split into batches (what makes 1 vs N devices and an
+interrupted-then-resumed harvest give the same database), and the command on a toy run."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import cli, cli_fails, make_run
+
+from pdctl.harvest import db
+from pdctl.harvest import run as hv
+from pdctl.harvest.accumulate import BINS, Harvest
+
+VOCAB = 6
+TOKENS = np.array([[0, 1, 2, 0, 3, 4], [4, 0, 0, 1, 5, 2]], np.int32)  # (B, T)
+
+
+def closed_form_ci(tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """Site "a": component c fires (CI 1) exactly on token c (c = 0, 1, 2), else CI 0.
+    Site "b": component 0 has CI 0.5 on tokens 0 and 3, component 1 CI 0.05 (below the
+    threshold) everywhere."""
+    a = np.stack([(tokens == c).astype(np.float32) for c in range(3)], axis=-1)
+    b0 = np.where((tokens == 0) | (tokens == 3), 0.5, 0.0).astype(np.float32)
+    b = np.stack([b0, np.full(tokens.shape, 0.05, np.float32)], axis=-1)
+    return {"a": a, "b": b}
+
+
+def _harvest(rows_per_batch: int, top_k: int = 3) -> Harvest:
+    h = Harvest({"a": 3, "b": 2}, 0.1, top_k=top_k, n_samples=2, window=1, vocab=VOCAB)
+    T = TOKENS.shape[1]
+    for lo in range(0, TOKENS.shape[0], rows_per_batch):
+        tok = TOKENS[lo : lo + rows_per_batch]
+        h.add(closed_form_ci(tok), tok, start=lo * T)
+    return h
+
+
+def test_counts_cooccurrence_and_pmi_equal_the_hand_computed_values():
+    h = _harvest(2)
+    N = 12
+    assert h.n_positions == N
+    # token 0 appears 4 times, 1 twice, 2 twice, 3 once: a_c fires on token c
+    np.testing.assert_array_equal(h.stats["a"].count, [4, 2, 2])
+    np.testing.assert_array_equal(h.stats["b"].count, [5, 0])
+    np.testing.assert_array_equal(h.stats["a"].ci_max, [1, 1, 1])
+    np.testing.assert_allclose(h.stats["b"].ci_sum, [2.5, 0.6])
+    # histogram: b1's twelve 0.05 are in bin 1 of 20, b0's five 0.5 in bin 10
+    assert h.stats["b"].hist[1].tolist() == [0] + [12] + [0] * (BINS - 2)
+    assert h.stats["b"].hist[0, 10] == 5 and h.stats["b"].hist[0, 0] == 7
+    # co-occurrence: a0 (token 0) and b0 (tokens 0, 3) fire together 4 times
+    assert h.cooc[0, 3] == 4 and h.cooc[3, 0] == 4 and h.cooc[1, 3] == 0
+    rows = {(a, b): r for a, b, *r in h.cooc_rows()}
+    count, precision, recall, jaccard, pmi = rows[(0, 3)]
+    assert (count, precision, recall, jaccard) == (4, 1.0, 4 / 5, 4 / 5)
+    assert pmi == pytest.approx(math.log(4 * N / (4 * 5)))
+    assert (1, 3) not in rows and (4, 0) not in rows  # b1 never fires
+    # tokens: b0 fires on token 0 (4x) and 3 (1x); PMI = ln(p(tok | fire) / p(tok))
+    tok = {(c, t, kind): (n, p) for c, t, n, p, kind in h.token_rows()}
+    assert tok[(3, 0, "count")] == (4, pytest.approx(math.log((4 / 5) / (4 / 12))))
+    assert tok[(3, 3, "count")] == (1, pytest.approx(math.log((1 / 5) / (1 / 12))))
+    assert tok[(0, 0, "count")][0] == 4 and (0, 1, "count") not in tok
+    # top examples of a0: CI 1 at positions 0, 3, 7 (ties by position), windows of +-1 token
+    top = h.stats["a"].top
+    assert top.pos[:, 0].tolist() == [0, 3, 7]
+    assert top.win_tok[:, 0].tolist() == [[-1, 0, 1], [2, 0, 3], [4, 0, 0]]
+    assert top.win_ci[1, 0].tolist() == [0.0, 1.0, 0.0]
+    # the sample keeps firing positions only (a1 fires at 1 and 9: both)
+    assert sorted(h.stats["a"].sample.pos[:, 1].tolist()) == [1, 9]
+    assert set(h.stats["a"].sample.pos[:, 0].tolist()) <= {0, 3, 7, 8}
+
+
+def test_the_result_does_not_depend_on_how_the_data_is_split(tmp_path: Path):
+    """One batch of 2 sequences, or 2 batches of 1: the same state bit for bit, and the same
+    database (1 vs N devices, 1 vs N processes and a resumed harvest all come down to this)."""
+    a, b = _harvest(2), _harvest(1)
+    sa, sb = a.state(), b.state()
+    assert set(sa) == set(sb)
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+    # a state saved mid-way and loaded into a fresh accumulator goes on identically
+    c = Harvest({"a": 3, "b": 2}, 0.1, top_k=3, n_samples=2, window=1, vocab=VOCAB)
+    c.add(closed_form_ci(TOKENS[:1]), TOKENS[:1], start=0)
+    d = Harvest({"a": 3, "b": 2}, 0.1, top_k=3, n_samples=2, window=1, vocab=VOCAB)
+    d.load_state(c.state())
+    d.add(closed_form_ci(TOKENS[1:]), TOKENS[1:], start=6)
+    for k, v in d.state().items():
+        np.testing.assert_array_equal(v, sa[k], err_msg=k)
+    dumps = []
+    for name, h in (("a", a), ("b", b)):
+        path = tmp_path / f"{name}.db"
+        db.write(path, h, {"stage": "train"})
+        con = db.open_readonly(path)
+        dumps.append([r for r in con.iterdump() if "INSERT" in r])
+        con.close()
+    assert dumps[0] == dumps[1]
+
+
+def test_database_layout_and_refusals(tmp_path: Path):
+    path = tmp_path / "h.db"
+    db.write(path, _harvest(2), {"stage": "train"})
+    con = db.open_readonly(path)
+    sites = con.execute("SELECT site, C, offset, alive FROM sites ORDER BY idx").fetchall()
+    assert sites == [("a", 3, 0, 3), ("b", 2, 3, 1)]
+    ex = con.execute(
+        "SELECT position, tokens FROM examples WHERE site='a' AND component=0 AND kind='top' "
+        "ORDER BY rank"
+    ).fetchall()
+    assert ex == [(0, "[-1, 0, 1]"), (3, "[2, 0, 3]"), (7, "[4, 0, 0]")]
+    by_token = con.execute("SELECT DISTINCT site, component FROM tokens WHERE token = 2 "
+                           "AND kind = 'count' ORDER BY site, component").fetchall()  # fmt: skip
+    assert by_token == [("a", 2)]  # "which components fire on this token"
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
+    assert not path.with_name("h.db.tmp").exists()
+    other = sqlite3.connect(tmp_path / "old.db")
+    other.execute("CREATE TABLE meta (key TEXT, value TEXT)")
+    other.execute("INSERT INTO meta VALUES ('schema_version', '0')")
+    other.commit()
+    other.close()
+    from pdctl.errors import PdctlError
+
+    with pytest.raises(PdctlError, match="schema version 0, this pdctl reads 1"):
+        db.open_readonly(tmp_path / "old.db")
+
+
+@pytest.fixture(scope="module")
+def tms_trained(tmp_path_factory) -> Path:
+    run = make_run(tmp_path_factory.mktemp("hv"), "tms", "t", tiny=False,
+                   pretrain={"steps": 60, "batch_size": 64, "log_every": 20},
+                   warmup={"steps": 4, "log_every": 2},
+                   train={"steps": 20, "batch_size": 64, "log_every": 10,
+                          "eval_every": 20})  # fmt: skip
+    assert cli("--project", run, "run").exit_code == 0
+    return run
+
+
+def _dump(path: Path) -> list[str]:
+    con = db.open_readonly(path)
+    try:
+        return [r for r in con.iterdump() if "INSERT" in r and "'created'" not in r]
+    finally:
+        con.close()
+
+
+def test_harvest_of_a_toy_run_and_an_interrupted_one_resumes(tms_trained: Path, monkeypatch):
+    r = cli("--project", tms_trained, "harvest", "--tokens", "2048", "--batch-size", "256")
+    assert r.exit_code == 0, r.output
+    path = tms_trained / "harvest" / "harvest.db"
+    full = _dump(path)
+    con = db.open_readonly(path)
+    n = con.execute("SELECT value FROM meta WHERE key='n_positions'").fetchone()[0]
+    assert n == "2048"
+    C = con.execute("SELECT C FROM sites WHERE site='linear1'").fetchone()[0]
+    n_comp = con.execute("SELECT count(*) FROM components WHERE site='linear1'").fetchone()[0]
+    assert n_comp == C
+    n_feat = con.execute("SELECT count(DISTINCT feature) FROM toy_features").fetchone()[0]
+    assert n_feat == 5  # TMS 5-2: CI of each one-hot feature
+    con.close()
+    assert not (tms_trained / "harvest" / "partial.npz").exists()
+    st = cli("--project", tms_trained, "status")
+    text = " ".join(st.output.split())  # rich wraps long lines
+    assert "harvest: " in text and "train checkpoint 20, 2048 positions" in text, text
+
+    # a crash after batch 5 of 8 (saves every 2 batches here): the rerun goes on from 4
+    monkeypatch.setattr(hv, "SAVE_EVERY", 2)
+    real = hv.Harvest.add
+    calls = {"n": 0}
+
+    def crash_after_five(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("killed")
+        return real(self, *a, **k)
+
+    path.unlink()
+    monkeypatch.setattr(hv.Harvest, "add", crash_after_five)
+    with pytest.raises(RuntimeError):
+        hv.harvest(_project(tms_trained), n_tokens=2048, batch_size=256)
+    assert (tms_trained / "harvest" / "partial.npz").exists() and not path.exists()
+    monkeypatch.setattr(hv.Harvest, "add", real)
+    res = hv.harvest(_project(tms_trained), n_tokens=2048, batch_size=256)
+    assert res.resumed_from == 4
+    assert _dump(path) == full
+
+
+def _project(run: Path):
+    from pdctl.project import Project
+
+    return Project.load(run / "pdctl.toml")
+
+
+def test_bad_input_is_one_line(tms_trained: Path, tmp_path: Path):
+    assert "--tokens: must be >= 1" in cli_fails(2, "--project", tms_trained, "harvest",
+                                                 "--tokens", "0")  # fmt: skip
+    line = cli_fails(2, "--project", tms_trained, "harvest", "--batch-size", "3")
+    assert "--batch-size: 3 is not divisible by the 4 devices" in line
+    assert "has no decomposition" in cli_fails(2, "--project", tms_trained, "harvest",
+                                               "--stage", "pretrain")  # fmt: skip
+    fresh = make_run(tmp_path, "tms", "fresh")
+    line = cli_fails(2, "--project", fresh, "harvest")
+    assert line == "error: harvest: pretrain has no checkpoint (run `pdctl pretrain`)", line
+    assert not (fresh / "harvest" / "harvest.db").exists()
