@@ -270,6 +270,28 @@ def harvest(
     )
 
 
+@app.command()
+@_guard
+def browse(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8765,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (default: this machine only).")
+    ] = "127.0.0.1",
+) -> None:
+    """A local web app over the run's harvest (`pdctl harvest` first): sites, a sortable
+    component table, component pages, token search. Read-only; Ctrl-C stops it."""
+    from pdctl.harvest import browse as br
+
+    proj = _project(ctx)
+    app_ = br.make_app(proj)
+    br.check_port(host, port)
+    console.print(f"pdctl browse: http://{host}:{port}/ (Ctrl-C stops it)", markup=False)
+    import uvicorn
+
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
 def _stage_project(ctx: typer.Context):
     """Load the project and set up JAX for a stage (multi-host runtime, compile cache)."""
     from pdctl import supervisor

@@ -204,3 +204,175 @@ def test_bad_input_is_one_line(tms_trained: Path, tmp_path: Path):
     line = cli_fails(2, "--project", fresh, "harvest")
     assert line == "error: harvest: pretrain has no checkpoint (run `pdctl pretrain`)", line
     assert not (fresh / "harvest" / "harvest.db").exists()
+
+
+# ---- pdctl browse ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """The app over the closed-form harvest, in a tms run directory (tokens shown as ids),
+    served by uvicorn on a free port in a thread: (base url, run directory)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from pdctl.harvest.browse import make_app
+
+    run = make_run(tmp_path, "tms", "r")
+    (run / "harvest").mkdir()
+    db.write(
+        run / "harvest" / "harvest.db",
+        _harvest(2),
+        {"stage": "train", "kind": "lm-test", "split": "eval", "step": 1, "vocab": VOCAB},
+    )
+    (tmp_path / "secret.txt").write_text("outside")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(_project(run)), host="127.0.0.1",
+                                           port=port, log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", run
+    server.should_exit = True
+    thread.join(10)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_browse_api_is_read_only_over_the_run(served):
+    import json
+
+    base, run = served
+    status, body = _get(f"{base}/api/component/a/0")
+    assert status == 200
+    comp = json.loads(body)
+    assert comp["count"] == 4 and [e["position"] for e in comp["top"]] == [0, 3, 7]
+    assert [(r["other_site"], r["other_component"]) for r in comp["cooc"]] == [("b", 0)]
+    assert json.loads(_get(f"{base}/api/search?q=%232")[1])["rows"][0]["component"] == 2
+    assert _get(f"{base}/api/component/nope/0")[0] == 404
+    assert _get(f"{base}/api/components?sort=drop")[0] == 400  # no SQL from the query string
+    assert _get(f"{base}/files/pdctl.toml")[0] == 200
+    for outside in ("%2e%2e/secret.txt", "..%2fsecret.txt", "%2Fetc%2Fpasswd"):
+        assert _get(f"{base}/files/{outside}")[0] in (403, 404), outside
+    assert _get(f"{base}/files/%2e%2e/secret.txt")[0] == 403
+    (run / "link").symlink_to(run.parent / "secret.txt")
+    assert _get(f"{base}/files/link")[0] == 403
+
+
+def test_browse_in_headless_chromium(served, tmp_path: Path):
+    import os
+
+    from test_report import CHROMIUM, _Browser
+
+    if CHROMIUM is None:
+        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
+            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    base, _ = served
+    broken = tmp_path / "broken.html"  # the control: the check sees what it is there to catch
+    broken.write_text("<!DOCTYPE html><html><body><script>undefined_fn();</script></body></html>")
+    browser = _Browser(tmp_path / "profile")
+
+    def js(expr: str):
+        out = browser.call(
+            "Runtime.evaluate",
+            {"expression": expr, "returnByValue": True, "awaitPromise": True},
+            browser.session,
+        )
+        return out["result"].get("value")  # fmt: skip
+
+    def wait_ready(route: str) -> None:
+        import time
+
+        deadline = time.monotonic() + 20
+        while js("document.body.dataset.ready") != route:
+            assert time.monotonic() < deadline, (route, js("document.body.innerHTML"))
+            time.sleep(0.1)
+
+    try:
+        errors, _, _ = browser.load(broken.as_uri())
+        assert any("exception" in e for e in errors), errors
+        errors, _, _ = browser.load(f"{base}/")
+        wait_ready("#/")
+        assert errors == [], errors
+        assert js("document.querySelectorAll('a.site').length") == 2
+        js("document.querySelector('a.site').click()")
+        wait_ready("#/site/a")
+        js("document.querySelector('a.component').click()")  # the most frequent: a #0
+        wait_ready("#/c/a/0")
+        assert js("document.getElementById('component-title').textContent") == "a #0"
+        assert js("document.querySelectorAll('.ex').length") >= 3
+        js("document.getElementById('q').value = '#2';"
+           "document.getElementById('search').requestSubmit()")  # fmt: skip
+        wait_ready("#/search/%232")
+        links = js("Array.from(document.querySelectorAll('#results a.component'))"
+                   ".map(a => a.textContent)")  # fmt: skip
+        assert links == ["a #2"], links
+        page_errors = [m for m in browser.seen if m.get("method") == "Runtime.exceptionThrown"]
+        assert page_errors == []
+    finally:
+        browser.close()
+
+
+def test_browse_bad_input_is_one_line(tmp_path: Path, served):
+    fresh = make_run(tmp_path, "tms", "fresh")
+    line = cli_fails(2, "--project", fresh, "browse")
+    assert "no harvest here (run `pdctl harvest` first)" in line
+    base, run = served
+    port = int(base.rsplit(":", 1)[1])
+    line = cli_fails(2, "--project", run, "browse", "--port", str(port))  # the fixture's
+    assert f"--port: cannot listen on 127.0.0.1:{port}" in line
+
+
+@pytest.mark.slow  # four pdctl processes, ~40 s
+def test_one_vs_four_devices_and_sigkill_give_the_same_database(tms_trained: Path, tmp_path):
+    import shutil
+    import signal
+    import subprocess
+    import time
+
+    from helpers import pdctl_argv, pdctl_env, pdctl_process
+
+    args = ("harvest", "--tokens", "131072", "--batch-size", "256")
+    path = tms_trained / "harvest" / "harvest.db"
+
+    def dump() -> list[str]:
+        return [r for r in _dump(path) if "'devices'" not in r]
+
+    dumps = {}
+    for n in (1, 4):
+        r = pdctl_process(*args, project=tms_trained, devices=n)
+        assert r.returncode == 0, r.stderr
+        dumps[n] = dump()
+        shutil.copy(path, tmp_path / f"{n}.db")
+    assert dumps[1] == dumps[4]
+    path.unlink()
+    proc = subprocess.Popen(pdctl_argv(*args, project=tms_trained), env=pdctl_env(4),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    partial = tms_trained / "harvest" / "partial.npz"
+    deadline = time.monotonic() + 120
+    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the harvest ended before it could be killed"
+    assert not path.exists()
+    r = pdctl_process(*args, project=tms_trained, devices=4)
+    assert r.returncode == 0 and "went on from batch" in r.stdout, (r.stdout, r.stderr)
+    assert dump() == dumps[4]

@@ -8,7 +8,8 @@ another version with one line.
 Tables (component = index within its site; "global" = index over all sites in site order):
   meta(key, value)                        schema_version, run_id, stage, step, n_positions, ...
   sites(site, idx, C, offset, l0, alive)  one row per decomposed site, in the run's order
-  components(site, component, count, frequency, mean_ci, max_ci, hist)   hist: JSON list
+  components(site, component, count, frequency, mean_ci, max_ci, hist, v_norm, u_norm)
+                                          hist: JSON list; norms of V[:, c] and U[c, :]
   examples(site, component, kind, rank, ci, position, tokens, cis)       kind: top | sample
   cooc(site, component, other_site, other_component, count, precision, recall, jaccard, pmi)
   tokens(site, component, kind, token, count, pmi)                       kind: count | pmi
@@ -35,7 +36,7 @@ CREATE TABLE sites (site TEXT PRIMARY KEY, idx INTEGER NOT NULL, C INTEGER NOT N
   offset INTEGER NOT NULL, l0 REAL NOT NULL, alive INTEGER NOT NULL);
 CREATE TABLE components (site TEXT NOT NULL, component INTEGER NOT NULL, count INTEGER NOT NULL,
   frequency REAL NOT NULL, mean_ci REAL NOT NULL, max_ci REAL NOT NULL, hist TEXT NOT NULL,
-  PRIMARY KEY (site, component));
+  v_norm REAL, u_norm REAL, PRIMARY KEY (site, component));
 CREATE TABLE examples (site TEXT NOT NULL, component INTEGER NOT NULL, kind TEXT NOT NULL,
   rank INTEGER NOT NULL, ci REAL NOT NULL, position INTEGER NOT NULL, tokens TEXT NOT NULL,
   cis TEXT NOT NULL, PRIMARY KEY (site, component, kind, rank));
@@ -62,10 +63,12 @@ def write(
     h: Harvest,
     meta: dict[str, Any],
     toy_features: dict[str, np.ndarray] | None = None,
+    norms: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
     top_pairs: int = 20,
     top_tokens: int = 20,
 ) -> None:
-    """The whole database for accumulator `h`, atomically at `path`."""
+    """The whole database for accumulator `h`, atomically at `path`; `norms` {site: (|V[:, c]|,
+    |U[c, :]|)} per component when known."""
     tmp = path.with_name(path.name + ".tmp")
     for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
         p.unlink(missing_ok=True)
@@ -90,11 +93,13 @@ def write(
                 "INSERT INTO sites VALUES (?, ?, ?, ?, ?, ?)",
                 (s, idx, C, offsets[s], _r(l0), int((st.count > 0).sum())),
             )
+            vn, un = (norms or {}).get(s, (None, None))
             con.executemany(
-                "INSERT INTO components VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO components VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (s, c, int(st.count[c]), _r(st.count[c] / N), _r(st.ci_sum[c] / N),
-                     _r(st.ci_max[c]), json.dumps(st.hist[c].tolist()))
+                     _r(st.ci_max[c]), json.dumps(st.hist[c].tolist()),
+                     None if vn is None else _r(vn[c]), None if un is None else _r(un[c]))
                     for c in range(C)
                 ],
             )  # fmt: skip

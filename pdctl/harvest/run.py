@@ -179,7 +179,12 @@ def harvest(
             "seq_len": T if lm else None, "kind": target.kind, "lm": lm, "vocab": vocab,
             "batch_size": B, "devices": n_dev, "created": now(), "top_k": top_k}  # fmt: skip
     path = out_dir / "harvest.db"
-    db.write(path, h, meta, toy_features=toy)
+    norms = {
+        s: (np.linalg.norm(np.asarray(c["V"], np.float32), axis=0),
+            np.linalg.norm(np.asarray(c["U"], np.float32), axis=1))
+        for s, c in dec.components.items()
+    }  # fmt: skip
+    db.write(path, h, meta, toy_features=toy, norms=norms)
     (out_dir / "partial.npz").unlink(missing_ok=True)
     return Result(path, h.n_positions, start_batch, n_batches)
 

@@ -1,0 +1,266 @@
+"""`pdctl browse`: a local web app over a run's harvest.db (Starlette, served by uvicorn).
+
+One page of plain HTML + JS (`static/`, no build step, no network assets) over a small JSON API,
+read-only: the database is opened `mode=ro` per request, and the only files served are the
+app's own and, under /files/, files inside the run directory (a path that resolves outside it,
+through `..` or a symlink, is refused with 403).
+
+API: /api/overview (the run and its sites), /api/components?site=&sort=&desc=&min_frequency=
+&limit=&offset= (the component table), /api/component/{site}/{c} (one component: statistics,
+top and sampled examples with tokens decoded, token lists, co-firing components, V/U norms),
+/api/search?q= (components firing on a token, given as its text or #id), /api/like/{site}/{c}
+(components whose top tokens overlap this one's most).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pdctl.errors import PdctlError
+from pdctl.harvest import db
+from pdctl.project import Project
+
+STATIC = Path(__file__).with_name("static")
+SORTS = ("component", "frequency", "count", "mean_ci", "max_ci", "v_norm", "u_norm")
+
+
+def _decoder(project: Project) -> Callable[[list[int]], str]:
+    try:
+        from pdctl.report.load import token_decoder
+        from pdctl.stages.common import target_from_config
+
+        target = target_from_config(project.config, project.root, need_weights=False)
+        return token_decoder(project, target)[0]
+    except Exception:  # a run whose model directory moved: show ids
+        return lambda ids: "".join(f"⟨{int(t)}⟩" for t in ids)
+
+
+def make_app(project: Project):
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import FileResponse, JSONResponse
+    from starlette.routing import Route
+
+    root = project.root.resolve()
+    path = root / "harvest" / "harvest.db"
+    db.open_readonly(path).close()  # refuse a missing or foreign database up front
+    decode = _decoder(project)
+    cache: dict[int, str] = {}
+
+    def tok(t: int) -> str:
+        if t < 0:
+            return ""
+        if t not in cache:
+            cache[t] = decode([t])
+        return cache[t]
+
+    def connect() -> sqlite3.Connection:
+        con = db.open_readonly(path)
+        con.row_factory = sqlite3.Row
+        return con
+
+    def meta(con) -> dict[str, Any]:
+        return {r["key"]: json.loads(r["value"]) for r in con.execute("SELECT * FROM meta")}
+
+    def site_exists(con, site: str) -> None:
+        if con.execute("SELECT 1 FROM sites WHERE site = ?", (site,)).fetchone() is None:
+            raise HTTPException(404, f"no site {site!r}")
+
+    async def index(request):
+        return FileResponse(STATIC / "index.html")
+
+    async def static(request):
+        name = request.path_params["name"]
+        if name not in ("app.js", "style.css"):
+            raise HTTPException(404)
+        return FileResponse(STATIC / name)
+
+    async def files(request):
+        target = (root / request.path_params["path"]).resolve()
+        if not target.is_relative_to(root):
+            raise HTTPException(403, "outside the run directory")
+        if not target.is_file():
+            raise HTTPException(404)
+        return FileResponse(target)
+
+    async def overview(request):
+        con = connect()
+        try:
+            sites = []
+            for s in con.execute("SELECT * FROM sites ORDER BY idx"):
+                freqs = [r[0] for r in con.execute(
+                    "SELECT frequency FROM components WHERE site = ?", (s["site"],))]  # fmt: skip
+                # components by firing frequency, in decades: 0, (0, 1e-4], ..., (0.1, 1]
+                edges = [0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]
+                hist = [sum(1 for f in freqs if f == 0)] + [
+                    sum(1 for f in freqs if lo < f <= hi) for lo, hi in itertools.pairwise(edges)
+                ]
+                sites.append({**dict(s), "frequency_hist": hist})
+            return JSONResponse({"run": str(root), "meta": meta(con), "sites": sites,
+                                 "frequency_edges": ["0", "≤1e-4", "≤1e-3", "≤1e-2", "≤0.1",
+                                                     "≤1"]})  # fmt: skip
+        finally:
+            con.close()
+
+    async def components(request):
+        q = request.query_params
+        site = q.get("site", "")
+        sort = q.get("sort", "frequency")
+        if sort not in SORTS:
+            raise HTTPException(400, f"sort must be one of {', '.join(SORTS)}")
+        desc = q.get("desc", "1") != "0"
+        try:
+            limit = max(1, min(int(q.get("limit", 200)), 5000))
+            offset = max(0, int(q.get("offset", 0)))
+            min_f = float(q.get("min_frequency", 0))
+        except ValueError:
+            raise HTTPException(400, "limit, offset and min_frequency are numbers") from None
+        con = connect()
+        try:
+            where, args = "frequency >= ?", [min_f]
+            if site:
+                site_exists(con, site)
+                where += " AND site = ?"
+                args.append(site)
+            order = f"{sort} {'DESC' if desc else 'ASC'}, site, component"
+            rows = con.execute(
+                "SELECT site, component, count, frequency, mean_ci, max_ci, v_norm, u_norm "
+                f"FROM components WHERE {where} ORDER BY {order} LIMIT ? OFFSET ?",
+                [*args, limit, offset],
+            ).fetchall()
+            count_sql = f"SELECT count(*) FROM components WHERE {where}"
+            (total,) = con.execute(count_sql, args).fetchone()
+            return JSONResponse({"total": total, "rows": [dict(r) for r in rows]})
+        finally:
+            con.close()
+
+    def _example(r) -> dict[str, Any]:
+        toks = json.loads(r["tokens"])
+        return {
+            "rank": r["rank"],
+            "ci": r["ci"],
+            "position": r["position"],
+            "tokens": [tok(t) for t in toks],
+            "ids": toks,
+            "cis": json.loads(r["cis"]),
+        }
+
+    async def component(request):
+        site, c = request.path_params["site"], request.path_params["c"]
+        con = connect()
+        try:
+            site_exists(con, site)
+            row = con.execute(
+                "SELECT * FROM components WHERE site = ? AND component = ?", (site, c)
+            ).fetchone()
+            if row is None:
+                raise HTTPException(404, f"no component {c} in {site}")
+            out = dict(row)
+            out["hist"] = json.loads(out["hist"])
+            for kind in ("top", "sample"):
+                out[kind] = [_example(r) for r in con.execute(
+                    "SELECT * FROM examples WHERE site = ? AND component = ? AND kind = ? "
+                    "ORDER BY rank", (site, c, kind))]  # fmt: skip
+            for kind in ("count", "pmi"):
+                out[f"tokens_{kind}"] = [
+                    {"token": tok(r["token"]), "id": r["token"], "count": r["count"],
+                     "pmi": r["pmi"]}
+                    for r in con.execute(
+                        "SELECT * FROM tokens WHERE site = ? AND component = ? AND kind = ? "
+                        "ORDER BY rowid", (site, c, kind))
+                ]  # fmt: skip
+            out["cooc"] = [
+                dict(r)
+                for r in con.execute(
+                    "SELECT other_site, other_component, count, precision, recall, jaccard, pmi "
+                    "FROM cooc WHERE site = ? AND component = ? ORDER BY rowid",
+                    (site, c),
+                )
+            ]
+            out["features"] = [dict(r) for r in con.execute(
+                "SELECT feature, ci FROM toy_features WHERE site = ? AND component = ? "
+                "ORDER BY feature", (site, c))]  # fmt: skip
+            return JSONResponse(out)
+        finally:
+            con.close()
+
+    async def search(request):
+        q = request.query_params.get("q", "").strip()
+        if not q:
+            raise HTTPException(400, "q: give a token's text or #id")
+        con = connect()
+        try:
+            vocab = meta(con).get("vocab") or 0
+            if q.startswith("#") and q[1:].isdigit():
+                ids = [int(q[1:])]
+            else:
+                ids = [t for t in range(vocab) if tok(t).strip() == q]
+            rows = []
+            for t in ids:
+                rows += [
+                    dict(r) | {"token": tok(t), "id": t}
+                    for r in con.execute(
+                        "SELECT site, component, count, pmi FROM tokens WHERE token = ? AND "
+                        "kind = 'count' ORDER BY count DESC, site, component LIMIT 100",
+                        (t,),
+                    )
+                ]
+            rows.sort(key=lambda r: (-r["count"], r["site"], r["component"]))
+            return JSONResponse({"q": q, "ids": ids, "rows": rows[:100]})
+        finally:
+            con.close()
+
+    async def like(request):
+        site, c = request.path_params["site"], request.path_params["c"]
+        con = connect()
+        try:
+            site_exists(con, site)
+            rows = con.execute(
+                "SELECT b.site AS site, b.component AS component, count(*) AS shared FROM tokens a "
+                "JOIN tokens b ON a.token = b.token AND b.kind = 'count' WHERE a.site = ? AND "
+                "a.component = ? AND a.kind = 'count' AND NOT (b.site = a.site AND "
+                "b.component = a.component) GROUP BY b.site, b.component "
+                "ORDER BY shared DESC, b.site, b.component LIMIT 20",
+                (site, c),
+            ).fetchall()
+            return JSONResponse({"rows": [dict(r) for r in rows]})
+        finally:
+            con.close()
+
+    return Starlette(
+        routes=[
+            Route("/", index),
+            Route("/static/{name}", static),
+            Route("/files/{path:path}", files),
+            Route("/api/overview", overview),
+            Route("/api/components", components),
+            Route("/api/component/{site}/{c:int}", component),
+            Route("/api/search", search),
+            Route("/api/like/{site}/{c:int}", like),
+        ]
+    )
+
+
+def check_port(host: str, port: int) -> None:
+    """One line, exit 2, for a port that cannot be bound (in use, privileged, bad host)."""
+    if not 0 < port < 65536:
+        raise PdctlError(f"--port: must be in [1, 65535], got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PdctlError(f"--port: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+def serve(project: Project, host: str, port: int) -> None:
+    import uvicorn
+
+    app = make_app(project)
+    check_port(host, port)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
