@@ -63,6 +63,12 @@ class _Steps:
             self.progress.update(self.task, total=self.total)
 
 
+def harvest_line(project: Project) -> str | None:
+    from pdctl.harvest.run import harvest_line as line
+
+    return line(project)
+
+
 @contextlib.contextmanager
 def progress_bar(console: Any) -> Iterator[Any]:
     """A rich Progress on `console` for `build_report`, silent when it is not a terminal."""
@@ -305,6 +311,7 @@ def _build(project: Project, stage: str, out_dir: Path, progress: Any) -> Report
         config_text=_user_config(project),
         stages_rows=_stage_rows(project),
         sections=sections,
+        harvest=harvest_line(project),
     )
     res.index.write_text(P.render(page), encoding="utf-8")
     res.files.append(res.index)

@@ -51,6 +51,7 @@ class Page:
     config_text: str = ""
     stages_rows: list[tuple[str, ...]] = field(default_factory=list)
     sections: list[tuple[str, list[Fig], str]] = field(default_factory=list)
+    harvest: str | None = None  # the harvest's line (`harvest.run.harvest_line`), if one exists
 
 
 def esc(x: Any) -> str:
@@ -172,6 +173,13 @@ def render(page: Page) -> str:
         out.append(f'<div class="missing"><b>Not in this report:</b><ul>{items}</ul></div>')
     if page.notes:
         out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in page.notes) + "</ul>")
+    if page.harvest:
+        url = "http://127.0.0.1:8765/"
+        out.append(
+            f'<p id="harvest">{esc(page.harvest)}: every component, over the harvested corpus, '
+            f'in the browser: run <code>pdctl browse</code>, then open <a href="{url}">{url}</a>'
+            "</p>"
+        )
     if page.eval_html is not None:
         out.append(f"<h2>{esc(page.eval_title)}</h2>")
         out.append(page.eval_html or "<p>No final evaluation recorded.</p>")
