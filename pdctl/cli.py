@@ -246,6 +246,10 @@ def harvest(
     top_k: Annotated[
         int, typer.Option("--top-k", help="Top and sampled examples kept per component.")
     ] = 20,
+    effects: Annotated[
+        int,
+        typer.Option("--effects", help="LMs: output effect of the N most often firing components."),
+    ] = 256,
 ) -> None:
     """What each component does over a corpus: firing frequency, CI statistics, top and
     sampled examples, co-occurring components and input tokens, into <run>/harvest/harvest.db
@@ -261,7 +265,8 @@ def harvest(
             progress.update(task, completed=done, total=total)
 
         result = hv.harvest(proj, stage=stage, n_tokens=tokens, batch_size=batch_size,
-                            split=split, top_k=top_k, on_batch=on_batch)  # fmt: skip
+                            split=split, top_k=top_k, effects=effects,
+                            on_batch=on_batch)  # fmt: skip
     again = f" (went on from batch {result.resumed_from})" if result.resumed_from else ""
     console.print(
         f"harvested {result.n_positions} positions in {result.batches} batches{again}: "

@@ -308,3 +308,64 @@ def test_tensor_parallel_run_matches_data_parallel_and_resumes_bit_exact(tmp_pat
         f"{assets['model'].resolve() / 'config.json'}"
     ], r.output
     assert not (bad / "checkpoints").exists() and not state(bad, "init_weights")
+
+
+@pytest.mark.slow
+def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, assets):
+    """`pdctl harvest` on an LM run: token windows decoded by the model's tokenizer in the
+    browser's API, and each measured output effect equal to the one recomputed here from the
+    evaluation's CI program and masked forward, sample position by sample position."""
+    import sqlite3
+
+    import jax
+
+    from pdctl.harvest.effect import top_changes
+    from pdctl.project import Project
+    from pdctl.report.load import load_decomposition
+    from pdctl.science.spd import evaluate
+    from pdctl.science.spd.losses import masked_forward
+
+    run = _run(tmp_path, assets)
+    assert cli("--project", run, "run").exit_code == 0
+    r = cli("--project", run, "harvest", "--tokens", "512", "--effects", "2", "--top-k", "4")
+    assert r.exit_code == 0, r.output
+    con = sqlite3.connect(run / "harvest" / "harvest.db")
+    done = con.execute("SELECT DISTINCT site, component FROM effects").fetchall()
+    assert len(done) == 2, done
+    site, c = done[0]
+    got = con.execute("SELECT kind, token, nats FROM effects WHERE site = ? AND component = ? "
+                      "ORDER BY kind, rank", (site, c)).fetchall()  # fmt: skip
+    positions = [p for (p,) in con.execute(
+        "SELECT position FROM examples WHERE site = ? AND component = ? AND kind = 'sample' "
+        "ORDER BY position", (site, c))]  # fmt: skip
+    con.close()
+    assert positions
+
+    project = Project.load(run / "pdctl.toml")
+    dec = load_decomposition(project, "train")
+    from pdctl.engine import sharding
+    from pdctl.stages.common import StageEnv, corpus_tokens
+
+    T = project.config.data.seq_len
+    env = StageEnv(project, "train", sharding.make_mesh(1, 1, jax.devices()[:1]), dec.target)
+    windows = np.asarray(corpus_tokens(env, "eval"))[: (512 // T) * T].reshape(-1, T)
+    diffs = []
+    for p in positions:
+        x = windows[p // T][None]
+        ci, _ = evaluate.compute_ci_jit(dec.target, dec.params, dec.components, dec.ci_fns,
+                                        project.config, x)  # fmt: skip
+        abl = {s: np.asarray(v) for s, v in ci.items()}
+        abl[site] = abl[site].copy()
+        abl[site][..., c] = 0.0  # component c ablated at every position
+
+        def logp(masks, x=x, p=p):
+            out = masked_forward(dec.target, dec.params, dec.components, x, masks, None)
+            return jax.nn.log_softmax(out[0, p % T])
+
+        lp = [logp(m) for m in (ci, abl)]
+        diffs.append(np.asarray(lp[0] - lp[1]))
+    want = top_changes(np.mean(diffs, axis=0))
+    want_rows = sorted((k, t, n) for k, rows in want.items() for t, n in rows)
+    assert [(k, t) for k, t, _ in sorted(got)] == [(k, t) for k, t, _ in want_rows]
+    np.testing.assert_allclose([n for *_, n in sorted(got)], [n for *_, n in want_rows],
+                               rtol=1e-4, atol=1e-6)  # fmt: skip

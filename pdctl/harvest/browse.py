@@ -183,6 +183,12 @@ def make_app(project: Project):
                     (site, c),
                 )
             ]
+            out["effects"] = {kind: [
+                {"token": tok(r["token"]), "id": r["token"], "nats": r["nats"]}
+                for r in con.execute(
+                    "SELECT token, nats FROM effects WHERE site = ? AND component = ? AND "
+                    "kind = ? ORDER BY rank", (site, c, kind))
+            ] for kind in ("raised", "lowered")}  # fmt: skip
             out["features"] = [dict(r) for r in con.execute(
                 "SELECT feature, ci FROM toy_features WHERE site = ? AND component = ? "
                 "ORDER BY feature", (site, c))]  # fmt: skip

@@ -14,6 +14,7 @@ Tables (component = index within its site; "global" = index over all sites in si
   cooc(site, component, other_site, other_component, count, precision, recall, jaccard, pmi)
   tokens(site, component, kind, token, count, pmi)                       kind: count | pmi
   toy_features(site, component, feature, ci)                             toys only
+  effects(site, component, kind, rank, token, nats)   LMs: kind raised | lowered (`effect`)
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ CREATE INDEX tokens_by_component ON tokens (site, component);
 CREATE INDEX tokens_by_token ON tokens (token);
 CREATE TABLE toy_features (site TEXT NOT NULL, component INTEGER NOT NULL,
   feature INTEGER NOT NULL, ci REAL NOT NULL);
+CREATE TABLE effects (site TEXT NOT NULL, component INTEGER NOT NULL, kind TEXT NOT NULL,
+  rank INTEGER NOT NULL, token INTEGER NOT NULL, nats REAL NOT NULL);
+CREATE INDEX effects_by_component ON effects (site, component);
 """
 
 
@@ -64,6 +68,7 @@ def write(
     meta: dict[str, Any],
     toy_features: dict[str, np.ndarray] | None = None,
     norms: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    effects: dict[tuple[str, int], dict[str, list[tuple[int, float]]]] | None = None,
     top_pairs: int = 20,
     top_tokens: int = 20,
 ) -> None:
@@ -127,6 +132,13 @@ def write(
                 "INSERT INTO toy_features VALUES (?, ?, ?, ?)",
                 [(s, c, f, _r(m[f, c])) for f in range(m.shape[0]) for c in range(m.shape[1])],
             )
+        con.executemany(
+            "INSERT INTO effects VALUES (?, ?, ?, ?, ?, ?)",
+            [(s, c, kind, rank, tok, _r(nats))
+             for (s, c), changes in (effects or {}).items()
+             for kind, rows in changes.items()
+             for rank, (tok, nats) in enumerate(rows)],
+        )  # fmt: skip
         con.commit()
         con.execute("PRAGMA journal_mode=WAL")
     finally:

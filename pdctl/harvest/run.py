@@ -33,6 +33,7 @@ from pdctl.project import Project, now
 SAVE_EVERY = 8  # batches between saves of the partial state
 TOY_INPUTS = 8192  # toys: inputs harvested by default
 TOY_BATCH = 1024
+EFFECTS = 256  # LMs: components (the most often firing) whose output effect is measured
 
 
 @dataclass
@@ -80,6 +81,7 @@ def harvest(
     batch_size: int | None = None,
     split: str = "eval",
     top_k: int = 20,
+    effects: int = EFFECTS,
     on_batch: Callable[[int, int], None] | None = None,
 ) -> Result:
     from pdctl.engine import sharding
@@ -95,6 +97,8 @@ def harvest(
         raise PdctlError(f"--split: must be eval or train, got {split!r}")
     if top_k < 1:
         raise PdctlError(f"--top-k: must be >= 1, got {top_k}")
+    if effects < 0:
+        raise PdctlError(f"--effects: must be >= 0, got {effects}")
     if stage not in ("train", "warmup"):
         raise PdctlError(f"--stage: {stage!r} has no decomposition (choose from train, warmup)")
     try:
@@ -172,6 +176,25 @@ def harvest(
         if on_batch is not None:
             on_batch(i + 1, n_batches)
 
+    changes = None
+    if lm and effects:
+        from pdctl.harvest import effect
+
+        ranked = sorted(
+            (
+                (int(h.stats[s].count[c]), s, c)
+                for s in sites
+                for c in range(sites[s])
+                if h.stats[s].count[c] > 0
+            ),
+            key=lambda r: (-r[0], r[1], r[2]),
+        )
+        chosen = []
+        for _, s, c in ranked[:effects]:
+            pos = h.stats[s].sample.pos[:, c]
+            chosen.append((s, c, np.sort(pos[pos >= 0])))
+        got = effect.output_effects(target, params, comps, ci_fns, cfg, windows, chosen, top_k)
+        changes = {sc: effect.top_changes(v) for sc, v in got.items()}  # fmt: skip
     toy = None
     if not lm and hasattr(target, "n_features"):
         toy = evaluate.toy_ci_matrices(target, params, comps, ci_fns, cfg)
@@ -184,7 +207,7 @@ def harvest(
             np.linalg.norm(np.asarray(c["U"], np.float32), axis=1))
         for s, c in dec.components.items()
     }  # fmt: skip
-    db.write(path, h, meta, toy_features=toy, norms=norms)
+    db.write(path, h, meta, toy_features=toy, norms=norms, effects=changes)
     (out_dir / "partial.npz").unlink(missing_ok=True)
     return Result(path, h.n_positions, start_batch, n_batches)
 

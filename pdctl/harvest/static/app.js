@@ -67,6 +67,10 @@ async function component(site, c) {
     const t = d["tokens_" + k];
     if (t.length) h += `<h2>input tokens by ${k}</h2><p>` + t.map(x => `<code>${esc(x.token)}</code> ${x.count} (PMI ${fmt(x.pmi)})`).join(", ") + "</p>";
   }
+  for (const k of ["raised", "lowered"]) {
+    const t = d.effects[k];
+    if (t.length) h += `<h2>next tokens it ${k} (ablated where it fires, nats)</h2><p>` + t.map(x => `<code>${esc(x.token)}</code> ${fmt(x.nats)}`).join(", ") + "</p>";
+  }
   h += "<h2>fires together with</h2><table><tr><th>component</th><th>count</th><th>precision</th><th>recall</th><th>Jaccard</th><th>PMI</th></tr>";
   h += d.cooc.map(r => `<tr><td>${compLink(r.other_site, r.other_component)}</td><td>${r.count}</td><td>${fmt(r.precision)}</td><td>${fmt(r.recall)}</td><td>${fmt(r.jaccard)}</td><td>${fmt(r.pmi)}</td></tr>`).join("") + "</table>";
   const like = await api(`/api/like/${encodeURIComponent(site)}/${c}`);
