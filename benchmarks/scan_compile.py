@@ -64,23 +64,16 @@ def tiny_raw(n_layers: int, scan: bool) -> dict:
 def fresh_train(cfg):
     """(mesh, target, train program, random target params, fresh train state, one batch of
     random tokens, number of sites) for `cfg` on pdctl's default devices."""
-    import jax
     import numpy as np
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import fresh_train_state
+
     from pdctl.engine import sharding
-    from pdctl.stages import train
-    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
-    from pdctl.stages.init_weights import init_decomposition
 
     mesh = sharding.make_mesh(-1, 1)
-    target = target_from_config(cfg, need_weights=False)
-    prog = train.program(cfg, mesh, target)
-    params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(jax.random.key(0))
-    dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
-    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
     tokens = np.random.default_rng(0).integers(0, 512, size=(4, 33), dtype=np.int32)
-    batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
-    return mesh, target, prog, params, state, batch, len(dec["components"])
+    return (mesh, *fresh_train_state(cfg, mesh, tokens))
 
 
 def child(n_layers: int, scan: bool, n_steps: int) -> dict:

@@ -537,7 +537,8 @@ def inspect_sharding(
         typer.Option("--devices", help="Preview a mesh of N devices (simulated CPU devices)."),
     ] = None,
     mesh: Annotated[
-        str | None, typer.Option("--mesh", help="Override [mesh]: data=A,fsdp=B (-1 = the rest).")
+        str | None,
+        typer.Option("--mesh", help="Override [mesh]: data=A,fsdp=B,tp=C (-1 = the rest)."),
     ] = None,
     compile_step: Annotated[
         bool,

@@ -318,3 +318,23 @@ def make_loop(
         **kw,
     )
     return loop, echoed, states
+
+
+# ---- a fresh train step ----------------------------------------------------------------------
+
+
+def fresh_train_state(cfg: Any, mesh: Any, tokens: np.ndarray) -> tuple[Any, ...]:
+    """(target, train program, random target params, fresh train state, the batch of `tokens`
+    (B, T + 1), number of sites) for `cfg` on `mesh`: a train step ready to run, no run
+    directory (an imported target needs only its config.json)."""
+    from pdctl.stages import train
+    from pdctl.stages.common import STREAM_DECOMP
+    from pdctl.stages.init_weights import init_decomposition
+
+    target = target_from_config(cfg, need_weights=False)
+    prog = train.program(cfg, mesh, target)
+    params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(jax.random.key(0))
+    dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
+    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
+    batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+    return target, prog, params, state, batch, len(dec["components"])

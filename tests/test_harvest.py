@@ -164,8 +164,8 @@ def test_harvest_of_a_toy_run_and_an_interrupted_one_resumes(tms_trained: Path, 
     st = cli("--project", tms_trained, "status")
     text = " ".join(st.output.split())  # rich wraps long lines
     assert "harvest: " in text and "train checkpoint 20, 2048 positions" in text, text
+    from pdctl.harvest.run import harvest_line
     from pdctl.report import page as P
-    from pdctl.report.build import harvest_line
 
     html = P.render(P.Page("t", "s", harvest=harvest_line(_project(tms_trained))))
     assert '<p id="harvest">' in html and 'href="http://127.0.0.1:8765/"' in html

@@ -114,26 +114,16 @@ def _raw(model_dir: Path, scan: bool) -> dict:
 def _trajectory(raw: dict, data: int, fsdp: int, tp: int, steps: int = 5):
     """Every scalar metric of `steps` train steps from the same start, on data x fsdp x tp
     devices (random target weights, a fixed batch)."""
+    from helpers import fresh_train_state
+
     from pdctl.config import parse_config
-    from pdctl.stages import train
-    from pdctl.stages.common import (
-        STREAM_DECOMP,
-        check_tensor_parallel,
-        stream_key,
-        target_from_config,
-    )
-    from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.common import check_tensor_parallel, target_from_config
 
     cfg = parse_config(raw)
     mesh = sharding.make_mesh(data, fsdp, jax.devices()[: data * fsdp * tp], tp=tp)
-    target = target_from_config(cfg, need_weights=False)
-    check_tensor_parallel(target, mesh)
-    prog = train.program(cfg, mesh, target)
-    params = jax.jit(target.init, out_shardings=prog.frozen_shardings[0])(jax.random.key(0))
-    dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
-    state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
+    check_tensor_parallel(target_from_config(cfg, need_weights=False), mesh)
     tokens = np.random.default_rng(0).integers(0, 64, size=(4, 9), dtype=np.int32)
-    batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+    _, prog, params, state, batch, _ = fresh_train_state(cfg, mesh, tokens)
     step = prog.jit()
     rows = []
     for _ in range(steps):

@@ -201,8 +201,7 @@ class Harvest:
         win_ci = np.zeros((k_here, C, width), np.float32)
         if tokens is not None:
             T = c3.shape[1]
-            local = order  # row index into this batch's flat positions
-            b, t = np.divmod(local, T)
+            b, t = np.divmod(order, T)  # order: rows of this batch's flat positions
             offs = np.arange(-w, w + 1)
             tt = t[..., None] + offs  # (k, C, width)
             ok = (tt >= 0) & (tt < T)

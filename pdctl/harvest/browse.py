@@ -19,6 +19,7 @@ import json
 import socket
 import sqlite3
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,7 @@ def make_app(project: Project):
         return FileResponse(target)
 
     async def overview(request):
-        con = connect()
-        try:
+        with closing(connect()) as con:
             sites = []
             for s in con.execute("SELECT * FROM sites ORDER BY idx"):
                 freqs = [r[0] for r in con.execute(
@@ -105,8 +105,6 @@ def make_app(project: Project):
             return JSONResponse({"run": str(root), "meta": meta(con), "sites": sites,
                                  "frequency_edges": ["0", "≤1e-4", "≤1e-3", "≤1e-2", "≤0.1",
                                                      "≤1"]})  # fmt: skip
-        finally:
-            con.close()
 
     async def components(request):
         q = request.query_params
@@ -121,8 +119,7 @@ def make_app(project: Project):
             min_f = float(q.get("min_frequency", 0))
         except ValueError:
             raise HTTPException(400, "limit, offset and min_frequency are numbers") from None
-        con = connect()
-        try:
+        with closing(connect()) as con:
             where, args = "frequency >= ?", [min_f]
             if site:
                 site_exists(con, site)
@@ -137,8 +134,6 @@ def make_app(project: Project):
             count_sql = f"SELECT count(*) FROM components WHERE {where}"
             (total,) = con.execute(count_sql, args).fetchone()
             return JSONResponse({"total": total, "rows": [dict(r) for r in rows]})
-        finally:
-            con.close()
 
     def _example(r) -> dict[str, Any]:
         toks = json.loads(r["tokens"])
@@ -153,8 +148,7 @@ def make_app(project: Project):
 
     async def component(request):
         site, c = request.path_params["site"], request.path_params["c"]
-        con = connect()
-        try:
+        with closing(connect()) as con:
             site_exists(con, site)
             row = con.execute(
                 "SELECT * FROM components WHERE site = ? AND component = ?", (site, c)
@@ -193,15 +187,12 @@ def make_app(project: Project):
                 "SELECT feature, ci FROM toy_features WHERE site = ? AND component = ? "
                 "ORDER BY feature", (site, c))]  # fmt: skip
             return JSONResponse(out)
-        finally:
-            con.close()
 
     async def search(request):
         q = request.query_params.get("q", "").strip()
         if not q:
             raise HTTPException(400, "q: give a token's text or #id")
-        con = connect()
-        try:
+        with closing(connect()) as con:
             vocab = meta(con).get("vocab") or 0
             if q.startswith("#") and q[1:].isdigit():
                 ids = [int(q[1:])]
@@ -219,13 +210,10 @@ def make_app(project: Project):
                 ]
             rows.sort(key=lambda r: (-r["count"], r["site"], r["component"]))
             return JSONResponse({"q": q, "ids": ids, "rows": rows[:100]})
-        finally:
-            con.close()
 
     async def like(request):
         site, c = request.path_params["site"], request.path_params["c"]
-        con = connect()
-        try:
+        with closing(connect()) as con:
             site_exists(con, site)
             rows = con.execute(
                 "SELECT b.site AS site, b.component AS component, count(*) AS shared FROM tokens a "
@@ -236,8 +224,6 @@ def make_app(project: Project):
                 (site, c),
             ).fetchall()
             return JSONResponse({"rows": [dict(r) for r in rows]})
-        finally:
-            con.close()
 
     return Starlette(
         routes=[

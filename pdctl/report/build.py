@@ -20,6 +20,7 @@ import numpy as np
 from pdctl import __version__
 from pdctl.config import STAGES
 from pdctl.errors import EXIT_INTERRUPTED, PdctlError
+from pdctl.harvest.run import harvest_line
 from pdctl.project import Project, split_state
 from pdctl.report import figures as F
 from pdctl.report import load as L
@@ -61,12 +62,6 @@ class _Steps:
         self.total += n
         if self.progress is not None:
             self.progress.update(self.task, total=self.total)
-
-
-def harvest_line(project: Project) -> str | None:
-    from pdctl.harvest.run import harvest_line as line
-
-    return line(project)
 
 
 @contextlib.contextmanager
@@ -311,7 +306,7 @@ def _build(project: Project, stage: str, out_dir: Path, progress: Any) -> Report
         config_text=_user_config(project),
         stages_rows=_stage_rows(project),
         sections=sections,
-        harvest=harvest_line(project),
+        harvest=harvest_line(project),  # the browser's link, when a harvest exists
     )
     res.index.write_text(P.render(page), encoding="utf-8")
     res.files.append(res.index)
