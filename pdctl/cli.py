@@ -617,6 +617,124 @@ def inspect_sharding(
     insp.render(report, console)
 
 
+sweep_app = typer.Typer(
+    help="Many runs of one template: seeds x a grid of config values, trained together.",
+    no_args_is_help=True,
+)
+app.add_typer(sweep_app, name="sweep")
+
+
+def _sweep(name: str):
+    from pdctl.sweep.spec import Sweep
+
+    return Sweep.load(Path(name))
+
+
+@sweep_app.command("new")
+@_guard
+def sweep_new(
+    name: Annotated[str, typer.Argument(help="Sweep directory to create (a plain name).")],
+    template: Annotated[str, typer.Option("--template", "-t", help="Template of every member.")] = (
+        "tms"
+    ),
+    seeds: Annotated[int, typer.Option("--seeds", help="Seeds per grid point.")] = 1,
+    grid: Annotated[
+        list[str] | None,
+        typer.Option("--grid", help="KEY=V1,V2,...: a config key and its values (repeatable)."),
+    ] = None,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="KEY=VALUE for every member (repeatable)."),
+    ] = None,
+) -> None:
+    """Create NAME/sweep.toml and one run directory per member under NAME/runs/."""
+    from pdctl.sweep.spec import create_sweep, parse_grid, parse_sets
+
+    sweep = create_sweep(
+        name, template, seeds, parse_grid(grid or []), parse_sets(sets or []), Path.cwd()
+    )
+    console.print(f"created {sweep.root}/sweep.toml: {len(sweep.members)} members under runs/")
+    console.print(f"next: pdctl sweep run {name}")
+
+
+@sweep_app.command("run")
+@_guard
+def sweep_run(
+    name: Annotated[str, typer.Argument(help="Sweep directory.")],
+    strategy: Annotated[
+        str | None,
+        typer.Option(
+            "--strategy",
+            help="How a device steps its members: map (one after another; default on CPU) or "
+            "vmap (batched; default on GPU/TPU).",
+        ),
+    ] = None,
+) -> None:
+    """Run (or continue) every member; members that differ only in their seed train as one
+    program per stage."""
+    from pdctl.sweep.stacked import STRATEGIES
+
+    if strategy is not None and strategy not in STRATEGIES:
+        raise PdctlError(f"--strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    sweep = _sweep(name)
+    with _stopping_cleanly():
+        from pdctl.engine import runtime
+        from pdctl.engine.loop import Interrupted
+        from pdctl.sweep.run import run_sweep
+
+        runtime.setup_logging()
+        runtime.initialize(sweep.project(sweep.members[0]).config, None)
+        try:
+            run_sweep(sweep, strategy, echo=lambda s: console.print(s, markup=False))
+        except Interrupted as e:
+            raise Interrupted(f"{e}; `pdctl sweep run {name}` continues the sweep") from None
+    _sweep_status(sweep, as_json=False)
+
+
+def _sweep_status(sweep, as_json: bool) -> None:
+    from pdctl.sweep import table
+
+    rows = table.rows(sweep)
+    points = table.by_point(sweep, rows)
+    if as_json:
+        typer.echo(json.dumps({"members": rows, "points": points}))
+        return
+    t = Table(title=f"sweep {sweep.name}")
+    for h in table.STATUS_HEADER:
+        t.add_column(h)
+    for line in table.status_lines(sweep, rows):
+        t.add_row(*line)
+    console.print(t)
+    for g in points:
+        frac = f"{g['success']}/{g['finished']}" if g["finished"] else "none finished"
+        console.print(f"{g['point']}: success {frac} ({g['members']} members)", markup=False)
+
+
+@sweep_app.command("status")
+@_guard
+def sweep_status(
+    name: Annotated[str, typer.Argument(help="Sweep directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """One row per member (varied values, status, CI errors, min MMCS, L0, alive) and the
+    success fraction per grid point."""
+    _sweep_status(_sweep(name), as_json)
+
+
+@sweep_app.command("report")
+@_guard
+def sweep_report(name: Annotated[str, typer.Argument(help="Sweep directory.")]) -> None:
+    """The metrics per grid point with their spread over seeds; writes NAME/report.md."""
+    from pdctl.files import atomic_write
+    from pdctl.sweep import table
+
+    sweep = _sweep(name)
+    text = table.report_markdown(sweep, table.by_point(sweep, table.rows(sweep)))
+    atomic_write(sweep.root / "report.md", text.encode("utf-8"))
+    typer.echo(text, nl=False)
+    console.print(f"wrote {sweep.root / 'report.md'}")
+
+
 def main() -> None:
     """The `pdctl` command. Stage commands run supervised (`pdctl.supervisor`). A stage that
     stopped while a compile, restore or evaluation was still running on a worker thread ends

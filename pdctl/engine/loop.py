@@ -515,6 +515,18 @@ class Loop:
         self, step: int, metrics: dict[str, float], t_start: float, status: str, **extra: Any
     ) -> None:
         latest = self.checkpointer.latest_step()
+        self.on_state(**self._state_fields(step, metrics, t_start, status, latest, **extra))
+
+    def _state_fields(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        t_start: float,
+        status: str,
+        latest: int | None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """The `[state.<stage>]` fields of a write at `step`."""
         fields: dict[str, Any] = {
             "status": status,
             "step": step,
@@ -530,7 +542,7 @@ class Loop:
         for k, v in extra.items():
             if v is not None and v != {}:
                 fields[k] = v
-        self.on_state(**fields)
+        return fields
 
 
 def state_is_finite(state: Any) -> jax.Array:

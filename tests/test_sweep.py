@@ -1,0 +1,258 @@
+"""`pdctl sweep`: members as ordinary run directories, the stacked step against each member's
+own, a sweep end to end (status, report, a member on its own), a diverging member."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import cli, cli_fails, cli_ok, state
+
+from pdctl.project import Project
+from pdctl.stages import pretrain, train
+from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
+from pdctl.stages.init_weights import init_decomposition
+from pdctl.sweep import stacked as st
+from pdctl.sweep.spec import Sweep
+
+TINY = [
+    "pretrain.steps=20", "pretrain.batch_size=64", "pretrain.log_every=5", "checkpoint.every=10",
+    'decomp.sites=[{pattern="linear1", C=4}, {pattern="linear2", C=4}]', "warmup.steps=10",
+    "train.steps=20", "train.batch_size=64", "train.eval_every=10", "train.eval_batch_size=64",
+    "train.log_every=5",
+]  # fmt: skip
+
+
+def _sets(extra: list[str] = ()) -> list[str]:
+    return [x for s in [*TINY, *extra] for x in ("--set", s)]
+
+
+def test_new_writes_one_ordinary_run_per_member(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli_ok("sweep", "new", "sw", "--seeds", "3", "--grid", "train.loss.p=1.0,2.0", *_sets())
+    sweep = Sweep.load(tmp_path / "sw")
+    assert [m.name for m in sweep.members] == [
+        f"p-{p}_seed{s}" for p in ("1.0", "2.0") for s in range(3)
+    ]
+    for m in sweep.members:
+        cfg = sweep.project(m).config  # a complete, valid config on its own
+        assert cfg.run.seed == m.seed and cfg.train.loss.p == m.point["train.loss.p"]
+        assert cfg.train.steps == 20 and cfg.decomp.sites[0].C == 4
+        assert cli_ok("-p", str(sweep.run_dir(m)), "status").exit_code == 0
+    raw = tomllib.loads((tmp_path / "sw" / "sweep.toml").read_text())
+    assert raw["grid"] == {"train.loss.p": [1.0, 2.0]} and raw["seeds"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--set", "train.stepz=3"], "train.stepz"),
+        (["--set", "train.steps"], "--set"),
+        (["--grid", "run.seed=1,2"], "--seeds"),
+        (["--grid", "train.loss.p=1.0,1.0"], "twice"),
+        (["--seeds", "0"], "--seeds"),
+        (["--template", "hf-lm"], "toy targets"),
+        (["--template", "nope"], "--template"),
+    ],
+)
+def test_new_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)
+    line = cli_fails(2, "sweep", "new", "sw", *args)
+    assert says in line
+    assert not (tmp_path / "sw").exists()
+
+
+def test_commands_on_a_missing_sweep_are_one_line(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for cmd in ("run", "status", "report"):
+        assert "sweep new" in cli_fails(2, "sweep", cmd, "nowhere")
+    assert "--strategy" in cli_fails(2, "sweep", "run", "nowhere", "--strategy", "fast")
+
+
+def _member_cfgs(tmp_path: Path, n: int):
+    cli_ok("sweep", "new", "sw", "--seeds", str(n), *_sets())
+    sweep = Sweep.load(tmp_path / "sw")
+    return [sweep.project(m).config for m in sweep.members]
+
+
+def _alone(prog, frozen, state, n):
+    step = prog.jit()
+    for _ in range(n):
+        state, _ = step(*frozen, state, None)
+    return jax.device_get(state)
+
+
+def _together(progs, frozens, states, n, strategy):
+    sp = st.stacked_program(progs[0], len(progs), strategy)
+    s = sp.put(states, sp.state_shardings)
+    f = tuple(sp.put([fr[i] for fr in frozens], sh) for i, sh in enumerate(sp.frozen_shardings))
+    step = sp.jit()
+    for _ in range(n):
+        s, m = step(*f, s, None)
+    assert np.asarray(m["loss"]).shape == (len(progs),)
+    return jax.device_get(s)
+
+
+@pytest.mark.parametrize("strategy", st.STRATEGIES)
+def test_stacked_pretrain_is_each_members_own_step(tmp_path, monkeypatch, strategy):
+    """`map` runs each member's own step: bit for bit. `vmap` batches the members' matmuls,
+    which XLA may sum in another order: equal within float32 rounding."""
+    monkeypatch.chdir(tmp_path)
+    cfgs = _member_cfgs(tmp_path, 2)
+    target = target_from_config(cfgs[0])
+    alone = st.member_mesh(1)
+    progs = [pretrain.program(c, st.member_mesh(2), target) for c in cfgs]
+    states = [
+        jax.device_get(p.jit_make_state()(target.init(stream_key(c, STREAM_TARGET))))
+        for p, c in zip(progs, cfgs, strict=True)
+    ]
+    got = _together(progs, [()] * 2, states, 4, strategy)
+    for i, c in enumerate(cfgs):
+        own = pretrain.program(c, alone, target)
+        want = _alone(own, (), st.member_slice(jax.tree.map(lambda *x: np.stack(x), *states), i), 4)
+        same = np.testing.assert_array_equal
+        if strategy == "vmap":
+            same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)  # noqa: E731
+        jax.tree.map(same, st.member_slice(got, i), want)
+    # the seeds' streams differ: the members did not train on the same data
+    assert not np.array_equal(got["params"]["linear1"]["W"][0], got["params"]["linear1"]["W"][1])
+
+
+@pytest.mark.slow
+def test_stacked_train_step_matches_each_members_own(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfgs = _member_cfgs(tmp_path, 2)
+    target = target_from_config(cfgs[0])
+    mesh = st.member_mesh(2)
+    progs, frozens, states = [], [], []
+    for c in cfgs:
+        p = train.program(c, mesh, target)
+        dec, _ = init_decomposition(c, target, mesh, stream_key(c, STREAM_DECOMP))
+        progs.append(p)
+        frozens.append((jax.device_get(target.init(stream_key(c, STREAM_TARGET))),))
+        inputs = (dec["components"], dec["ci_fns"], dec["sources"])
+        states.append(jax.device_get(p.jit_make_state()(*inputs)))
+    got = _together(progs, frozens, states, 3, "map")
+    for i, c in enumerate(cfgs):
+        own = train.program(c, st.member_mesh(1), target)
+        put = lambda t, s: jax.device_put(t, s)  # noqa: E731
+        want = _alone(
+            own,
+            (put(frozens[i][0], own.frozen_shardings[0]),),
+            put(states[i], own.state_shardings),
+            3,
+        )
+        # The same computation; XLA fuses the step inside the member loop differently, so
+        # float sums may be reordered (measured: 3e-7 relative after 200 steps).
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+            st.member_slice(got, i),
+            want,
+        )
+
+
+def _run_tiny(tmp_path: Path, *args: str) -> Sweep:
+    cli_ok("sweep", "new", "sw", *args, *_sets())
+    cli_ok("sweep", "run", "sw")
+    return Sweep.load(tmp_path / "sw")
+
+
+@pytest.mark.slow
+def test_a_sweep_end_to_end(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sweep = _run_tiny(tmp_path, "--seeds", "2", "--grid", "train.loss.p=1.0,2.0")
+    for m in sweep.members:
+        run = sweep.run_dir(m)
+        for stage in ("init_weights", "pretrain", "warmup", "train"):
+            assert state(run, stage)["status"] == "done", (m.name, stage)
+        tr = state(run, "train")
+        assert tr["step"] == 20 and tr["sweep"]["members"] == 2
+        assert "ci_errors" in tr["eval"] and tr["checkpoint"] == 20
+        # the member on its own: its checkpoints and metrics are its own
+        assert (run / "metrics" / "train.jsonl").is_file() or any(run.rglob("train.jsonl"))
+        cli_ok("-p", str(run), "export", "--out", str(tmp_path / f"{m.name}.npz"))
+    a, b = (np.load(tmp_path / f"{m.name}.npz") for m in sweep.members[:2])
+    assert not np.array_equal(a["components.linear1.V"], b["components.linear1.V"])
+    out = json.loads(cli_ok("sweep", "status", "sw", "--json").stdout)
+    assert [r["member"] for r in out["members"]] == [m.name for m in sweep.members]
+    assert all(r["status"] == "done" and r["success"] in (True, False) for r in out["members"])
+    assert [g["members"] for g in out["points"]] == [2, 2]
+    rep = cli_ok("sweep", "report", "sw")
+    assert "train.loss.p=1.0" in rep.stdout and (tmp_path / "sw" / "report.md").is_file()
+    # a second run has nothing to do and changes nothing
+    before = [(sweep.run_dir(m) / "pdctl.toml").read_text() for m in sweep.members]
+    again = cli_ok("sweep", "run", "sw")
+    assert "program" not in again.stdout
+    assert before == [(sweep.run_dir(m) / "pdctl.toml").read_text() for m in sweep.members]
+
+
+@pytest.mark.slow
+def test_a_stopped_sweep_continues_bit_exact(tmp_path: Path, monkeypatch):
+    """SIGTERM in the middle of train: every member saves a checkpoint at the same step and is
+    `interrupted` (exit 3); `pdctl sweep run` continues them together to the very arrays of a
+    sweep that was never stopped."""
+    import os
+    import signal
+
+    from pdctl.sweep.run import SweepLoop
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("whole", "stopped"):
+        cli_ok("sweep", "new", name, "--seeds", "2", *_sets())
+    cli_ok("sweep", "run", "whole")
+    log = SweepLoop._log
+
+    def stop_at_10(self, step, *a):
+        if self.stage == "train" and step == 10:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return log(self, step, *a)
+
+    monkeypatch.setattr(SweepLoop, "_log", stop_at_10)
+    line = cli_fails(3, "sweep", "run", "stopped")
+    assert "sweep run stopped" in line
+    sweep = Sweep.load(tmp_path / "stopped")
+    for m in sweep.members:
+        tr = state(sweep.run_dir(m), "train")
+        assert (tr["status"], tr["checkpoint"]) == ("interrupted", 10)
+    monkeypatch.setattr(SweepLoop, "_log", log)
+    cli_ok("sweep", "run", "stopped")
+    for m in sweep.members:
+        got, want = (
+            np.load(cli_ok("-p", str(tmp_path / s / "runs" / m.name), "export", "--out",
+                           str(tmp_path / f"{s}-{m.name}.npz")) and tmp_path / f"{s}-{m.name}.npz")
+            for s in ("stopped", "whole")
+        )  # fmt: skip
+        for k in want.files:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_a_diverging_member_fails_alone(tmp_path: Path, monkeypatch):
+    """seed1's target starts non-finite: its pretrain steps are all bad, so it ends `failed`
+    at max_bad_steps while seed0 and seed2 train to the end and go on to the next stages."""
+    spec = pretrain.SPEC
+
+    def poisoned(env, prog):
+        (params,) = spec.fresh_inputs(env, prog)
+        if env.project.root.name == "seed1":
+            params = jax.tree.map(lambda a: a * np.nan, params)
+        return (params,)
+
+    monkeypatch.setattr(pretrain, "SPEC", dataclasses.replace(spec, fresh_inputs=poisoned))
+    monkeypatch.chdir(tmp_path)
+    cli_ok("sweep", "new", "sw", "--seeds", "3", *_sets(["pretrain.max_bad_steps=3"]))
+    result = cli("sweep", "run", "sw")
+    assert result.exit_code == 0, result.stderr
+    assert "member seed1 failed" in result.stderr
+    sweep = Sweep.load(tmp_path / "sw")
+    got = {m.name: Project.load(sweep.run_dir(m) / "pdctl.toml") for m in sweep.members}
+    assert got["seed1"].stage("pretrain")["status"] == "failed"
+    assert "non-finite" in got["seed1"].stage("pretrain")["error"]
+    assert "train" not in got["seed1"].state
+    for name in ("seed0", "seed2"):
+        assert got[name].stage("train")["status"] == "done"
