@@ -49,3 +49,9 @@ echo "== wrote $OUT/spd_step.json"
 # tiny Llama at 8 and 32 layers on the GPU (docs/performance.md has the CPU figures).
 timeout 240 "$PY" benchmarks/scan_compile.py --layers 8 32 --unrolled-max 32 \
   --json "$OUT/scan_compile.json" || echo "== scan_compile did not finish in its 240 s"
+
+# Sweeps (issue 23): the stacked TMS 5-2 train step per member, batched (vmap, the accelerator
+# default) against one after another (map), 1 to 10 members on the one GPU.
+timeout 150 "$PY" benchmarks/sweep_step.py --devices 1 > "$OUT/sweep_step.txt" 2>&1 \
+  || echo "== sweep_step did not finish in its 150 s"
+cat "$OUT/sweep_step.txt" || true

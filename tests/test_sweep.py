@@ -192,6 +192,24 @@ def test_a_sweep_end_to_end(tmp_path: Path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_one_member_sweep_is_pdctl_run_bit_for_bit(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sweep = _run_tiny(tmp_path, "--seeds", "1")
+    member = sweep.run_dir(sweep.members[0])
+    solo = tmp_path / "solo"
+    solo.mkdir()
+    text = (member / "pdctl.toml").read_text()
+    (solo / "pdctl.toml").write_text(text[: text.index("\n[state.")] + "\n")
+    cli_ok("-p", str(solo), "run")
+    for run in (member, solo):
+        cli_ok("-p", str(run), "export", "--out", str(tmp_path / f"{run.name}.npz"))
+    got, want = np.load(tmp_path / f"{member.name}.npz"), np.load(tmp_path / "solo.npz")
+    assert got.files == want.files
+    for k in want.files:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.slow
 def test_a_stopped_sweep_continues_bit_exact(tmp_path: Path, monkeypatch):
     """SIGTERM in the middle of train: every member saves a checkpoint at the same step and is
     `interrupted` (exit 3); `pdctl sweep run` continues them together to the very arrays of a
