@@ -700,10 +700,11 @@ def _sweep_status(sweep, as_json: bool) -> None:
         typer.echo(json.dumps({"members": rows, "points": points}))
         return
     t = Table(title=f"sweep {sweep.name}")
-    for h in table.STATUS_HEADER:
-        t.add_column(h)
+    keep = [i for i, h in enumerate(table.STATUS_HEADER) if h != "grid point" or sweep.grid]
+    for i in keep:
+        t.add_column(table.STATUS_HEADER[i], no_wrap=i == 0)
     for line in table.status_lines(sweep, rows):
-        t.add_row(*line)
+        t.add_row(*(line[i] for i in keep))
     console.print(t)
     for g in points:
         frac = f"{g['success']}/{g['finished']}" if g["finished"] else "none finished"
