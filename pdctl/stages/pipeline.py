@@ -165,6 +165,10 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
     return results
 
 
+# How `run_stage` carries out an action of `plan` ("run": no arguments).
+ACTION_KWARGS: dict[str, dict[str, bool]] = {"resume": {"resume": True}, "fresh": {"fresh": True}}
+
+
 def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None:
     previous = None
     for stage, action in steps:
@@ -184,11 +188,7 @@ def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None
         previous = stage
         if action == "resume":
             echo(f"{stage}: resuming from its latest checkpoint")
-            results[stage] = run_stage(project, stage, resume=True)
-        elif action == "fresh":
-            results[stage] = run_stage(project, stage, fresh=True)
-        else:
-            results[stage] = run_stage(project, stage)
+        results[stage] = run_stage(project, stage, **ACTION_KWARGS.get(action, {}))
         echo(
             f"{stage}: {project.stage(stage).get('status')} at step "
             f"{project.stage(stage).get('step')}"

@@ -99,11 +99,8 @@ def _run_group_stage(sweep, members, stage: str, strategy: str, echo) -> None:
             continue
         if stage == "init_weights" or len(ms) == 1:
             for m, p in ms:
-                kw = {"resume": True} if action == "resume" else {"fresh": action == "fresh"}
-                if stage == "init_weights":
-                    kw = {}
                 try:
-                    pipeline.run_stage(p, stage, **kw)
+                    pipeline.run_stage(p, stage, **pipeline.ACTION_KWARGS.get(action, {}))
                 except StageFailed as e:
                     echo(f"{m.name}: {e}")
                     continue
@@ -200,10 +197,10 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
         prog.put([f[i] for f in frozen_m], sh) for i, sh in enumerate(prog.frozen_shardings)
     )
     runs = []
-    for name, env in zip(names, envs, strict=True):
+    for i, (name, env) in enumerate(zip(names, envs, strict=True)):
         run = MemberRun(name, env, env.checkpointer(), env.tracker(start))
         if spec.evaluation:
-            fr = tuple(f for f in frozen_m[len(runs)]) if frozen_m else ()
+            fr = frozen_m[i] if frozen_m else ()
             run.eval_fn = later(spec.evaluation, env, fr, member_prog, what="preparing the eval")
         runs.append(run)
     table = getattr(cfg0, spec.name)
@@ -296,8 +293,11 @@ class SweepLoop(Loop):
             step, r.metrics, self._t_start, "failed", latest, error=reason[:300]
         )
         r.env.on_state(**fields)
-        kept = f"its last good checkpoint is step {latest}" if latest is not None else "no "
-        kept += "" if latest is not None else "checkpoint of it was saved"
+        kept = (
+            f"its last good checkpoint is step {latest}"
+            if latest is not None
+            else "no checkpoint of it was saved"
+        )
         notify(f"{self.stage}: member {r.name} failed: {reason}; {kept}. {hint}".rstrip())
         if not self._alive():
             raise StageFailed(f"{self.stage}: every member failed (the last: {r.name}: {reason})")
