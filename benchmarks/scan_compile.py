@@ -9,10 +9,12 @@ child process: the train step's compile s (lower + compile), the evaluation's fi
 (its compiles, then one run) s, the step ms (best of 3 windows), and the loss after 3 steps
 from the same start (scan vs unrolled agree to float reassociation).
 
-    python benchmarks/scan_compile.py [--layers 2 8 32] [--unrolled-max 8]
+    python benchmarks/scan_compile.py [--layers 2 8 32] [--unrolled-max 8] [--baseline REV]
 
 Unrolled sides run only up to `--unrolled-max` layers (at 32 layers the unrolled step alone
-compiled for ~8 min on this machine).
+compiled for ~8 min on this machine). With `--baseline REV` the scanned side also runs on the
+code of git revision REV (a temporary worktree), interleaved with this checkout's, depth by
+depth.
 """
 
 from __future__ import annotations
@@ -85,7 +87,6 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
     from pdctl.config import parse_config
     from pdctl.engine import sharding
     from pdctl.science.spd import evaluate
-    from pdctl.science.spd.stacked import host_per_site
     from pdctl.stages import train
     from pdctl.stages.common import with_scan
 
@@ -120,8 +121,8 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
     ev_target = with_scan(target, scan)
     fns = train.spd_fns(cfg, ev_target)
     rep = sharding.replicated(mesh)
-    trainable = jax.device_get(holder["state"]["trainable"])
-    comps = jax.device_put({k: host_per_site(v) for k, v in trainable.items()}, rep)
+    # (the stacked state as it is, as the train stage's evaluation takes it)
+    comps = jax.device_put(jax.device_get(holder["state"]["trainable"]), rep)
     eb = jax.device_put({"tokens": tokens}, rep)
     t0 = time.perf_counter()
     c = fns.expand(comps["components"])
@@ -140,12 +141,14 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
     }
 
 
-def run_child(n_layers: int, scan: bool, n_steps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--child", str(n_layers), "--steps", str(n_steps)]
+def run_child(n_layers: int, scan: bool, n_steps: int, root: Path = ROOT) -> dict:
+    """One measurement in a fresh process, on the code under `root` (this file's copy there)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    script = root / "benchmarks" / "scan_compile.py"
+    cmd = [sys.executable, str(script), "--child", str(n_layers), "--steps", str(n_steps)]
     if scan:
         cmd.append("--scan")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
     if r.returncode:
         sys.exit(f"child failed ({n_layers} layers, scan {scan}):\n{r.stdout}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -157,37 +160,59 @@ def main() -> None:
     ap.add_argument("--unrolled-max", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3, help="steps per timing window")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline", help="git revision whose scanned step runs beside this one")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--scan", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child, a.scan, a.steps)))
         return
+    base_root = None
+    if a.baseline:
+        base_root = Path(tempfile.mkdtemp(prefix="pdctl-baseline-"))
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_root), a.baseline],
+            check=True,
+            capture_output=True,
+        )
     rows = []
-    for n in a.layers:
-        for scan in (False, True):  # interleaved: both sides of a depth back to back
-            if not scan and n > a.unrolled_max:
-                continue
-            r = run_child(n, scan, a.steps)
-            rows.append(r)
-            print(json.dumps(r), file=sys.stderr, flush=True)
-    print(f"{'layers':>6} {'sites':>5} {'side':>8} {'compile s':>9} {'eval 1st s':>10} "
+    try:
+        for n in a.layers:
+            # interleaved: every side of a depth back to back
+            sides = [("unrolled", False, ROOT)] if n <= a.unrolled_max else []
+            if base_root is not None:
+                sides.append((f"scan@{a.baseline}", True, base_root))
+            sides.append(("scan", True, ROOT))
+            for side, scan, root in sides:
+                r = {**run_child(n, scan, a.steps, root), "side": side}
+                rows.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+    finally:
+        if base_root is not None:
+            remove = ["worktree", "remove", "--force", str(base_root)]
+            subprocess.run(["git", "-C", str(ROOT), *remove])
+    w = max(len(r["side"]) for r in rows)
+    print(f"{'layers':>6} {'sites':>5} {'side':>{w}} {'compile s':>9} {'eval 1st s':>10} "
           f"{'step ms':>8}  loss after 1, 2, 3 steps")  # fmt: skip
     for r in rows:
-        side = "scan" if r["scan"] else "unrolled"
         loss = ", ".join(f"{v:.6g}" for v in r["losses"])
-        print(f"{r['layers']:>6} {r['sites']:>5} {side:>8} {r['compile_s']:>9.1f} "
+        print(f"{r['layers']:>6} {r['sites']:>5} {r['side']:>{w}} {r['compile_s']:>9.1f} "
               f"{r['eval_first_s']:>10.1f} {r['step_ms']:>8.1f}  {loss}")  # fmt: skip
-    scans = {r["layers"]: r for r in rows if r["scan"]}
-    if len(scans) > 1:
-        lo, hi = min(scans), max(scans)
-        ratio = scans[hi]["compile_s"] / scans[lo]["compile_s"]
-        print(f"scan: compile at {hi} layers / at {lo} layers = {ratio:.2f}x (goal <= 1.5x)")
-    for n, s in scans.items():
-        u = next((r for r in rows if r["layers"] == n and not r["scan"]), None)
-        if u:
-            print(f"{n} layers: compile unrolled / scan = {u['compile_s'] / s['compile_s']:.2f}x, "
-                  f"step scan / unrolled = {s['step_ms'] / u['step_ms']:.2f}x")  # fmt: skip
+    for side in dict.fromkeys(r["side"] for r in rows if r["scan"]):
+        scans = {r["layers"]: r for r in rows if r["side"] == side}
+        if len(scans) > 1:
+            lo, hi = min(scans), max(scans)
+            ratio = scans[hi]["compile_s"] / scans[lo]["compile_s"]
+            print(f"{side}: compile at {hi} layers / at {lo} layers = {ratio:.2f}x (goal <= 1.5x)")
+    for r in rows:
+        if r["side"] != "scan":
+            continue
+        n = r["layers"]
+        for o in rows:
+            if o["layers"] == n and o["side"] != "scan":
+                print(f"{n} layers: compile {o['side']} / scan = "
+                      f"{o['compile_s'] / r['compile_s']:.2f}x, step scan / {o['side']} = "
+                      f"{r['step_ms'] / o['step_ms']:.2f}x")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
 

@@ -76,28 +76,24 @@ def eval_programs(p: Any) -> dict[str, Any]:
         return {}
     from pdctl.science.spd import evaluate
     from pdctl.stages import train
-    from pdctl.stages.common import STREAM_TRAIN, decomp_layout, stream_key, with_scan
-    from pdctl.stages.warmup import abstract_decomposition
+    from pdctl.stages.common import STREAM_TRAIN, stream_key, with_scan
 
     cfg, prog = p.cfg, p.program
     target = with_scan(p.target, cfg.train.scan_layers)  # as the train stage evaluates
     fns = train.spd_fns(cfg, target)
     params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
-    # The evaluation takes the decomposition per site (a stacked train state is split first),
-    # laid out as the state lays out its sites.
-    dec = abstract_decomposition(cfg, target)
-    per_site = {"components": dec["components"], "ci_fns": dec["ci_fns"]}
-    layout = decomp_layout(cfg, p.mesh, target)
-    per_site = sharding.abstract_with_shardings(
-        per_site,
-        sharding.tree_shardings(per_site, p.mesh, cfg.mesh.fsdp_min_param_size, layout),
+    # The evaluation takes the decomposition as the train state holds it (a scanned target's
+    # sites stacked in groups), laid out as the state lays it out.
+    trainable = sharding.abstract_with_shardings(
+        prog.abstract_state["trainable"], prog.state_shardings["trainable"]
     )
-    comps = jax.eval_shape(fns.expand, per_site["components"])
+    comps = jax.eval_shape(fns.expand, trainable["components"])
     comps = jax.tree.map(  # tied sites come out unsharded: shard them as their sources are
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding.replicated(p.mesh)),
         comps,
-    ) if fns.ties else per_site["components"]  # fmt: skip
-    ci_fns = per_site["ci_fns"]
+    ) if fns.ties else trainable["components"]  # fmt: skip
+    ci_fns = trainable["ci_fns"]
+    paths = evaluate._paths(target, comps)
     n = cfg.train.eval_batch_size
     d = cfg.decomp
     if target.output_kind == "logits":
@@ -111,13 +107,13 @@ def eval_programs(p: Any) -> dict[str, Any]:
     split = n % sharding.batch_shards(p.mesh) == 0
     x_sh = sharding.batch_sharding(p.mesh, len(shape)) if split else sharding.replicated(p.mesh)
     x = jax.ShapeDtypeStruct(shape, dtype, sharding=x_sh)
-    ci = evaluate._ci_fn(target, fns.paths, d.ci_fn.type, d.sigmoid, d.sampling)
+    ci = evaluate._ci_fn(target, paths, d.ci_fn.type, d.sigmoid, d.sampling)
     out: dict[str, Any] = {"eval: CI": ci.lower(params, comps, ci_fns, x)}
     if target.output_kind == "logits":
         key = jax.eval_shape(lambda: stream_key(cfg, STREAM_TRAIN))
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(p.mesh))
         fn = evaluate._lm_eval_fn(
-            target, fns.paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
+            target, paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
             cfg.train.eval_rounding_threshold,
         )  # fmt: skip
         out["eval: masked forwards"] = fn.lower(params, comps, ci_fns, x, x, key)

@@ -28,7 +28,7 @@ from pdctl.science.spd.losses import (
     make_spd_fns,
     p_at,
 )
-from pdctl.science.spd.stacked import Stacking, host_per_site, is_stacked, members, per_site
+from pdctl.science.spd.stacked import Stacking, is_stacked, members, per_site
 from pdctl.science.targets import Target
 from pdctl.stages.common import (
     STREAM_TRAIN,
@@ -70,9 +70,10 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacki
     step with that step's source learning rate. A non-finite step changes nothing but the
     counters (`guard_update`).
 
-    With a `stacking` (`[train] scan_layers`) the state holds repeated sites stacked: the
-    optimizer, clipping and guard run on the groups, the SPD functions on per-site views
-    (`view`, `unstack`), whose gradients come back stacked."""
+    With a `stacking` (`[train] scan_layers`) the state holds repeated sites stacked, and
+    everything runs on the groups as they are: the optimizer, clipping and guard, and the SPD
+    functions (`fns` made with the same stacking), so no per-site copy of any of it is in the
+    program."""
     tc, lcfg, pcfg = cfg.train, cfg.train.loss, cfg.train.ppgd
     policy = Policy.from_config(cfg.precision)
     k_accum = tc.grad_accum_steps
@@ -80,19 +81,13 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacki
     use_ppgd = lcfg.ppgd_recon > 0
     source_lr = schedule(pcfg, total)
     stacking = stacking or Stacking()
-    unstack = stacking.unstack
-
-    def view(trainable):
-        """Per-site views of the (stacked) trainable state."""
-        return {
-            "components": unstack(trainable["components"]),
-            "ci_fns": unstack(trainable["ci_fns"]),
-        }
+    if tuple(fns.units) != tuple(stacking.units(fns.paths)):
+        raise ValueError("the SPD functions were made for another stacking of the sites")
 
     def loss_fn(trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None):
         return fns.loss(
-            policy.to_compute(view(trainable)), target_params, unstack(sources), clean, x, key,
-            step_frac, imp_totals,
+            policy.to_compute(trainable), target_params, sources, clean, x, key, step_frac,
+            imp_totals,
         )  # fmt: skip
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
@@ -106,8 +101,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacki
             # Importance minimality sums over the whole accumulated batch: a forward-only first
             # pass collects S_c over every micro-batch.
             def sums(c):
-                v = view(trainable)
-                _, up = fns.ci(v["components"], v["ci_fns"], c.site_inputs, key)
+                _, up = fns.ci(trainable["components"], trainable["ci_fns"], c.site_inputs, key)
                 return importance_sums(up, p, lcfg.eps)
 
             S = jax.tree.map(lambda a: a.sum(0), jax.lax.map(sums, micro["clean"]))
@@ -151,7 +145,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacki
         sources, src_opt = state["sources"], state["src_opt"]
         lr_src = source_lr(loop["step"])
         if use_ppgd and pcfg.n_warmup_steps:
-            const = jax.lax.stop_gradient(policy.to_compute(view(trainable)))
+            const = jax.lax.stop_gradient(policy.to_compute(trainable))
             comps = const["components"]
             ci_lower, _ = fns.ci(comps, const["ci_fns"], clean.site_inputs, fns.ci_key(k_loss))
 
@@ -159,7 +153,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacki
                 srcs, opt = carry
                 g = jax.grad(
                     lambda s: fns.ppgd_loss(
-                        comps, ci_lower, params, unstack(s), clean, x, jax.random.fold_in(k_src, i)
+                        comps, ci_lower, params, s, clean, x, jax.random.fold_in(k_src, i)
                     )
                 )(srcs)
                 return fns.source_step(srcs, g, opt, lr_src), None
@@ -200,10 +194,10 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     total = tc.steps
     sharding.check_batch_divides(tc.batch_size, mesh, "train.batch_size", tc.grad_accum_steps)
     target = with_scan(with_remat(target, tc.remat), tc.scan_layers)
-    fns = spd_fns(cfg, target, mesh)
     tx = optimizer(cfg, total)
     dec = abstract_decomposition(cfg, target)
     stacking = stacking_for(cfg, target, dec)
+    fns = spd_fns(cfg, target, mesh, stacking)
 
     make_state, abstract, state_sh = _state_spec(cfg, mesh, target, fns, tx, stacking, dec)
     abstract_params = abstract_target(cfg, target)
@@ -347,11 +341,15 @@ def stacking_for(cfg: Config, target: Target, dec: Any | None = None) -> Stackin
     return Stacking.plan(target, paths, signature)
 
 
-def spd_fns(cfg: Config, target: Target, mesh: Mesh | None = None):
+def spd_fns(
+    cfg: Config, target: Target, mesh: Mesh | None = None, stacking: Stacking | None = None
+):
     """The SPD functions of this config's sites on `target`; with the step's `mesh`, laid out
-    for the components' sharding on it (`sharding.weight_space`)."""
+    for the components' sharding on it (`sharding.weight_space`); with a `stacking`, on the
+    train state's stacked groups (`make_spd_fns`)."""
     ws = None if mesh is None else sharding.weight_space(mesh, decomp_layout(cfg, mesh, target))
-    return make_spd_fns(target, match_sites(cfg, target.site_paths()), cfg, ws)
+    site_C = match_sites(cfg, target.site_paths())
+    return make_spd_fns(target, site_C, cfg, ws, stacking)
 
 
 def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
@@ -384,9 +382,7 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
 def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
     (target_params,) = frozen
     target = with_scan(env.target, env.cfg.train.scan_layers)
-    return make_eval(
-        env, target_params, spd_fns(env.cfg, target), target, stacking_for(env.cfg, target)
-    )
+    return make_eval(env, target_params, spd_fns(env.cfg, target), target)
 
 
 SPEC = StageSpec(
@@ -400,15 +396,8 @@ SPEC = StageSpec(
 )
 
 
-def make_eval(
-    env: StageEnv,
-    target_params,
-    fns,
-    target: Target | None = None,
-    stacking: Stacking | None = None,
-):
+def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
     cfg, target = env.cfg, target or env.target
-    stacking = stacking or Stacking()
     eval_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 10**6)
     eval_batch = None
     # Several XLA:CPU devices: the batch and the decomposition come to the evaluation
@@ -435,13 +424,11 @@ def make_eval(
     expand = jax.jit(fns.expand)
 
     def eval_fn(state) -> dict[str, Any]:
+        # (a stacked state is evaluated as it is: the evaluation's programs take its groups
+        # and report per site)
         trainable = state["trainable"]
         if replicate:
-            trainable = jax.device_get(trainable)
-        if not stacking.trivial:  # per-site arrays, as the evaluation speaks per site
-            trainable = {k: host_per_site(v) for k, v in trainable.items()}
-        if replicate or not stacking.trivial:
-            trainable = jax.device_put(trainable, sharding.replicated(env.mesh))
+            trainable = jax.device_put(jax.device_get(trainable), sharding.replicated(env.mesh))
         comps = expand(trainable["components"])
         ci_fns = trainable["ci_fns"]
         out: dict[str, Any] = {}

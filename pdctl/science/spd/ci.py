@@ -4,7 +4,7 @@
 minimality only. Both are squashings of the same logits `z`.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -125,6 +125,7 @@ def compute_ci(
     sampling: str = "continuous",
     key: Array | None = None,
     grouped: bool = False,
+    order: Sequence[str] | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """(ci_lower, ci_upper) per site in `site_inputs`, each (..., C) float32.
 
@@ -132,8 +133,9 @@ def compute_ci(
     `calc_causal_importances` defaults to `detach_inputs=False`). With binomial sampling the
     lower-leaky squashing sees `1.05 z - 0.05 u`, u ~ U[0, 1) per element (site i draws from
     `fold_in(key, i)`), as the reference's `_apply_sigmoid_to_ci_outputs`; the upper-leaky one
-    always sees z. With `grouped`, same-shaped sites run as one vmapped CI function
-    (`grouped.map_sites`)."""
+    always sees z. Keys may be stacked units (a group's arrays with a leading member axis: its
+    CI function runs vmapped over the members) and `order` the per-site order that fixes the
+    draws; with `grouped`, same-shaped plain sites run as one vmap too (`grouped.map_sites`)."""
     apply = ci_fn_apply
     if remat != "none":  # recompute the CI MLP's (..., C, hidden) activations in the backward
         apply = jax.checkpoint(ci_fn_apply, policy=REMAT_POLICIES[remat], static_argnums=(0,))
@@ -152,5 +154,5 @@ def compute_ci(
 
     paths = list(site_inputs)
     V_of = {p: components[p]["V"] for p in paths}
-    out = map_sites(one, paths, site_inputs, V_of, ci_fns, grouped=grouped)
+    out = map_sites(one, paths, site_inputs, V_of, ci_fns, grouped=grouped, order=order)
     return {p: out[p][0] for p in paths}, {p: out[p][1] for p in paths}

@@ -17,7 +17,7 @@ from scipy.optimize import linear_sum_assignment
 
 from pdctl.config import Config
 from pdctl.science.spd.ci import compute_ci
-from pdctl.science.spd.grouped import map_sites
+from pdctl.science.spd.grouped import map_sites, members, per_site_views, sites_of
 from pdctl.science.spd.losses import clean_forward, kl_distance, l0_per_site, masked_forward
 from pdctl.science.spd.masks import stochastic_masks
 
@@ -26,7 +26,16 @@ TOY_INPUT_MAGNITUDE = 0.75
 
 
 def _paths(target: Any, components: Mapping[str, Any]) -> tuple[str, ...]:
-    return tuple(p for p in target.site_paths() if p in components)
+    """The keys of `components` (site paths, or stacked units: a scanned train state's groups)
+    in the target's order of their (first) sites."""
+    rank = {p: i for i, p in enumerate(target.site_paths())}
+    return tuple(sorted(components, key=lambda k: rank[(members(k) or [k])[0]]))
+
+
+def _order(target: Any, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """The sites of `paths` in the target's order: which draw each site gets."""
+    sites = set(sites_of(paths))
+    return tuple(p for p in target.site_paths() if p in sites)
 
 
 # Binomial sampling makes the lower-leaky CI random (see `compute_ci`); evaluations draw that
@@ -41,8 +50,9 @@ def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, samplin
         key = jax.random.PRNGKey(EVAL_KEY)
         grouped = bool(getattr(target, "scan_layers", False))
         return compute_ci(
-            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, key, grouped
-        )
+            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, key, grouped,
+            _order(target, paths),
+        )  # fmt: skip
 
     return jax.jit(run)
 
@@ -50,8 +60,8 @@ def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, samplin
 def compute_ci_jit(
     target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, x: Array
 ) -> tuple[dict[str, Array], dict[str, Array]]:
-    """(ci_lower, ci_upper) for the sites in `components` (all sites, tied ones expanded),
-    under a cached jit."""
+    """(ci_lower, ci_upper) for the sites in `components` (all sites, tied ones expanded; or
+    stacked units, whose CI comes back stacked), under a cached jit."""
     d = cfg.decomp
     fn = _ci_fn(target, _paths(target, components), d.ci_fn.type, d.sigmoid, d.sampling)
     return fn(target_params, components, ci_fns, x)
@@ -141,10 +151,12 @@ def mmcs_and_ml2r(
 
 def alive(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
     """Per site: (C,) bool, the component's ci exceeds threshold on at least one example or
-    position of the batch."""
-    return {
-        p: jnp.any(ci > threshold, axis=tuple(range(ci.ndim - 1))) for p, ci in ci_lower.items()
-    }
+    position of the batch (stacked units split into their sites)."""
+
+    def site(_, ci: Array) -> Array:
+        return jnp.any(ci > threshold, axis=tuple(range(ci.ndim - 1)))
+
+    return per_site_views(map_sites(site, list(ci_lower), ci_lower, grouped=False))
 
 
 def ci_stats(
@@ -262,10 +274,11 @@ def _lm_eval_fn(
         clean, site_inputs = clean_forward(target, target_params, x, paths)
         k_ci, k_mask, k_rand = jax.random.split(key, 3)
         grouped = bool(getattr(target, "scan_layers", False))
+        order = _order(target, paths)
         ci_lower, _ = compute_ci(
-            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci, grouped
+            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci, grouped, order
         )
-        stoch, stoch_delta = stochastic_masks(k_mask, ci_lower, sampling, delta, grouped)
+        stoch, stoch_delta = stochastic_masks(k_mask, ci_lower, sampling, delta, grouped, order)
         mask_sets = {
             "ci_masked": (ci_lower, None),
             "stoch_masked": (stoch, stoch_delta),
@@ -277,6 +290,7 @@ def _lm_eval_fn(
                     list(ci_lower),
                     ci_lower,
                     grouped=grouped,
+                    order=order,
                 ),
                 None,
             ),

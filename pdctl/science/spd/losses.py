@@ -23,11 +23,18 @@ Conventions (the SPD paper, Bushnaq et al. 2025, as goodfire-ai/spd implements i
   the routing drawn once, then the term with the final sources (held constant).
 - Components are always the expanded per-site set (tied sites included, see
   `components.expand_tied`); the train step folds their gradients back onto the parameters.
+- Sites or units: every dict of per-site values may instead hold *stacked units*, a group key
+  (`model.layers.0-29.mlp.down_proj`) whose arrays carry a leading axis over its member sites,
+  as a scanned target's train state holds them (`science.spd.stacked`). The terms vmap their
+  per-site work over that axis and the scanned forward scans over it, so a step's program has
+  one copy of each per-site computation per group, whatever the depth. `order` (the step's
+  sites, per site) fixes which draw each site gets, so both layouts draw the same bits.
 """
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,8 +50,8 @@ from pdctl.science.spd.components import (
     fold_tied,
     masked_site_fn,
 )
-from pdctl.science.spd.grouped import map_sites
-from pdctl.science.spd.masks import routing_masks, source_masks, stochastic_masks
+from pdctl.science.spd.grouped import map_sites, members, per_site_views, sites_of
+from pdctl.science.spd.masks import lead_shape, routing_masks, source_masks, stochastic_masks
 from pdctl.science.spd.stacked import is_stacked
 from pdctl.science.targets.base import apply_sites
 
@@ -142,6 +149,7 @@ class Recon:
     delta: bool
     out_kind: str
     grouped: bool = False  # same-shaped sites' per-site work (mask draws) as one vmap
+    order: tuple[str, ...] | None = None  # the step's sites, per site (see the module doc)
 
     def __call__(self, masks: Dict, delta_masks: Dict | None, routes: Dict | None = None) -> Array:
         out = masked_forward(
@@ -163,9 +171,11 @@ def faithfulness_loss(
 ) -> Array:
     """sum_s ||W_s - V_s U_s||_F^2 / sum_s numel(W_s), over the sites in `components`.
 
-    `layout` (`engine.sharding.WeightSpace`, for components sharded over the mesh): the same
-    value computed on gathered V / U, each device forming its rows of the residual.
-    `grouped`: same-shaped sites as one vmap (`grouped.map_sites`; sums in another order)."""
+    `weights` per site; `components` per site or per stacked unit (a unit's W stacked from
+    its members'). `layout` (`engine.sharding.WeightSpace`, for components sharded over the
+    mesh): the same value computed on gathered V / U, each device forming its rows of the
+    residual. `grouped`: same-shaped sites as one vmap (`grouped.map_sites`; sums in another
+    order)."""
 
     def site(i, W: Array, comp: Mapping[str, Array], role: str | None = None) -> Array:
         V, U = comp["V"].astype(jnp.float32), comp["U"].astype(jnp.float32)
@@ -177,6 +187,10 @@ def faithfulness_loss(
         return jnp.sum(diff * diff)
 
     paths = list(components)
+    W = {
+        u: weights[u] if members(u) is None else jnp.stack([weights[m] for m in members(u)])
+        for u in paths
+    }
     # Under tensor parallelism sites split over tp differently (column / row) are laid out
     # differently, so they are never stacked into one vmap together.
     by_role: dict[str | None, list[str]] = {}
@@ -185,12 +199,12 @@ def faithfulness_loss(
     sums: dict[str, Array] = {}
     for role, ps in by_role.items():
         fn = functools.partial(site, role=role)
-        sums.update(map_sites(fn, ps, weights, components, grouped=grouped))
+        sums.update(map_sites(fn, ps, W, components, grouped=grouped))
     total = jnp.zeros((), jnp.float32)
     for p in paths:
-        total = total + sums[p]
+        total = total + (sums[p] if members(p) is None else jnp.sum(sums[p]))
     # a float: the element count of every site of an 8B model (7.0e9) overflows an int32
-    return total / float(sum(weights[p].size for p in paths))
+    return total / float(sum(weights[p].size for p in sites_of(paths)))
 
 
 def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
@@ -209,7 +223,8 @@ def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
 def importance_sums(
     ci_upper: Dict, p: Array | float, eps: float, grouped: bool = False
 ) -> dict[str, Array]:
-    """S_c = sum over all leading axes of (ci_upper + eps)^p, per site (C,)."""
+    """S_c = sum over all leading axes of (ci_upper + eps)^p, per site (C,) (a stacked unit:
+    (members, C))."""
 
     def site(i, ci: Array) -> Array:
         return jnp.sum(jnp.power(ci.astype(jnp.float32) + eps, p), axis=tuple(range(ci.ndim - 1)))
@@ -236,8 +251,7 @@ def importance_minimality_loss(
     total = jnp.zeros((), jnp.float32)
     for path, S_C in importance_sums(ci_upper, p, eps, grouped).items():
         if totals is None:
-            ci = ci_upper[path]
-            n_examples = ci.size // ci.shape[-1]
+            n_examples = math.prod(lead_shape(path, ci_upper[path]))
             m_C = S_C / n_examples
             site = jnp.sum(m_C)
             if beta:
@@ -272,27 +286,42 @@ def stochastic_recon_loss(
     "all" this is the stochastic recon term; with "uniform_k" / "static_p" the subset one."""
     total = jnp.zeros((), jnp.float32)
     paths = tuple(ci_lower)
-    lead = next(iter(ci_lower.values())).shape[:-1]
+    lead = _lead(ci_lower)
     for s in range(n_samples):
         k_mask, k_route = jax.random.split(jax.random.fold_in(key, s))
-        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta, recon.grouped)
-        routes = routing_masks(k_route, paths, lead, routing, routing_p)
+        masks, dmasks = stochastic_masks(
+            k_mask, ci_lower, sampling, recon.delta, recon.grouped, recon.order
+        )
+        routes = routing_masks(k_route, paths, lead, routing, routing_p, recon.order)
         total = total + recon(masks, dmasks, routes)
     return total / n_samples
+
+
+def _lead(ci: Dict) -> tuple[int, ...]:
+    """The example/position axes of one site's CI."""
+    unit, a = next(iter(ci.items()))
+    return lead_shape(unit, a)
 
 
 def stochastic_recon_layerwise_loss(
     recon: Recon, ci_lower: Dict, key: Array, n_samples: int, sampling: str
 ) -> Array:
-    """Mean over samples and sites of D(f(x | only that site masked), f(x))."""
+    """Mean over samples and sites of D(f(x | only that site masked), f(x)). One forward per
+    site by definition: stacked units are split into their sites here."""
     total = jnp.zeros((), jnp.float32)
+    if is_stacked(ci_lower):
+        recon = dataclasses.replace(recon, components=per_site_views(recon.components))
     for s in range(n_samples):
         k_mask, _ = jax.random.split(jax.random.fold_in(key, s))
-        masks, dmasks = stochastic_masks(k_mask, ci_lower, sampling, recon.delta, recon.grouped)
+        masks, dmasks = stochastic_masks(
+            k_mask, ci_lower, sampling, recon.delta, recon.grouped, recon.order
+        )
+        masks = per_site_views(masks)
+        dmasks = None if dmasks is None else per_site_views(dmasks)
         for path in masks:
             one_d = None if dmasks is None else {path: dmasks[path]}
             total = total + recon({path: masks[path]}, one_d)
-    return total / (n_samples * len(ci_lower))
+    return total / (n_samples * len(sites_of(ci_lower)))
 
 
 def ppgd_recon_loss(
@@ -304,21 +333,26 @@ def ppgd_recon_loss(
     return recon(masks, dmasks, routes)
 
 
-def pgd_sources(key: Array, ci_lower: Dict, delta: bool, init: str, scope: str) -> dict[str, Array]:
+def pgd_sources(
+    key: Array,
+    ci_lower: Dict,
+    delta: bool,
+    init: str,
+    scope: str,
+    order: Sequence[str] | None = None,
+) -> dict[str, Array]:
     """Fresh PGD sources: per example (the leading axes of ci) or shared, C (+1) entries."""
-    out = {}
-    for i, (path, ci) in enumerate(ci_lower.items()):
+    if init not in ("random", "ones", "zeroes"):
+        raise ValueError(f"unknown PGD init {init!r}")
+
+    def one(i, ci: Array) -> Array:
         n = ci.shape[-1] + (1 if delta else 0)
         shape = (*ci.shape[:-1], n) if scope == "per_example" else (n,)
         if init == "random":
-            out[path] = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32)
-        elif init == "ones":
-            out[path] = jnp.ones(shape, jnp.float32)
-        elif init == "zeroes":
-            out[path] = jnp.zeros(shape, jnp.float32)
-        else:
-            raise ValueError(f"unknown PGD init {init!r}")
-    return out
+            return jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32)
+        return (jnp.ones if init == "ones" else jnp.zeros)(shape, jnp.float32)
+
+    return map_sites(one, list(ci_lower), ci_lower, grouped=False, order=order)
 
 
 def pgd_recon_loss(
@@ -337,9 +371,10 @@ def pgd_recon_loss(
     sign(dD/ds), 0, 1)` with CI and components held fixed and one routing draw, then D with
     the final sources held constant (gradients flow to CI and components only)."""
     k_init, k_route = jax.random.split(key)
-    lead = next(iter(ci_lower.values())).shape[:-1]
-    routes = routing_masks(k_route, tuple(ci_lower), lead, routing, routing_p)
-    srcs = pgd_sources(k_init, ci_lower, recon.delta, init, scope)
+    routes = routing_masks(
+        k_route, tuple(ci_lower), _lead(ci_lower), routing, routing_p, recon.order
+    )
+    srcs = pgd_sources(k_init, ci_lower, recon.delta, init, scope, recon.order)
     fixed, ci_fixed = recon.detached(), jax.lax.stop_gradient(dict(ci_lower))
 
     def body(s, _):
@@ -362,12 +397,13 @@ def unmasked_recon_loss(recon: Recon, ci_lower: Dict) -> Array:
 
 
 def l0_per_site(ci_lower: Dict, threshold: float, grouped: bool = False) -> dict[str, Array]:
-    """Mean number of components with ci > threshold per example/position, per site."""
+    """Mean number of components with ci > threshold per example/position, per site (stacked
+    units are split into their sites)."""
 
     def site(i, ci: Array) -> Array:
         return jnp.mean(jnp.sum((ci > threshold).astype(jnp.float32), axis=-1))
 
-    return map_sites(site, list(ci_lower), ci_lower, grouped=grouped)
+    return per_site_views(map_sites(site, list(ci_lower), ci_lower, grouped=grouped))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +426,8 @@ _CI_KEY = len(TERMS)  # fold of the loss key that the CI noise (binomial samplin
 @dataclass(frozen=True)
 class SpdFns:
     """Closures over (target, sites, config); all pure and jit-able. `components` arguments are
-    the expanded per-site set (`expand`), `free` the parameters (tied sites folded away).
+    the expanded per-site set (`expand`), `free` the parameters (tied sites folded away); with
+    a stacking, every dict is keyed by `units` (stacked groups and plain sites) instead.
 
     - `clean(target_params, x) -> Clean`: the one stop-gradient target forward of a step.
     - `ci(components, ci_fns, site_inputs, key) -> (ci_lower, ci_upper)`; `ci_key(loss_key)` is
@@ -405,6 +442,7 @@ class SpdFns:
     """
 
     paths: tuple[str, ...]
+    units: tuple[str, ...]
     ties: dict[str, str]
     expand: Callable[[Any], dict[str, Any]]
     fold: Callable[[Any], dict[str, Any]]
@@ -419,10 +457,17 @@ class SpdFns:
 
 
 def make_spd_fns(
-    target: Any, site_C: Mapping[str, int], cfg: Config, weight_space: Any = None
+    target: Any,
+    site_C: Mapping[str, int],
+    cfg: Config,
+    weight_space: Any = None,
+    stacking: Any = None,
 ) -> SpdFns:
     """The step's SPD functions; `weight_space` lays out the faithfulness term over the mesh
-    (`faithfulness_loss`)."""
+    (`faithfulness_loss`). With a `stacking` (`science.spd.stacked.Stacking`) every dict the
+    functions take and return is keyed as the stacked train state is (`units`): the clean
+    forward captures each group's inputs stacked, and the CI, masks and loss terms run on the
+    groups as they are. Metrics stay per site."""
     paths = tuple(p for p in target.site_paths() if p in site_C)
     missing = set(site_C) - set(paths)
     if missing:
@@ -442,12 +487,14 @@ def make_spd_fns(
         w = target.site_weights(target_params)
         return {p: jax.lax.stop_gradient(w[p]) for p in paths}
 
+    units = tuple(paths if stacking is None else stacking.units(paths))
+
     def clean(target_params: Any, x: Array) -> Clean:
-        return clean_forward(target, target_params, x, paths)
+        return clean_forward(target, target_params, x, units)
 
     def ci(components: Components, ci_fns: Any, site_inputs: Dict, key: Array | None = None):
         return compute_ci(
-            components, ci_fns, site_inputs, kind, sigmoid, remat, sampling, key, grouped
+            components, ci_fns, site_inputs, kind, sigmoid, remat, sampling, key, grouped, paths
         )
 
     def ci_key(key: Array) -> Array:
@@ -456,12 +503,11 @@ def make_spd_fns(
     def recon_of(components: Components, target_params: Any, c: Clean, x: Array) -> Recon:
         return Recon(
             target, target_params, site_weights(target_params), components, x, c.out, delta,
-            out_kind, grouped,
+            out_kind, grouped, paths,
         )  # fmt: skip
 
     def ppgd_term(recon: Recon, ci_lower: Dict, sources: Dict, key: Array) -> Array:
-        lead = next(iter(ci_lower.values())).shape[:-1]
-        routes = routing_masks(key, paths, lead, pcfg.routing, pcfg.routing_p)
+        routes = routing_masks(key, units, _lead(ci_lower), pcfg.routing, pcfg.routing_p, paths)
         return ppgd_recon_loss(recon, ci_lower, src_mod.effective(sources, pcfg.sigmoid), routes)
 
     def loss(
@@ -554,6 +600,7 @@ def make_spd_fns(
 
     return SpdFns(
         paths=paths,
+        units=units,
         ties=ties,
         # stacked train state (`stacked.Stacking`) is never tied: it passes through
         expand=lambda free: dict(free) if is_stacked(free) else expand_tied(free, ties, paths),

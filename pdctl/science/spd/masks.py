@@ -6,6 +6,10 @@ r ~ U[0, 1) (continuous sampling), r ~ Bernoulli(1/2) (binomial sampling, as the
 its own mask per example/position: U[0, 1) for stochastic masks, the source's last entry for
 adversarial ones. Routing masks (bool, one per site over the example/position axes) pick which
 examples/positions take the components at a site at all; the others keep the target's weight.
+
+Every function takes dicts keyed by site paths or by stacked units (group keys whose arrays
+carry a leading member axis, `grouped.map_sites`); `order` is the per-site order of all the
+step's sites that fixes each site's draw (default: the dict's own sites in order).
 """
 
 from collections.abc import Mapping, Sequence
@@ -14,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pdctl.science.spd.components import expand_left
-from pdctl.science.spd.grouped import map_sites
+from pdctl.science.spd.grouped import map_sites, members, site_shape, sites_of
 
 Array = jax.Array
 Dict = Mapping[str, Array]
@@ -23,7 +27,12 @@ ROUTINGS = ("all", "uniform_k", "static_p")
 
 
 def stochastic_masks(
-    key: Array, ci_lower: Dict, sampling: str, delta: bool, grouped: bool = False
+    key: Array,
+    ci_lower: Dict,
+    sampling: str,
+    delta: bool,
+    grouped: bool = False,
+    order: Sequence[str] | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array] | None]:
     """One draw of stochastic masks for every site in `ci_lower` (site i uses fold_in(key, i);
     `grouped`: same-shaped sites drawn under one vmap, the same bits)."""
@@ -39,7 +48,7 @@ def stochastic_masks(
         d = jax.random.uniform(k_d, ci.shape[:-1], ci.dtype) if delta else None
         return ci + (1 - ci) * r, d
 
-    out = map_sites(one, list(ci_lower), ci_lower, grouped=grouped)
+    out = map_sites(one, list(ci_lower), ci_lower, grouped=grouped, order=order)
     masks = {p: m for p, (m, _) in out.items()}
     return masks, ({p: d for p, (_, d) in out.items()} if delta else None)
 
@@ -50,21 +59,28 @@ def source_masks(
     """Masks from sources in [0, 1] whose trailing axis is C (+1 for the delta component) and
     whose leading axes align with the right end of ci's: () shared, (T,) per position, (B,) or
     (B, T) per example (and position). They broadcast over the rest."""
-    masks: dict[str, Array] = {}
-    delta_masks: dict[str, Array] | None = {} if delta else None
-    for path, ci in ci_lower.items():
+
+    def one(_, ci: Array, src: Array) -> tuple[Array, Array | None]:
         C = ci.shape[-1]
-        s = expand_left(sources[path], ci.ndim).astype(ci.dtype)
-        masks[path] = ci + (1 - ci) * s[..., :C]
-        if delta_masks is not None:
-            delta_masks[path] = jnp.broadcast_to(s[..., C], ci.shape[:-1])
-    return masks, delta_masks
+        s = expand_left(src, ci.ndim).astype(ci.dtype)
+        d = jnp.broadcast_to(s[..., C], ci.shape[:-1]) if delta else None
+        return ci + (1 - ci) * s[..., :C], d
+
+    out = map_sites(one, list(ci_lower), ci_lower, sources, grouped=False)
+    masks = {p: m for p, (m, _) in out.items()}
+    return masks, ({p: d for p, (_, d) in out.items()} if delta else None)
 
 
 def routing_masks(
-    key: Array, paths: Sequence[str], shape: tuple[int, ...], routing: str, p: float = 0.5
+    key: Array,
+    paths: Sequence[str],
+    shape: tuple[int, ...],
+    routing: str,
+    p: float = 0.5,
+    order: Sequence[str] | None = None,
 ) -> dict[str, Array] | None:
     """Which examples/positions (`shape`) each site routes to its components; None = all.
+    `paths` may hold stacked units (their masks stacked over their members).
 
     - `uniform_k`: per example/position, k ~ U{1, ..., n_sites}, then a uniformly random subset
       of k sites (the reference's `sample_uniform_k_subset_routing_masks`: ranks of uniform
@@ -73,16 +89,39 @@ def routing_masks(
     """
     if routing == "all":
         return None
-    n = len(paths)
+    order = list(order) if order is not None else sites_of(paths)
+    index = {s: i for i, s in enumerate(order)}
+    n = len(order)
     if routing == "uniform_k":
         k_k, k_perm = jax.random.split(key)
         k = jax.random.randint(k_k, shape, 1, n + 1)
         noise = jax.random.uniform(k_perm, (n, *shape))
         ranks = jnp.argsort(jnp.argsort(noise, axis=0), axis=0)
-        return {path: ranks[i] < k for i, path in enumerate(paths)}
+        out = {}
+        for u in paths:
+            ms = members(u)
+            if ms is None:
+                out[u] = ranks[index[u]] < k
+            else:  # one gather for the whole group
+                out[u] = jnp.take(ranks, jnp.asarray([index[m] for m in ms]), axis=0) < k
+        return out
     if routing == "static_p":
-        return {
-            path: jax.random.uniform(jax.random.fold_in(key, i), shape) < p
-            for i, path in enumerate(paths)
-        }
+        return map_sites(
+            lambda i, _: jax.random.uniform(jax.random.fold_in(key, i), shape) < p,
+            list(paths),
+            {u: _placeholder(u) for u in paths},
+            grouped=False,
+            order=order,
+        )
     raise ValueError(f"unknown routing {routing!r}; expected one of {ROUTINGS}")
+
+
+def _placeholder(unit: str) -> Array:
+    """A zero-size stand-in with the unit's member axis (for functions of the index alone)."""
+    ms = members(unit)
+    return jnp.zeros((0,) if ms is None else (len(ms), 0), jnp.float32)
+
+
+def lead_shape(unit: str, ci: Array) -> tuple[int, ...]:
+    """The example/position axes one site of `unit` sees in its CI (..., C)."""
+    return site_shape(unit, ci)[:-1]

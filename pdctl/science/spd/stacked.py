@@ -5,10 +5,9 @@ Why: with one set of arrays per site, every per-array piece of the train step (t
 moments and update, gradient clipping, the finiteness guard, each gradient's all-reduce) is in
 the program once per site, and the program, hence its compile time, grows with the depth of the
 model. Stacked, it is there once per group (7 for a Llama with every projection decomposed),
-whatever the depth. The SPD functions still see one array per site: `unstack` splits a group
-into per-site views (`lax.split`, whose transpose is one concatenate, so the gradients come back
-stacked), and the scanned forward (`HFCausalLM.apply_sites`) and the grouped per-site work
-(`grouped.map_sites`) stack them again, which XLA folds away.
+whatever the depth. The SPD functions take the groups as they are (`grouped.map_sites` vmaps a
+per-site function over a group's member axis; the scanned forward, `HFCausalLM.apply_sites`,
+scans over it), so nothing is split into sites and stacked again inside the step.
 
 A group's key names its layers: `model.layers.0-29.mlp.down_proj`. Checkpoints store the state
 as it is; everything that reads a train checkpoint for analysis (`report`, `export`,
@@ -18,7 +17,6 @@ keys.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,22 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdctl.science.spd.grouped import is_parts, split_leading
+from pdctl.science.spd.grouped import group_key, members, per_site_views
 
-_GROUP = re.compile(r"^(?P<pre>.+)\.(?P<a>\d+)-(?P<b>\d+)\.(?P<name>[^.].*)$")
-
-
-def group_key(prefix: str, first: int, last: int, name: str) -> str:
-    return f"{prefix}.{first}-{last}.{name}"
-
-
-def members(key: str) -> list[str] | None:
-    """The site paths of a group key, in layer order; None for a plain site path."""
-    m = _GROUP.match(key)
-    if m is None:
-        return None
-    a, b = int(m["a"]), int(m["b"])
-    return [f"{m['pre']}.{i}.{m['name']}" for i in range(a, b + 1)]
+__all__ = ["Stacking", "group_key", "host_per_site", "is_stacked", "members", "per_site"]
 
 
 @dataclass(frozen=True)
@@ -110,19 +95,14 @@ class Stacking:
 
     def unstack(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The inverse of `stack`, for use under jit: per-site views of each group."""
-        if self.trivial:
-            return dict(state)
-        keys = dict(self.groups)
-        out: dict[str, Any] = {}
-        for k, tree in state.items():
-            if k not in keys:
-                out[k] = tree
-                continue
-            ms = keys[k]
-            parts = jax.tree.map(lambda a, n=len(ms): split_leading(a, n), tree)
-            for j, m in enumerate(ms):
-                out[m] = jax.tree.map(lambda ps, j=j: ps[j], parts, is_leaf=is_parts)
-        return out
+        return dict(state) if self.trivial else per_site_views(state)
+
+    def units(self, paths: Sequence[str]) -> list[str]:
+        """The state's keys for the sites `paths`: each group's key in place of its first
+        member, its other members dropped, plain sites as they are."""
+        first = {ms[0]: key for key, ms in self.groups}
+        grouped = {m for _, ms in self.groups for m in ms}
+        return [first.get(p, p) for p in paths if p in first or p not in grouped]
 
 
 def per_site(tree: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import optax
 
 from pdctl.errors import PdctlError
 from pdctl.science.arrays import expand_left
+from pdctl.science.spd.grouped import members, per_site_views, sites_of
 from pdctl.science.targets.base import (
     Overrides,
     Params,
@@ -684,42 +685,66 @@ class HFCausalLM(Target):
         capture: Sequence[str] = (),
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The forward with the sites in `site_data` computed by `site_fn(x_in, W, data)` and
-        the inputs of the sites in `capture` returned: (logits, {path: x_in}).
+        the inputs of the sites in `capture` returned: (logits, {key: x_in}).
+
+        Keys are site paths or stacked units (`science.spd.grouped`: a group of one site name
+        over consecutive layers, `model.layers.0-29.mlp.down_proj`, whose data carry a leading
+        layer axis; its captured inputs come back stacked the same way).
 
         With `scan_layers` the blocks run as `jax.lax.scan` over each run of two or more
-        consecutive layers that have sites and treat them alike (same names overridden or
-        captured, same data shapes): the layer params and each site's data are stacked along
-        a leading layer axis, so the program holds one block per run instead of one per
-        layer, whatever the depth. Other layers (alone, or without sites) stay unrolled. The
-        values are those of the unrolled forward up to float reassociation inside the loop
-        body (tests/test_scan.py)."""
+        consecutive layers whose sites are treated alike (the same units, or per-site data of
+        the same shapes): the layer params are stacked along a leading layer axis and each
+        unit's data are scanned over as they are (sliced when a run covers part of a unit), so
+        the program holds one block per run instead of one per layer and nothing per site,
+        whatever the depth. Other layers (alone, or without sites) stay unrolled. The values
+        are those of the unrolled forward up to float reassociation inside the loop body
+        (tests/test_scan.py)."""
         site_data = dict(site_data or {})
-        if not self.scan_layers:
-            return super().apply_sites(params, tokens, site_fn, site_data, capture)
         capture = tuple(capture)
+        if not self.scan_layers:
+            if not any(members(k) for k in (*site_data, *capture)):
+                return super().apply_sites(params, tokens, site_fn, site_data, capture)
+            # stacked units without a scan: site by site, the captures stacked back
+            out, got = super().apply_sites(
+                params, tokens, site_fn, per_site_views(site_data), sites_of(capture)
+            )
+            return out, {
+                c: got[c] if members(c) is None else jnp.stack([got[m] for m in members(c)])
+                for c in capture
+            }
+        data_at, cap_at = self._where(site_data), self._where(capture)
         x, root, layers = self._embed(params, tokens)
         block_fn = self._block_fn()
-        site_inputs_out: dict[str, jax.Array] = {}
+        single: dict[str, jax.Array] = {}  # captured inputs of per-site keys
+        pieces: dict[str, list[jax.Array]] = {}  # captured inputs of units, run by run
+
+        def one_layer(unit_j: tuple[str, int | None]) -> Any:
+            unit, j = unit_j
+            return site_data[unit] if j is None else jax.tree.map(lambda a: a[j], site_data[unit])
+
         for start, stop in self._runs(site_data, capture):
             ids = range(start, stop)
-            paths = {
-                name: [f"{self._prefix()}.{i}.{name}" for i in ids]
-                for name, _, _ in self._layer_sites()
-            }
-            caught = tuple(n for n, ps in paths.items() if ps[0] in capture)
-            if stop - start < 2 or not (caught or any(ps[0] in site_data for ps in paths.values())):
+            names = [n for n, _, _ in self._layer_sites()]
+            fed = [n for n in names if (start, n) in data_at]
+            caught = tuple(n for n in names if (start, n) in cap_at)
+            if stop - start < 2 or not (caught or fed):
                 # Nothing repeats here (one layer, or layers without sites): unrolled. On
                 # XLA:CPU a scan slices (copies) each layer's weights out of the stack on every
                 # iteration of every forward and backward, which cost a 30-layer SmolLM2 step
                 # with 3 sites 1.45x its unrolled time; layers without sites compile cheaply.
                 for i in ids:
 
-                    def site(name, x_in, proj, pre=f"{self._prefix()}.{i}"):
-                        path = f"{pre}.{name}"
-                        if path in capture:
-                            site_inputs_out[path] = x_in
-                        fn = site_fn if path in site_data else None
-                        return _project(x_in, proj, fn, site_data.get(path))
+                    def site(name, x_in, proj, i=i):
+                        where = cap_at.get((i, name))
+                        if where is not None:
+                            unit, j = where
+                            if j is None:
+                                single[unit] = x_in
+                            else:
+                                pieces.setdefault(unit, []).append(x_in[None])
+                        if (i, name) not in data_at:
+                            return _project(x_in, proj, None, None)
+                        return _project(x_in, proj, site_fn, one_layer(data_at[(i, name)]))
 
                     def block(x, layer, i=i, site=site):
                         return block_fn(x, layer, i, site)
@@ -727,11 +752,13 @@ class HFCausalLM(Target):
                     x = (block if capture else self._remat(block))(x, layers[str(i)])
                 continue
             stacked = _stack([layers[str(i)] for i in ids])
-            data = {
-                n: _stack([site_data[p] for p in ps])
-                for n, ps in paths.items()
-                if ps[0] in site_data
-            }
+            data = {}
+            for n in fed:
+                unit, j = data_at[(start, n)]
+                if j is None:  # per-site keys of equal shapes: stacked here
+                    data[n] = _stack([site_data[data_at[(i, n)][0]] for i in ids])
+                else:
+                    data[n] = _take(site_data[unit], j, stop - start)
 
             def body(x, xs, data_names=tuple(data), caught=caught):
                 layer, d, i = xs
@@ -748,24 +775,45 @@ class HFCausalLM(Target):
             body_fn = body if caught else self._remat(body)
             x, got = jax.lax.scan(body_fn, x, (stacked, data, jnp.arange(start, stop)))
             for n in caught:
-                parts = jax.lax.split(got[n], [1] * len(paths[n]), axis=0)
-                site_inputs_out.update({p: a[0] for p, a in zip(paths[n], parts, strict=True)})
-        return self._unembed(params, root, x), {p: site_inputs_out[p] for p in capture}
+                unit, j = cap_at[(start, n)]
+                if j is not None:
+                    pieces.setdefault(unit, []).append(got[n])
+                    continue
+                parts = jax.lax.split(got[n], [1] * len(ids), axis=0)
+                single.update({cap_at[(i, n)][0]: a[0] for i, a in zip(ids, parts, strict=True)})
+        captured = {c: single[c] if members(c) is None else _concat(pieces[c]) for c in capture}
+        return self._unembed(params, root, x), captured
+
+    def _where(self, keys: Any) -> dict[tuple[int, str], tuple[str, int | None]]:
+        """(layer, site name) -> (the key of `keys` that holds it, its index in a unit or None
+        for a site path)."""
+        out: dict[tuple[int, str], tuple[str, int | None]] = {}
+        for k in keys:
+            ms = members(k)
+            for j, m in enumerate(ms or [k]):
+                where = self.layer_site(m)
+                if where is None:
+                    raise ValueError(f"{m} is not a site inside the layers of this model")
+                out[where] = (k, None if ms is None else j)
+        return out
 
     def _runs(self, site_data: Mapping[str, Any], capture: Sequence[str]) -> list[tuple[int, int]]:
-        """[start, stop) runs of consecutive layers whose sites are treated alike."""
+        """[start, stop) runs of consecutive layers whose sites are treated alike: per site
+        name, the same unit (data or capture), or per-site data of the same shapes."""
         names = [n for n, _, _ in self._layer_sites()]
-        cap = set(capture)
+        data_at, cap_at = self._where(site_data), self._where(capture)
 
         def key(i: int) -> tuple:
             out = []
             for n in names:
-                p = f"{self._prefix()}.{i}.{n}"
-                shapes = None
-                if p in site_data:
-                    leaves, tree = jax.tree.flatten(site_data[p])
-                    shapes = (tree, tuple((a.shape, str(a.dtype)) for a in leaves))
-                out.append((shapes, p in cap))
+                d = data_at.get((i, n))
+                if d is not None and d[1] is None:
+                    leaves, tree = jax.tree.flatten(site_data[d[0]])
+                    d = (tree, tuple((a.shape, str(a.dtype)) for a in leaves))
+                elif d is not None:
+                    d = d[0]
+                c = cap_at.get((i, n))
+                out.append((d, None if c is None else (c[0] if c[1] is not None else True)))
             return tuple(out)
 
         runs: list[tuple[int, int]] = []
@@ -817,6 +865,21 @@ def _project(x_in: jax.Array, proj: Params, site_fn: SiteDataFn | None, data: An
 def _stack(trees: Sequence[Any]) -> Any:
     """Same-structured pytrees stacked leaf by leaf along a new leading axis."""
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _take(tree: Any, start: int, n: int) -> Any:
+    """Members [start, start + n) of a unit's stacked data (itself when that is all of it)."""
+
+    def take(a: jax.Array) -> jax.Array:
+        if start == 0 and a.shape[0] == n:
+            return a
+        return jax.lax.slice_in_dim(a, start, start + n, axis=0)
+
+    return jax.tree.map(take, tree)
+
+
+def _concat(parts: Sequence[jax.Array]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def _node(params: Params, path: str) -> Any:
