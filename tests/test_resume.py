@@ -41,8 +41,8 @@ from helpers import (
 )
 
 from pdctl.config import STAGES
-from pdctl.engine import donation, sharding
-from pdctl.engine.checkpoint import Checkpointer, rematerialize
+from pdctl.engine import checkpoint, donation, sharding
+from pdctl.engine.checkpoint import Checkpointer, join_items, rematerialize
 from pdctl.engine.sharding import path_str
 from pdctl.project import Project
 from pdctl.stages import train
@@ -168,7 +168,7 @@ def checkpoint_arrays(run: Path, stage: str, step: int | None = None) -> tuple[i
     ckpt = Checkpointer(run / "checkpoints" / stage, keep=100)
     step = ckpt.latest_step() if step is None else step
     assert step is not None, f"{stage} of {run} has no checkpoint"
-    items = ckpt.restore_host(step, ckpt.item_names(step))
+    items = join_items(ckpt.restore_host(step, ckpt.item_names(step)))  # by state key
     ckpt.close()
     flat = {}
     for name, tree in items.items():
@@ -298,6 +298,52 @@ def test_train_until_then_resume_is_bit_exact(base: Path, stopped: Path, tmp_pat
     # `keep = 2` means two checkpoints on disk, not three.
     for run in (straight, resumed):
         assert Checkpointer(run / "checkpoints" / "train", keep=2).all_steps() == [35, 40]
+
+
+def test_train_checkpoints_are_split_and_analysis_reads_only_the_decomposition(
+    stopped: Path, tmp_path: Path
+) -> None:
+    """A train checkpoint holds two items, `decomposition` (V/U, CI functions) and `training`
+    (optimizer states, sources, counters); export works with every `training` item gone
+    (without the sources, which are training state)."""
+    run = copy_run(stopped, tmp_path / "run")
+    ok("--project", run, "resume")
+    ckpts = run / "checkpoints" / "train"
+    steps = Checkpointer(ckpts, keep=2).all_steps()
+    for step in steps:
+        on_disk = {p.name for p in (ckpts / str(step)).iterdir() if p.is_dir()}
+        assert on_disk == {"decomposition", "training", "meta"}, on_disk
+    before = exported(run, tmp_path / "a.npz")
+    for step in steps:
+        shutil.rmtree(ckpts / str(step) / "training")
+    after = exported(run, tmp_path / "b.npz")
+    # everything but the sources (training state, gone with the item), the same bits
+    assert sorted(after) == sorted(k for k in before if not k.startswith("sources."))
+    assert any(k.endswith(".V") for k in after) and any(k.startswith("ci_fns.") for k in after)
+    for k in after:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+@pytest.mark.slow  # two short TMS train runs
+def test_a_checkpoint_with_one_item_per_key_still_resumes_bit_exact(
+    base: Path, stopped: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints written before the split (every state key its own item) restore: a train
+    stopped at step 20 in the old layout resumes to the split run's result, bit for bit."""
+    old = copy_run(base, tmp_path / "old")
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "split_items", dict)  # the old writer: one item per key
+        ok("--project", old, "train", "--until", TMS_UNTIL)
+    items = {p.name for p in (old / "checkpoints" / "train" / str(TMS_UNTIL)).iterdir()}
+    assert {"trainable", "opt_state", "sources", "loop"} <= items
+    assert "decomposition" not in items
+    ok("--project", old, "resume")
+    new = copy_run(stopped, tmp_path / "new")
+    ok("--project", new, "resume")
+    step_a, a = checkpoint_arrays(old, "train")
+    step_b, b = checkpoint_arrays(new, "train")
+    assert step_a == step_b == TMS_STEPS
+    assert_trees_equal(a, b)
 
 
 @pytest.mark.slow  # ~20 s: three TMS train runs

@@ -1,7 +1,12 @@
 """Checkpoints: one orbax CheckpointManager per stage, async saves, sharded restore.
 
 A checkpoint holds the state pytree (`StandardSave`) and a small JSON record (`meta`: data
-iterator state, the run id and config it was written with, ...). Restores go straight into
+iterator state, the run id and config it was written with, ...). Each top-level key of a state
+is its own item, except in a train state (one with a `trainable` key), which is split in two:
+`decomposition` (V / U and the CI functions: all that `report`, `export`, `harvest` and
+`init_from` read) and `training` (optimizer states, PPGD sources and theirs, counters), so that
+analysis never restores what only training needs. Checkpoints written before the split (one
+item per key) restore and read as before (`_items_of`). Restores go straight into
 abstract arrays that carry the target shardings (never a concrete host copy first), so a
 checkpoint written on one mesh restores onto another; `rematerialize` then makes the restored
 tree donatable (jax issue 18617).
@@ -29,6 +34,39 @@ from pdctl.files import refuse_links
 
 log = logging.getLogger(__name__)
 
+DECOMPOSITION = "decomposition"  # a train checkpoint's item of the state's `trainable`
+TRAINING = "training"  # ... and of every other key of the state, together
+_SPLIT_KEY = "trainable"
+
+
+def split_items(state: dict[str, Any]) -> dict[str, Any]:
+    """The items a state is saved as: a train state's `trainable` as `decomposition` and the
+    rest as one `training` item; any other state one item per key."""
+    if _SPLIT_KEY not in state:
+        return dict(state)
+    rest = {k: v for k, v in state.items() if k != _SPLIT_KEY}
+    return {DECOMPOSITION: state[_SPLIT_KEY], **({TRAINING: rest} if rest else {})}
+
+
+def join_items(items: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `split_items`."""
+    if DECOMPOSITION not in items:
+        return dict(items)
+    return {_SPLIT_KEY: items[DECOMPOSITION], **items.get(TRAINING, {})}
+
+
+def _items_of(directory: Path, step: int, name: str) -> tuple[str, str | None]:
+    """Where state key `name` of checkpoint `step` lives: (item, key within it or None). A
+    split train checkpoint holds `trainable` as `decomposition` and the other keys inside
+    `training`; an older one (or another stage's) each key as its own item."""
+    base = Path(directory) / str(step)
+    if (base / name).exists() or not (base / DECOMPOSITION).exists():
+        return name, None
+    if name == _SPLIT_KEY:
+        return DECOMPOSITION, None
+    return TRAINING, name
+
+
 PREVIOUS_SUFFIX = ".previous"  # a fresh run's predecessor, until the fresh run has a checkpoint
 CORRUPT_SUFFIX = ".corrupt"  # checkpoints that failed to restore, kept for inspection
 TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp": a save in progress
@@ -39,6 +77,13 @@ def complete_steps(directory: Path) -> list[int]:
     if not directory.exists():
         return []
     return sorted(m.step for m in ocp.step.standard_name_format().find_all(directory))
+
+
+def has_key(directory: Path, step: int, name: str) -> bool:
+    """Whether checkpoint `step` holds state key `name` (a split checkpoint whose `training`
+    item was not copied along still has its decomposition)."""
+    item, _ = _items_of(directory, step, name)
+    return (Path(directory) / str(step) / item).is_dir()
 
 
 def read_meta(directory: Path, step: int) -> dict[str, Any] | None:
@@ -56,21 +101,30 @@ def read_host(directory: Path, step: int, name: str) -> Any:
     wrote it (restoring "as saved" would need the writer's devices). Opens no manager, so it
     never touches an in-flight save of a stage that is running (opening a CheckpointManager
     cleans up temporary directories). For export and the report."""
+    item, key = _items_of(directory, step, name)
     handler = ocp.PyTreeCheckpointHandler()
-    path = Path(directory) / str(step) / name
+    path = Path(directory) / str(step) / item
     try:
         tree = handler.metadata(path).tree
+        if key is not None:  # only that key's arrays of the `training` item
+            tree = {key: tree[key]}
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        return handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+        restore = ocp.args.PyTreeRestore(
+            item=tree, restore_args=args, partial_restore=key is not None
+        )
+        out = handler.restore(path, args=restore)
+        return out if key is None else out[key]
     finally:
         handler.close()
 
 
 def item_tree(directory: Path, step: int, name: str) -> Any:
     """The tree structure of item `name` of checkpoint `step` (its metadata: nothing read)."""
+    item, key = _items_of(directory, step, name)
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return handler.metadata(Path(directory) / str(step) / name).tree
+        tree = handler.metadata(Path(directory) / str(step) / item).tree
+        return tree if key is None else tree[key]
     finally:
         handler.close()
 
@@ -145,12 +199,13 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         """Each top-level key of `state` is its own item, so a later stage can restore just one
-        (warmup reads pretrain's `params` without its optimizer state)."""
+        (warmup reads pretrain's `params` without its optimizer state); a train state is split
+        in `decomposition` and `training` (`split_items`)."""
         if self._fresh_pending:
             self._move_previous_aside()
         else:
             self._drop_previous()
-        items = {k: ocp.args.StandardSave(v) for k, v in state.items()}
+        items = {k: ocp.args.StandardSave(v) for k, v in split_items(state).items()}
         args = ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta or {}))
         self._mgr.save(step, args=args, force=True)
 
@@ -208,10 +263,13 @@ class Checkpointer:
         return complete_steps(self.previous_dir)
 
     def restore(self, step: int, abstract: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Restore the items named in `abstract` (ShapeDtypeStructs with shardings)."""
-        items = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
+        """Restore the state keys named in `abstract` (ShapeDtypeStructs with shardings), from
+        a split train checkpoint or one item per key, whichever `step` holds."""
+        on_disk = set(self.item_names(step))
+        wanted = split_items(abstract) if DECOMPOSITION in on_disk else dict(abstract)
+        items = {k: ocp.args.StandardRestore(v) for k, v in wanted.items()}
         out = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
-        restored = {k: out[k] for k in abstract}
+        restored = join_items({k: out[k] for k in wanted})
         meta = out["meta"] or {}
         if not isinstance(meta, dict):
             raise CheckpointMismatch(f"its meta is a {type(meta).__name__}, not an object")
@@ -288,11 +346,12 @@ class Checkpointer:
         return read_meta(self.directory, step)
 
     def item_names(self, step: int) -> list[str]:
+        """The items on disk (a split train checkpoint: `decomposition`, `training`)."""
         meta = self._mgr.item_metadata(step)
         return [k for k in meta if k != "meta"]
 
     def restore_host(self, step: int, names: list[str]) -> dict[str, Any]:
-        """Items of checkpoint `step` as host numpy arrays (`meta` as its dict), whatever
+        """State keys of checkpoint `step` as host numpy arrays (`meta` as its dict), whatever
         devices wrote them (`read_host`)."""
         return {
             n: read_meta(self.directory, step)

@@ -12,7 +12,7 @@ import numpy as np
 from pdctl import __version__
 from pdctl.config import STAGES
 from pdctl.engine import runtime
-from pdctl.engine.checkpoint import complete_steps, read_host
+from pdctl.engine.checkpoint import complete_steps, has_key, read_host
 from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
 from pdctl.files import atomic_output
@@ -277,6 +277,9 @@ def export(
     items = _EXPORT_ITEMS[stage]
     if imported:
         items = tuple(i for i in items if i != "target")
+    if stage == "train" and not _has_latest(project, stage, "sources"):
+        # a train checkpoint copied without its `training` item: the decomposition alone
+        items = tuple(i for i in items if i != "sources")
     arrays.update(_load(project, stage, items, rename={"params": "target", "trainable": ""}))
     if stage == "warmup":  # warmup trains V/U only: its CI functions and sources are init's
         arrays.update(_load(project, "init_weights", ("ci_fns", "sources")))
@@ -374,6 +377,12 @@ def _save_safetensors(
         msg = " ".join(str(e).split())
         why = msg.split("I/O error: ", 1)[-1].split(" (os error")[0] if "I/O error" in msg else msg
         raise _SafetensorIOError(why[:160]) from None
+
+
+def _has_latest(project: Project, stage: str, name: str) -> bool:
+    directory = project.checkpoint_dir(stage)
+    steps = complete_steps(directory)
+    return bool(steps) and has_key(directory, steps[-1], name)
 
 
 def _load(
