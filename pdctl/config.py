@@ -535,7 +535,7 @@ class TrainConfig(Section):
             "imported (hf) models: run the layers that have sites as a scan and hold each site "
             "that repeats over consecutive layers as one stacked array that the whole step "
             "works on, so that the train step's compile time does not grow with depth "
-            "(measured on CPU: the step itself ran 0.8-1x as fast, see docs/performance.md). "
+            "(measured on CPU: the step itself ran 0.75-0.8x as fast, see docs/performance.md). "
             "Not part of the fingerprint: a run resumes across a change of it"
         ),
     )
