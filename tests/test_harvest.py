@@ -127,6 +127,111 @@ def test_database_layout_and_refusals(tmp_path: Path):
         db.open_readonly(tmp_path / "old.db")
 
 
+def _random_ci(rng, shape, C):
+    """CI full of ties (0, 1 and a few repeated values) and some values just above the
+    threshold: the cases where the order (value desc, position asc) decides."""
+    levels = np.array([0.0, 0.0, 0.0, 0.05, 0.1, 0.10000001, 0.25, 0.5, 1.0, 1.0], np.float32)
+    ci = levels[rng.integers(0, levels.size, (*shape, C))]
+    noisy = rng.random((*shape, C)) < 0.3
+    return np.where(noisy, rng.random((*shape, C)).astype(np.float32), ci)
+
+
+@pytest.mark.parametrize("lm", [True, False], ids=["lm", "toy"])
+def test_the_device_accumulator_equals_the_numpy_reference_bit_for_bit(tmp_path: Path, lm):
+    """The jitted accumulator against the host reference it replaced (`reference.Harvest`,
+    batch by batch in numpy): random CI with many ties, batches of 1, 3 and 7 sequences (the
+    last one padded, as `pdctl harvest` pads it), k = 1 and 4: the same database, row for
+    row."""
+    from pdctl.harvest import reference
+
+    rng = np.random.default_rng(1)
+    sites = {"a": 5, "b": 3, "c": 1}
+    n_seq, T, vocab = 13, 6, 7
+    tokens = rng.integers(0, vocab, (n_seq, T)).astype(np.int32)
+    ci = {s: _random_ci(rng, (n_seq, T) if lm else (n_seq * T,), C) for s, C in sites.items()}
+    if not lm:
+        n_seq, T = n_seq * T, 1
+    for k in (1, 4):
+        opts = dict(top_k=k, n_samples=k, window=2, vocab=vocab if lm else None, seed=3)
+        ref = reference.Harvest(sites, 0.1, **opts)
+        ref.add({s: v[:n_seq] for s, v in ci.items()}, tokens if lm else None, start=0)
+        want = _db_rows(tmp_path / f"ref{k}.db", ref)
+        for B in (1, 3, 7):
+            h = Harvest(sites, 0.1, **opts)
+            for lo in range(0, n_seq, B):
+                hi = min(n_seq, lo + B)
+                pad = lo + B - hi
+                x = {s: np.concatenate([v[lo:hi], np.zeros((pad, *v.shape[1:]), v.dtype)])
+                     for s, v in ci.items()}  # fmt: skip
+                tok = None
+                if lm:
+                    tok = np.concatenate([tokens[lo:hi], np.zeros((pad, T), np.int32)])
+                h.add(x, tok, start=lo * T, valid=hi - lo)
+            assert h.n_positions == ref.n_positions
+            got = _db_rows(tmp_path / f"new{k}-{B}.db", h)
+            assert got == want, (k, B)
+            # the single-batch reference sums CI in one pass; the accumulator per batch
+            np.testing.assert_array_equal(h.stats["a"].count, ref.stats["a"].count)
+            np.testing.assert_array_equal(h.stats["a"].hist, ref.stats["a"].hist)
+            np.testing.assert_array_equal(h.stats["b"].ci_max, ref.stats["b"].ci_max)
+            if lm:
+                np.testing.assert_array_equal(h.token_keys, ref.token_keys)
+                np.testing.assert_array_equal(h.token_counts, ref.token_counts)
+
+
+def _db_rows(path: Path, h) -> list[str]:
+    db.write(path, h, {"stage": "train"})
+    con = db.open_readonly(path)
+    try:
+        return [r for r in con.iterdump() if "INSERT" in r]
+    finally:
+        con.close()
+
+
+def test_the_float64_sum_follows_numpy_row_by_row():
+    """CI sums are float64 added row after row within a batch (numpy's order for an axis
+    sum), then to the running sum: equal bits to the reference on values whose sum rounds."""
+    from pdctl.harvest import reference
+
+    rng = np.random.default_rng(2)
+    ci = {"a": (rng.random((64, 16, 4)) ** 9).astype(np.float32)}
+    tok = np.zeros((64, 16), np.int32)
+    ref = reference.Harvest({"a": 4}, 0.5, vocab=1)
+    h = Harvest({"a": 4}, 0.5, vocab=1)
+    for lo in range(0, 64, 16):
+        ref.add({"a": ci["a"][lo : lo + 16]}, tok[lo : lo + 16], start=lo * 16)
+        h.add({"a": ci["a"][lo : lo + 16]}, tok[lo : lo + 16], start=lo * 16)
+    np.testing.assert_array_equal(h.stats["a"].ci_sum, ref.stats["a"].ci_sum)
+
+
+def test_exact_top_k_of_53_bit_priorities_with_ties():
+    """The sample's selection (`_top_k_u53`): the k largest by (value desc, index asc) even
+    when values share their high digits (what the three float32 levels resolve)."""
+    import jax
+
+    from pdctl.harvest.accumulate import _top_k_u53
+
+    rng = np.random.default_rng(3)
+    base = np.uint64(1) << np.uint64(52)
+    # few distinct high digits, few distinct middle digits, low digits 0..31: every level ties
+    hi = rng.integers(0, 3, (6, 200)).astype(np.uint64) << np.uint64(29)
+    mid = rng.integers(0, 3, (6, 200)).astype(np.uint64) << np.uint64(5)
+    lo = rng.integers(0, 4, (6, 200)).astype(np.uint64)
+    u = base - np.uint64(1) - hi - mid - lo
+    valid = rng.random((6, 200)) < 0.9
+    valid[5, 3:] = False  # a row with fewer valid entries than k
+    for k in (1, 5, 17):
+        with jax.enable_x64(True):
+            idx, took = (np.asarray(a) for a in jax.jit(_top_k_u53, static_argnums=2)(
+                u, valid, k))  # fmt: skip
+        for r in range(6):
+            cols = np.nonzero(valid[r])[0]
+            want = cols[np.lexsort((cols, -(u[r, cols] - u[r].min()).astype(np.int64)))][:k]
+            got = idx[r][took[r]]
+            got = got[np.lexsort((got, -(u[r, got] - u[r].min()).astype(np.int64)))]
+            np.testing.assert_array_equal(got, want, err_msg=f"k={k} row {r}")
+
+
 @pytest.fixture(scope="module")
 def tms_trained(tmp_path_factory) -> Path:
     run = make_run(tmp_path_factory.mktemp("hv"), "tms", "t", tiny=False,
@@ -189,6 +294,45 @@ def test_harvest_of_a_toy_run_and_an_interrupted_one_resumes(tms_trained: Path, 
     monkeypatch.setattr(hv.Harvest, "add", real)
     res = hv.harvest(_project(tms_trained), n_tokens=2048, batch_size=256)
     assert res.resumed_from == 4
+    assert _dump(path) == full
+
+
+def test_sigterm_saves_the_state_exits_3_and_the_rerun_ends_the_same(
+    tms_trained: Path, monkeypatch
+):
+    """A real SIGTERM to this process during batch 3 of 8 (`runtime.stop_signals` is in place
+    while `pdctl harvest` runs): exit 3, one line saying how to go on, the state after batch 3
+    saved; the rerun goes on from there and writes the database an uninterrupted harvest
+    writes."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    path = tms_trained / "harvest" / "harvest.db"
+    args = ("--project", tms_trained, "harvest", "--tokens", "2048", "--batch-size", "256")
+    assert cli(*args).exit_code == 0
+    full = _dump(path)
+    path.unlink()
+    real = hv.Harvest.add
+    calls = {"n": 0}
+
+    def term_in_batch_three(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(hv.Harvest, "add", term_in_batch_three)
+    line = cli_fails(3, *args)
+    assert line == (
+        "error: harvest: stopped by SIGTERM after batch 3 of 8; the work so far is saved: run "
+        "`pdctl harvest` again with the same options to go on"
+    ), line
+    assert (tms_trained / "harvest" / "partial.npz").exists() and not path.exists()
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+    monkeypatch.setattr(hv.Harvest, "add", real)
+    r = cli(*args)
+    assert r.exit_code == 0 and "went on from batch 3" in r.output, r.output
     assert _dump(path) == full
 
 
@@ -345,8 +489,10 @@ def test_browse_bad_input_is_one_line(tmp_path: Path, served):
     assert f"--port: cannot listen on 127.0.0.1:{port}" in line
 
 
-@pytest.mark.slow  # four pdctl processes, ~40 s
-def test_one_vs_four_devices_and_sigkill_give_the_same_database(tms_trained: Path, tmp_path):
+@pytest.mark.slow  # six pdctl processes, ~40 s
+def test_one_vs_four_devices_sigkill_and_sigterm_give_the_same_database(
+    tms_trained: Path, tmp_path
+):
     import shutil
     import signal
     import subprocess
@@ -378,6 +524,24 @@ def test_one_vs_four_devices_and_sigkill_give_the_same_database(tms_trained: Pat
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the harvest ended before it could be killed"
     assert not path.exists()
+    r = pdctl_process(*args, project=tms_trained, devices=4)
+    assert r.returncode == 0 and "went on from batch" in r.stdout, (r.stdout, r.stderr)
+    assert dump() == dumps[4]
+
+    # SIGTERM: the process saves its state, exits 3 with one line; the rerun ends the same
+    path.unlink()
+    proc = subprocess.Popen(pdctl_argv(*args, project=tms_trained), env=pdctl_env(4),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, (proc.returncode, out, err[-2000:])
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and "harvest: stopped by SIGTERM after batch" in lines[0], err[-2000:]
+    assert "`pdctl harvest` again with the same options" in lines[0]
+    assert "Traceback" not in err and partial.exists() and not path.exists()
     r = pdctl_process(*args, project=tms_trained, devices=4)
     assert r.returncode == 0 and "went on from batch" in r.stdout, (r.stdout, r.stderr)
     assert dump() == dumps[4]

@@ -1,131 +1,243 @@
-"""What a harvest counts, as a pure host-side accumulator: CI arrays in, statistics out.
+"""What a harvest counts: every batch's CI reduced on the device, the host merging only what
+is left.
 
-`Harvest.add` takes one batch's lower-leaky CI per site ((N, C) per site, N positions: every
-token of every sequence for an LM, every input for a toy) with the tokens around each position,
-and updates, per component of every site:
+`Harvest.add` takes one batch's lower-leaky CI per site ((B, T, C) for an LM, (B, C) for a toy;
+device or numpy arrays) with the tokens at those positions, and dispatches one jitted program
+(`_step`) that folds the batch into an accumulator held on one device, per component of every
+site (all sites side by side, C_total columns):
 - firing count (CI > threshold), CI sum and max, and a CI histogram (`BINS` bins on [0, 1]);
-- the `top_k` largest CIs, each with its token window (`window` tokens either side) and the
-  component's CI at every token of the window;
-- a uniform sample of `n_samples` firing positions across the whole activation range: each
-  firing event gets a pseudo-random priority hashed from (seed, position, component) and the
-  largest priorities are kept, so the sample is the same however the data is split into
-  batches, devices or processes (a deterministic reservoir);
-- co-occurrence counts with every other component of the run (a dense C_total x C_total
-  matrix, kept only when C_total <= `cooc_max`: the dense matrix is the known cost, 8192
-  components are 512 MiB of int64 counts);
-- for LMs, the input tokens it fires on (sparse counts) against the corpus token counts.
+- the `top_k` largest CIs (`lax.top_k` over the batch, then merged with the running best by
+  (CI desc, position asc)), each with its token window (`window` tokens either side) and the
+  component's CI at every token of the window, gathered on the device;
+- a uniform sample of `n_samples` firing positions: each firing event gets a priority hashed
+  from (seed, position, component) (splitmix64, `priority`) and the largest are kept, so the
+  sample is the same however the data is split into batches, devices or processes (a
+  deterministic reservoir; selected exactly with float32 top-k passes, `_top_k_u53`);
+- co-occurrence counts with every other component (the matmul of the batch's firing
+  indicators, kept only when C_total <= `cooc_max`: the dense matrix is the known cost,
+  8192 components are 512 MiB of int64 counts);
+- for LMs, (token, component) firing counts over the batch's distinct tokens (an integer
+  segment sum of the firing indicators by token), which the host turns into sparse counts.
 
-Everything is ordered by (value desc, position asc), so equal inputs give equal results
-bit for bit in any batch order. `state()` / `from_state()` round-trip the whole accumulator
-through a flat dict of numpy arrays (a resumable harvest saves it between batches).
+Nothing waits for a batch when it is added: the host reads a batch's token counts only after
+the next batch has been dispatched (`PIPELINE`), so the device is never idle on the host's
+account. The results equal, bit for bit, the numpy reference (`reference.Harvest`, the
+definitions): integer counts and maxima are exact, the CI sum is float64 added row by row
+within a batch (as numpy sums an axis), then to the running sum; top and sample are ordered by
+(value desc, position asc). The float64 / uint64 work runs with `jax.enable_x64` inside this
+module only. `state()` / `load_state()` round-trip the accumulator through a flat dict of numpy
+arrays (a resumable harvest saves it between batches).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-BINS = 20
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+from pdctl.harvest import reference
+from pdctl.harvest.reference import BINS, SiteStats, Top, priority
+
+__all__ = ["BINS", "Harvest", "SiteStats", "Top", "priority"]
+
+PIPELINE = 1  # batches whose host-side work waits until the next one is dispatched
+_NO_POS = np.iinfo(np.int64).max  # an empty slot's position, for sorting (last)
+_FIELDS = ("key", "pos", "ci", "win_tok", "win_ci")
 
 
-def priority(seed: int, position: np.ndarray, component: np.ndarray) -> np.ndarray:
-    """A uniform [0, 1) number per (position, global component), splitmix64-hashed: the
-    reservoir's keys."""
-    with np.errstate(over="ignore"):
-        z = (position.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ (
-            component.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-        )
-        z = z ^ np.uint64(seed & 0xFFFFFFFF)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
+def _priority53(seed: int, pos: jax.Array, comp: jax.Array) -> jax.Array:
+    """`reference.priority` on the device (uint64 wraps the same way), as the 53-bit integer
+    it divides by 2**53."""
+    u = jnp.uint64
+    z = (pos.astype(u) * u(0x9E3779B97F4A7C15)) ^ (comp.astype(u) * u(0xBF58476D1CE4E5B9))
+    z = z ^ u(seed & 0xFFFFFFFF)
+    z = (z ^ (z >> u(30))) * u(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> u(27))) * u(0x94D049BB133111EB)
+    z = z ^ (z >> u(31))
+    return z >> u(11)
 
 
-@dataclass
-class Top:
-    """The k best events per component: key (K, C), position (K, C), CI (K, C), and the
-    window's tokens and CIs (K, C, 2w + 1). Empty slots have key -inf and position -1."""
-
-    key: np.ndarray
-    pos: np.ndarray
-    ci: np.ndarray
-    win_tok: np.ndarray
-    win_ci: np.ndarray
-
-    @classmethod
-    def empty(cls, k: int, C: int, width: int) -> Top:
-        return cls(
-            np.full((k, C), -np.inf),
-            np.full((k, C), -1, np.int64),
-            np.zeros((k, C), np.float32),
-            np.full((k, C, width), -1, np.int64),
-            np.zeros((k, C, width), np.float32),
-        )
-
-    def merge(self, other: Top) -> Top:
-        k = self.key.shape[0]
-        cat = [np.concatenate([a, b]) for a, b in zip(self.fields(), other.fields(), strict=True)]
-        key, pos = cat[0], cat[1]
-        # (key desc, position asc) per column; empty slots (-inf) sort last
-        order = np.lexsort((np.where(pos < 0, np.iinfo(np.int64).max, pos), -key), axis=0)[:k]
-        picked = [np.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 2)), 0)
-                  for a in cat]  # fmt: skip
-        return Top(*picked)
-
-    def fields(self) -> tuple[np.ndarray, ...]:
-        return (self.key, self.pos, self.ci, self.win_tok, self.win_ci)
+def _empty(k: int, C: int, width: int, key_dtype) -> dict[str, np.ndarray]:
+    """k empty slots per component, device layout (C, k[, width])."""
+    return {
+        "key": np.full((C, k), -np.inf, key_dtype),
+        "pos": np.full((C, k), -1, np.int64),
+        "ci": np.zeros((C, k), np.float32),
+        "win_tok": np.full((C, k, width), -1, np.int32),
+        "win_ci": np.zeros((C, k, width), np.float32),
+    }
 
 
-@dataclass
-class SiteStats:
-    count: np.ndarray  # (C,) int64
-    ci_sum: np.ndarray  # (C,) float64
-    ci_max: np.ndarray  # (C,) float32
-    hist: np.ndarray  # (C, BINS) int64
-    top: Top
-    sample: Top
+def _top_k_u53(u: jax.Array, valid: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest of the 53-bit integers `u` (uint64, (C, n)) where `valid`, per row,
+    ties by the lower index: (index (C, k), taken (C, k) bool; a row with fewer than k valid
+    entries has taken False in its last slots), in no particular order.
+
+    Exact, at float32's cost: XLA:CPU's top-k is fast for float32 only (a float64 key sorts
+    whole rows, ~20x slower). `u` is split into three float32-exact digits (24, 24 and 5 bits);
+    each level's `lax.top_k` keeps the entries strictly above the level's cut (certain to be
+    in), and only the entries equal to the cut go on to be ranked by the next digit."""
+    digits = [(u >> jnp.uint64(29)), (u >> jnp.uint64(5)) & jnp.uint64(0xFFFFFF),
+              u & jnp.uint64(0x1F)]  # fmt: skip
+    alive = valid
+    need = jnp.full(u.shape[:-1], k, jnp.int32)
+    idx_all, took_all = [], []
+    for level, d in enumerate(digits):
+        key = jnp.where(alive, d.astype(jnp.float32), -jnp.inf)
+        v, i = jax.lax.top_k(key, k)  # sorted desc, ties by the lower index
+        cut = jnp.take_along_axis(v, jnp.clip(need - 1, 0, k - 1)[..., None], axis=-1)
+        if level == len(digits) - 1:
+            took = (jnp.arange(k) < need[..., None]) & jnp.isfinite(v)
+        else:
+            took = (v > cut) & jnp.isfinite(v) & (need[..., None] > 0)
+            alive = alive & (key == cut) & (need[..., None] > 0)
+        need = need - jnp.sum(took, axis=-1, dtype=jnp.int32)
+        idx_all.append(i)
+        took_all.append(took)
+    idx = jnp.concatenate(idx_all, axis=-1)
+    took = jnp.concatenate(took_all, axis=-1)
+    # at most k taken per row: move them to the front (stable), keep k slots
+    order = jnp.argsort(~took, axis=-1, stable=True)[..., :k]
+    return jnp.take_along_axis(idx, order, axis=-1), jnp.take_along_axis(took, order, axis=-1)
 
 
-@dataclass
+@lru_cache(maxsize=16)
+def _step(
+    C: int, k_top: int, k_sample: int, window: int, threshold: float, seed: int,
+    lm: bool, cooc: bool,
+):  # fmt: skip
+    """The jitted per-batch program: (state, CI per site (B, T, C) | (B, C), tokens (B, T) |
+    None, start, valid) -> (state, token counts (n, C_total) int32 | None, distinct tokens
+    (n,) | None). `valid`: the batch's first rows that count (the last batch is padded)."""
+    width = 2 * window + 1
+
+    def candidates(val, idx, flat, tok, pos, T, k):
+        """This batch's best per component, `val` / `idx` (C, k_here) (its key and row; an
+        empty slot has key -inf), as (C, k) key / pos / ci and the (C, k, width) windows."""
+        k_here = val.shape[1]
+        full = jnp.isfinite(val)
+        ci = jnp.take_along_axis(flat.T, idx, axis=1)
+        out = {
+            "key": val,
+            "pos": jnp.where(full, pos[idx], -1),
+            "ci": jnp.where(full, ci, 0.0),
+        }
+        if tok is None:
+            out["win_tok"] = jnp.full((C, k_here, width), -1, jnp.int32)
+            out["win_ci"] = jnp.zeros((C, k_here, width), jnp.float32)
+        else:
+            b, t = idx // T, idx % T
+            tt = t[..., None] + jnp.arange(-window, window + 1)  # (C, k, width)
+            inside = (tt >= 0) & (tt < T) & full[..., None]
+            rows = b[..., None] * T + jnp.clip(tt, 0, T - 1)
+            out["win_tok"] = jnp.where(inside, tok[rows], -1).astype(jnp.int32)
+            got = jnp.take_along_axis(flat.T, rows.reshape(C, -1), axis=1).reshape(rows.shape)
+            out["win_ci"] = jnp.where(inside, got, 0.0)
+        if k_here < k:  # fewer positions than slots: pad with empty ones
+            pad = {f: jnp.asarray(v) for f, v in _empty(k - k_here, C, width, val.dtype).items()}
+            out = {f: jnp.concatenate([out[f], pad[f].astype(out[f].dtype)], axis=1) for f in out}
+        return out
+
+    def merge(run, new, k):
+        """The k best of both by (key desc, position asc); empty slots last."""
+        cat = {f: jnp.concatenate([run[f], new[f].astype(run[f].dtype)], axis=1) for f in run}
+        pos_key = jnp.where(cat["pos"] < 0, _NO_POS, cat["pos"])
+        iota = jnp.broadcast_to(jnp.arange(cat["pos"].shape[1]), cat["pos"].shape)
+        order = jax.lax.sort((-cat["key"], pos_key, iota), dimension=1, num_keys=2)[2][:, :k]
+        out = {}
+        for f, v in cat.items():
+            idx = order if v.ndim == 2 else order[..., None]
+            out[f] = jnp.take_along_axis(v, idx, axis=1)
+        return out
+
+    def step(state, cis, tok, start, valid):
+        ci = cis[0] if len(cis) == 1 else jnp.concatenate(cis, axis=-1)
+        B = ci.shape[0]
+        T = ci.shape[1] if lm else 1
+        n = B * T
+        flat = ci.reshape(n, C).astype(jnp.float32)
+        ok = jnp.repeat(jnp.arange(B) < valid, T)  # (n,)
+        pos = start + jnp.arange(n, dtype=jnp.int64)
+        fired = (flat > threshold) & ok[:, None]
+        new = dict(state)
+        new["count"] = state["count"] + jnp.sum(fired, axis=0, dtype=jnp.int64)
+        rows = jnp.where(ok[:, None], flat, 0.0).astype(jnp.float64)
+        # numpy sums an axis row after row: the same order, so the same float64 bits
+        batch_sum, _ = jax.lax.scan(lambda a, r: (a + r, None), jnp.zeros(C, jnp.float64),
+                                    rows, unroll=8)  # fmt: skip
+        new["ci_sum"] = state["ci_sum"] + batch_sum
+        masked = jnp.where(ok[:, None], flat, -jnp.inf)
+        new["ci_max"] = jnp.maximum(state["ci_max"], jnp.max(masked, axis=0))
+        bins = jnp.clip((flat * BINS).astype(jnp.int32), 0, BINS - 1)
+        cell = (jnp.arange(C, dtype=jnp.int32)[None, :] * BINS + bins).reshape(-1)
+        ones = jnp.broadcast_to(ok[:, None], (n, C)).astype(jnp.int32).reshape(-1)
+        hist = jnp.zeros(C * BINS, jnp.int32).at[cell].add(ones)  # integer: any order is exact
+        new["hist"] = state["hist"] + hist.reshape(C, BINS).astype(jnp.int64)
+        tok_flat = None if tok is None else tok.reshape(n).astype(jnp.int32)
+        key = jnp.where(masked == 0, 0.0, masked)  # -0.0 and 0.0 tie, as in numpy's sorts
+        val, idx = jax.lax.top_k(key.T, min(k_top, n))  # ties: the lower index (= position)
+        top = candidates(val, idx, flat, tok_flat, pos, T, k_top)
+        new["top"] = merge(state["top"], top, k_top)
+        comp = jnp.arange(C, dtype=jnp.int64)
+        u53 = _priority53(seed, pos[None, :], comp[:, None])  # (C, n)
+        idx, took = _top_k_u53(u53, fired.T, min(k_sample, n))
+        prio = jnp.take_along_axis(u53, idx, axis=1).astype(jnp.float64) / float(2**53)
+        sample = candidates(jnp.where(took, prio, -jnp.inf), idx, flat, tok_flat, pos, T, k_sample)
+        new["sample"] = merge(state["sample"], sample, k_sample)
+        F = fired.astype(jnp.float32)
+        if cooc:  # exact: every count of one batch is an integer below 2**24
+            hi = jax.lax.Precision.HIGHEST
+            new["cooc"] = state["cooc"] + jnp.dot(F.T, F, precision=hi).astype(jnp.int64)
+        if tok_flat is None:
+            return new, None, None
+        uniq, inv = jnp.unique(tok_flat, size=n, fill_value=-1, return_inverse=True)
+        # (distinct token, component) firing counts: one integer scatter-add per position
+        counts = jax.ops.segment_sum(fired.astype(jnp.int32), inv.reshape(n), num_segments=n)
+        return new, counts, uniq
+
+    return jax.jit(step, donate_argnums=0)
+
+
 class Harvest:
-    sites: dict[str, int]  # site -> C, in the run's site order
-    threshold: float
-    top_k: int = 20
-    n_samples: int = 20
-    window: int = 8
-    vocab: int | None = None  # LMs: the vocabulary (token statistics); toys: None
-    cooc_max: int = 8192
-    seed: int = 0
-    n_positions: int = 0
-    stats: dict[str, SiteStats] = field(default_factory=dict)
-    cooc: np.ndarray | None = None  # (C_total, C_total) int64, or None (skipped)
-    token_keys: np.ndarray | None = None  # sorted global_component * vocab + token
-    token_counts: np.ndarray | None = None
-    corpus_counts: np.ndarray | None = None  # (vocab,) int64: every harvested position
+    """The accumulator (see the module's docstring). `device`: where the state lives and the
+    reduction runs (default: the first device); a batch's CI, sharded over the mesh, is
+    copied there (asynchronously). One device, not the mesh: on CPU, the devices share the
+    host's cores, and the reduction split over them cost more (collectives, and the top-k
+    work repeated per device) than on one, which keeps the others' cores for the next batch's
+    forward."""
 
-    def __post_init__(self) -> None:
-        w = 2 * self.window + 1
-        for s, C in self.sites.items():
-            if s not in self.stats:
-                self.stats[s] = SiteStats(
-                    np.zeros(C, np.int64),
-                    np.zeros(C, np.float64),
-                    np.zeros(C, np.float32),
-                    np.zeros((C, BINS), np.int64),
-                    Top.empty(self.top_k, C, w),
-                    Top.empty(self.n_samples, C, w),
-                )
-        if self.cooc is None and self.cooc_kept:
-            self.cooc = np.zeros((self.c_total, self.c_total), np.int64)
-        if self.vocab is not None and self.corpus_counts is None:
-            self.corpus_counts = np.zeros(self.vocab, np.int64)
-            self.token_keys = np.zeros(0, np.int64)
-            self.token_counts = np.zeros(0, np.int64)
+    def __init__(
+        self,
+        sites: dict[str, int],
+        threshold: float,
+        top_k: int = 20,
+        n_samples: int = 20,
+        window: int = 8,
+        vocab: int | None = None,
+        cooc_max: int = 8192,
+        seed: int = 0,
+        device: Any = None,
+    ) -> None:
+        self.sites = dict(sites)
+        self.threshold = float(threshold)
+        self.top_k, self.n_samples, self.window = top_k, n_samples, window
+        self.vocab, self.cooc_max, self.seed = vocab, cooc_max, seed
+        self._device = device if device is not None else jax.devices()[0]
+        self.n_positions = 0
+        self.corpus_counts = None if vocab is None else np.zeros(vocab, np.int64)
+        self.token_keys = None if vocab is None else np.zeros(0, np.int64)
+        self.token_counts = None if vocab is None else np.zeros(0, np.int64)
+        self._pending_tokens: list[tuple[np.ndarray, np.ndarray]] = []
+        self._inflight: deque = deque()
+        self._host: dict[str, np.ndarray] | None = None  # the state as numpy, when read
+        self._dev = self._put(self._initial())
+
+    # ---- the run's shape --------------------------------------------------------------------
 
     @property
     def c_total(self) -> int:
@@ -142,165 +254,161 @@ class Harvest:
             out[s], o = o, o + C
         return out
 
-    def add(self, ci: Mapping[str, np.ndarray], tokens: np.ndarray | None, start: int) -> None:
-        """One batch. `ci[s]`: (B, T, C) for an LM (positions start + b * T + t), (B, C) for a
+    # ---- adding batches ---------------------------------------------------------------------
+
+    def _initial(self) -> dict[str, Any]:
+        C, w = self.c_total, 2 * self.window + 1
+        state: dict[str, Any] = {
+            "count": np.zeros(C, np.int64),
+            "ci_sum": np.zeros(C, np.float64),
+            "ci_max": np.zeros(C, np.float32),
+            "hist": np.zeros((C, BINS), np.int64),
+            "top": _empty(self.top_k, C, w, np.float32),
+            "sample": _empty(self.n_samples, C, w, np.float64),
+        }
+        if self.cooc_kept:
+            state["cooc"] = np.zeros((C, C), np.int64)
+        return state
+
+    def _put(self, state: dict[str, Any]) -> Any:
+        with jax.enable_x64(True):
+            # committed, so that every step sees the same kind of argument (one compile)
+            return jax.device_put(state, self._device)
+
+    def add(
+        self,
+        ci: Mapping[str, Any],
+        tokens: np.ndarray | None,
+        start: int,
+        valid: int | None = None,
+    ) -> None:
+        """One batch: `ci[s]` (B, T, C) for an LM (positions start + b * T + t), (B, C) for a
         toy (positions start + b); `tokens` (B, T) for an LM (the inputs at those positions),
-        None for a toy."""
+        None for a toy. Only the first `valid` rows count (default: all). Returns at once:
+        the work is dispatched, not waited for."""
         lm = tokens is not None
-        shape = next(iter(ci.values())).shape
-        B, T = (shape[0], shape[1]) if lm else (shape[0], 1)
-        n = B * T
-        pos = start + np.arange(n, dtype=np.int64)
-        offsets = self.offsets()
-        fired_all = []
+        arrays = tuple(ci[s] for s in self.sites)
+        arrays = jax.device_put(arrays, self._device)  # a sharded batch's CI comes over
+        B = arrays[0].shape[0]
+        valid = B if valid is None else int(valid)
+        T = arrays[0].shape[1] if lm else 1
+        fn = _step(self.c_total, self.top_k, self.n_samples, self.window, self.threshold,
+                   self.seed, lm, self.cooc_kept)  # fmt: skip
+        with jax.enable_x64(True):
+            tok = None if tokens is None else jnp.asarray(np.asarray(tokens, np.int32))
+            start_ = np.int64(start)
+            self._dev, counts, uniq = fn(self._dev, arrays, tok, start_, np.int32(valid))
+        self._host = None
+        self.n_positions += valid * T
         if lm:
-            self.corpus_counts += np.bincount(tokens.reshape(-1), minlength=self.vocab)[
-                : self.vocab
-            ]
-        for s, C in self.sites.items():
-            c3 = np.asarray(ci[s], np.float32).reshape(B, T, C)
-            flat = c3.reshape(n, C)
-            st = self.stats[s]
-            fired = flat > self.threshold
-            fired_all.append(fired)
-            st.count += fired.sum(0)
-            st.ci_sum += flat.sum(0, dtype=np.float64)
-            st.ci_max = np.maximum(st.ci_max, flat.max(0))
-            bins = np.clip((flat * BINS).astype(np.int64), 0, BINS - 1)
-            idx = (np.arange(C, dtype=np.int64)[None, :] * BINS + bins).reshape(-1)
-            st.hist += np.bincount(idx, minlength=C * BINS).reshape(C, BINS)
-            comp = offsets[s] + np.arange(C, dtype=np.int64)
-            st.top = st.top.merge(self._candidates(flat, flat, pos, c3, tokens, self.top_k))
-            prio = np.where(fired, priority(self.seed, pos[:, None], comp[None, :]), -np.inf)
-            st.sample = st.sample.merge(
-                self._candidates(prio, flat, pos, c3, tokens, self.n_samples)
-            )
-            if lm:
-                b_idx, c_idx = np.nonzero(fired)
-                keys = (offsets[s] + c_idx).astype(np.int64) * self.vocab + tokens.reshape(-1)[
-                    b_idx
-                ].astype(np.int64)
-                self._add_tokens(keys)
-        if self.cooc is not None:
-            F = np.concatenate(fired_all, axis=1).astype(np.float32)
-            # exact: every count of one batch is an integer below 2**24
-            self.cooc += (F.T @ F).astype(np.int64)
-        self.n_positions += n
+            kept = np.asarray(tokens)[:valid].reshape(-1)
+            self.corpus_counts += np.bincount(kept, minlength=self.vocab)[: self.vocab]
+            self._inflight.append((counts, uniq))
+            while len(self._inflight) > PIPELINE:
+                self._take_tokens(*self._inflight.popleft())
 
-    def _candidates(self, key, flat, pos, c3, tokens, k) -> Top:
-        """This batch's best k per component by `key` (N, C), with their windows."""
-        n, C = flat.shape
-        k_here = min(k, n)
-        order = np.lexsort((np.broadcast_to(pos[:, None], key.shape), -key), axis=0)[:k_here]
-        top_key = np.take_along_axis(key, order, 0)
-        top_ci = np.take_along_axis(flat, order, 0)
-        top_pos = np.where(np.isfinite(top_key), pos[order], -1)
-        w = self.window
-        width = 2 * w + 1
-        win_tok = np.full((k_here, C, width), -1, np.int64)
-        win_ci = np.zeros((k_here, C, width), np.float32)
-        if tokens is not None:
-            T = c3.shape[1]
-            b, t = np.divmod(order, T)  # order: rows of this batch's flat positions
-            offs = np.arange(-w, w + 1)
-            tt = t[..., None] + offs  # (k, C, width)
-            ok = (tt >= 0) & (tt < T)
-            ttc = np.clip(tt, 0, T - 1)
-            bb = np.broadcast_to(b[..., None], tt.shape)
-            cc = np.broadcast_to(np.arange(C)[None, :, None], tt.shape)
-            win_tok = np.where(ok, tokens[bb, ttc], -1).astype(np.int64)
-            win_ci = np.where(ok, c3[bb, ttc, cc], 0.0).astype(np.float32)
-        empty = ~np.isfinite(top_key)
-        win_tok[empty] = -1
-        win_ci[empty] = 0.0
-        top = Top(top_key, top_pos, top_ci, win_tok, win_ci)
-        if k_here < k:  # pad to k rows
-            top = Top.empty(k, C, width).merge(top)
-        return top
+    def _take_tokens(self, counts: Any, uniq: Any) -> None:
+        """One batch's (token, component) counts (n, C_total) over its distinct tokens."""
+        counts, uniq = np.asarray(counts), np.asarray(uniq)
+        j, comp = np.nonzero(counts)
+        keys = comp.astype(np.int64) * self.vocab + uniq[j].astype(np.int64)
+        self._pending_tokens.append((keys, counts[j, comp].astype(np.int64)))
+        if sum(k.size for k, _ in self._pending_tokens) > 1 << 22:
+            self._merge_tokens()
 
-    def _add_tokens(self, keys: np.ndarray) -> None:
-        u, c = np.unique(keys, return_counts=True)
-        allk = np.concatenate([self.token_keys, u])
-        allc = np.concatenate([self.token_counts, c])
-        uk, inv = np.unique(allk, return_inverse=True)
-        self.token_keys = uk
-        self.token_counts = np.bincount(inv, weights=allc, minlength=uk.size).astype(np.int64)
+    def _merge_tokens(self) -> None:
+        if not self._pending_tokens:
+            return
+        pk = np.concatenate([k for k, _ in self._pending_tokens])
+        pc = np.concatenate([c for _, c in self._pending_tokens])
+        self._pending_tokens = []
+        uk, inv = np.unique(pk, return_inverse=True)
+        uc = np.bincount(inv, weights=pc, minlength=uk.size).astype(np.int64)
+        # into the running (sorted, distinct) keys in one linear pass: no sort of everything
+        keys, counts = self.token_keys, self.token_counts.copy()
+        at = np.searchsorted(keys, uk)
+        hit = at < keys.size
+        hit[hit] = keys[at[hit]] == uk[hit]
+        counts[at[hit]] += uc[hit]
+        self.token_keys = np.insert(keys, at[~hit], uk[~hit])
+        self.token_counts = np.insert(counts, at[~hit], uc[~hit])
 
-    # ---- derived statistics -----------------------------------------------------------------
+    def sync(self) -> None:
+        """Wait for every batch added so far and fold its token counts in."""
+        while self._inflight:
+            self._take_tokens(*self._inflight.popleft())
+        self._merge_tokens()
 
-    def cooc_rows(
-        self, top_pairs: int = 20
-    ) -> list[tuple[int, int, int, float, float, float, float]]:
-        """(component, other, count, precision, recall, jaccard, pmi) for each component's
-        `top_pairs` partners by Jaccard (ties: count desc, other asc); global indices.
-        precision = n_ab / n_a (of a's firings, the share where b fires too), recall = n_ab /
-        n_b, jaccard = n_ab / (n_a + n_b - n_ab), pmi = ln(n_ab N / (n_a n_b))."""
-        if self.cooc is None:
-            return []
-        n = np.diag(self.cooc).astype(np.float64)
-        N = float(self.n_positions)
-        rows = []
-        for a in range(self.cooc.shape[0]):
-            nab = self.cooc[a].astype(np.float64)
-            others = np.nonzero((nab > 0) & (np.arange(nab.size) != a))[0]
-            if not others.size:
-                continue
-            jac = nab[others] / (n[a] + n[others] - nab[others])
-            order = np.lexsort((others, -nab[others], -jac))[:top_pairs]
-            for j in order:
-                b = int(others[j])
-                rows.append((a, b, int(nab[b]), nab[b] / n[a], nab[b] / n[b], float(jac[j]),
-                             float(np.log(nab[b] * N / (n[a] * n[b])))))  # fmt: skip
-        return rows
+    def _state_host(self) -> dict[str, Any]:
+        self.sync()
+        if self._host is None:
+            # copies: the device buffers are donated to the next batch's step
+            self._host = jax.tree.map(np.array, self._dev)
+        return self._host
 
-    def token_rows(self, top: int = 20) -> list[tuple[int, int, int, float, str]]:
-        """(component, token, count, pmi, kind) per component: the `top` tokens it fires on
-        most often (kind "count") and with the highest PMI against the corpus frequency (kind
-        "pmi"), pmi = ln(p(token | fires) / p(token))."""
-        if self.token_keys is None or not self.token_keys.size:
-            return []
-        comp, tok = np.divmod(self.token_keys, self.vocab)
-        total = float(self.corpus_counts.sum())
-        n_fire = np.zeros(self.c_total, np.float64)
-        np.add.at(n_fire, comp, self.token_counts)
-        p_tok = self.corpus_counts[tok] / total
-        pmi = np.log((self.token_counts / n_fire[comp]) / p_tok)
-        rows = []
-        starts = np.searchsorted(comp, np.arange(self.c_total + 1))
-        for c in range(self.c_total):
-            lo, hi = starts[c], starts[c + 1]
-            if lo == hi:
-                continue
-            t, k, p = tok[lo:hi], self.token_counts[lo:hi], pmi[lo:hi]
-            for kind, order in (("count", np.lexsort((t, -k))), ("pmi", np.lexsort((t, -k, -p)))):
-                for j in order[:top]:
-                    rows.append((c, int(t[j]), int(k[j]), float(p[j]), kind))
-        return rows
+    # ---- what was counted (numpy, the reference's layout) ---------------------------------
+
+    @property
+    def stats(self) -> dict[str, SiteStats]:
+        st = self._state_host()
+        out = {}
+        for s, o in self.offsets().items():
+            sl = slice(o, o + self.sites[s])
+
+            def top(which: str, sl: slice = sl) -> Top:
+                d = st[which]
+                return Top(*(np.moveaxis(d[f][sl], 0, 1) for f in _FIELDS))
+
+            out[s] = SiteStats(st["count"][sl], st["ci_sum"][sl], st["ci_max"][sl],
+                               st["hist"][sl], top("top"), top("sample"))  # fmt: skip
+        return out
+
+    @property
+    def cooc(self) -> np.ndarray | None:
+        return self._state_host().get("cooc")
+
+    cooc_rows = reference.Harvest.cooc_rows
+    token_rows = reference.Harvest.token_rows
 
     # ---- state ------------------------------------------------------------------------------
 
     def state(self) -> dict[str, np.ndarray]:
+        st = self._state_host()
         out: dict[str, np.ndarray] = {"n_positions": np.asarray(self.n_positions)}
-        for i, s in enumerate(self.sites):
-            st = self.stats[s]
-            for name in ("count", "ci_sum", "ci_max", "hist"):
-                out[f"{i}.{name}"] = getattr(st, name)
-            for which in ("top", "sample"):
-                for j, a in enumerate(getattr(st, which).fields()):
-                    out[f"{i}.{which}.{j}"] = a
-        for name in ("cooc", "token_keys", "token_counts", "corpus_counts"):
+        for name in ("count", "ci_sum", "ci_max", "hist", "cooc"):
+            if name in st:
+                out[name] = st[name]
+        for which in ("top", "sample"):
+            for f in _FIELDS:
+                out[f"{which}.{f}"] = st[which][f]
+        for name in ("token_keys", "token_counts", "corpus_counts"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
 
     def load_state(self, state: Mapping[str, Any]) -> None:
+        """Go on from `state()`; a state of another shape raises (and changes nothing)."""
+        self.sync()
+        dev = self._initial()
+
+        def like(a: Any, want: np.ndarray) -> np.ndarray:
+            a = np.asarray(a)
+            if a.shape != want.shape:
+                raise ValueError(f"state shape {a.shape}, expected {want.shape}")
+            return a.astype(want.dtype)
+
+        for name in ("count", "ci_sum", "ci_max", "hist", "cooc"):
+            if name in dev:
+                dev[name] = like(state[name], dev[name])
+        for which in ("top", "sample"):
+            for f in _FIELDS:
+                dev[which][f] = like(state[f"{which}.{f}"], dev[which][f])
+        names = ("token_keys", "token_counts", "corpus_counts")
+        tokens = {n: np.asarray(state[n], np.int64) for n in names if n in state}
+        if (self.vocab is not None) != ("corpus_counts" in tokens):
+            raise ValueError("state of another kind of harvest (LM / toy)")
+        self._dev = self._put(dev)
         self.n_positions = int(state["n_positions"])
-        for i, s in enumerate(self.sites):
-            st = self.stats[s]
-            for name in ("count", "ci_sum", "ci_max", "hist"):
-                setattr(st, name, np.asarray(state[f"{i}.{name}"]))
-            for which in ("top", "sample"):
-                setattr(st, which, Top(*(np.asarray(state[f"{i}.{which}.{j}"]) for j in range(5))))
-        for name in ("cooc", "token_keys", "token_counts", "corpus_counts"):
-            if name in state:
-                setattr(self, name, np.asarray(state[name]))
+        for name, a in tokens.items():
+            setattr(self, name, a)
+        self._host = None

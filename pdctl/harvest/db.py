@@ -62,6 +62,17 @@ def _r(x: float) -> float:
     return float(np.float32(x))
 
 
+def _join(values: list) -> str:
+    """`json.dumps` of a flat list of ints, or of finite floats (the same text: json's
+    separator and each number's `repr`), without json's per-call overhead."""
+    return "[" + ", ".join(map(repr, values)) + "]"
+
+
+def _r32(a: np.ndarray) -> list:
+    """`_r` of every element, as nested lists."""
+    return np.asarray(a, np.float32).astype(np.float64).tolist()
+
+
 def write(
     path: Path,
     h: Harvest,
@@ -99,24 +110,25 @@ def write(
                 (s, idx, C, offsets[s], _r(l0), int((st.count > 0).sum())),
             )
             vn, un = (norms or {}).get(s, (None, None))
+            hist = st.hist.tolist()
             con.executemany(
                 "INSERT INTO components VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (s, c, int(st.count[c]), _r(st.count[c] / N), _r(st.ci_sum[c] / N),
-                     _r(st.ci_max[c]), json.dumps(st.hist[c].tolist()),
+                     _r(st.ci_max[c]), _join(hist[c]),
                      None if vn is None else _r(vn[c]), None if un is None else _r(un[c]))
                     for c in range(C)
                 ],
             )  # fmt: skip
             for kind, top in (("top", st.top), ("sample", st.sample)):
-                ex = []
-                for rank in range(top.key.shape[0]):
-                    for c in range(C):
-                        if top.pos[rank, c] < 0:
-                            continue
-                        ex.append((s, c, kind, rank, _r(top.ci[rank, c]), int(top.pos[rank, c]),
-                                   json.dumps(top.win_tok[rank, c].tolist()),
-                                   json.dumps([_r(v) for v in top.win_ci[rank, c]])))  # fmt: skip
+                # whole arrays to Python at once (floats rounded to float32 as `_r` does)
+                pos, ci = top.pos.tolist(), _r32(top.ci)
+                win_tok, win_ci = np.asarray(top.win_tok).tolist(), _r32(top.win_ci)
+                dump_ci = _join if np.isfinite(top.win_ci).all() else json.dumps
+                ex = [(s, c, kind, rank, ci[rank][c], pos[rank][c],
+                       _join(win_tok[rank][c]), dump_ci(win_ci[rank][c]))
+                      for rank in range(len(pos)) for c in range(C)
+                      if pos[rank][c] >= 0]  # fmt: skip
                 con.executemany("INSERT INTO examples VALUES (?, ?, ?, ?, ?, ?, ?, ?)", ex)
         con.executemany(
             "INSERT INTO cooc VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -57,9 +57,11 @@ def output_effects(
     windows: np.ndarray,
     chosen: list[tuple[str, int, np.ndarray]],
     k: int,
+    check: Any = None,
 ) -> dict[tuple[str, int], np.ndarray]:
     """{(site, component): effect (vocab,)} for each (site, component, positions) in `chosen`;
-    positions index `windows` (n, T) flattened (window * T + t), at most `k` used."""
+    positions index `windows` (n, T) flattened (window * T + t), at most `k` used. `check()`,
+    when given, is called before each component (it may raise to stop)."""
     d = cfg.decomp
     paths = tuple(components)
     fn = _effect_fn(target, paths, d.ci_fn.type, d.sigmoid, d.sampling)
@@ -67,6 +69,8 @@ def output_effects(
     ones = {p: np.ones(c["V"].shape[1], np.float32) for p, c in components.items()}
     out = {}
     for site, c, positions in chosen:
+        if check is not None:
+            check()
         pos = np.asarray(positions[:k], np.int64)
         weight = np.zeros(k, np.float32)
         weight[: pos.size] = 1.0

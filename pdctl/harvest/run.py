@@ -7,9 +7,17 @@ the CI functions, never the optimizer state) and the target's weights. LMs: `--t
 of the eval split (default: all of it) in corpus order, as consecutive windows of
 `data.seq_len`; toys: `--tokens` inputs drawn as the train stage draws them, and the CI of each
 one-hot feature. The CI program is the evaluation's (`evaluate.compute_ci_jit`) over this
-machine's devices, the batch split across them. Every `SAVE_EVERY` batches the accumulator is
-saved (`harvest/partial.npz`, atomically): an interrupted harvest (SIGTERM, SIGKILL, a crash)
-run again with the same options goes on from there and ends with the same database.
+machine's devices, the batch split across them; each batch's CI goes straight into the
+accumulator's jitted reduction (`accumulate.Harvest`) on the device, and nothing waits for a
+batch before the next is dispatched. Every `SAVE_EVERY` batches the accumulator is saved
+(`harvest/partial.npz`, atomically): an interrupted harvest (SIGTERM, SIGKILL, a crash) run
+again with the same options goes on from there and ends with the same database.
+
+SIGTERM / SIGINT (`runtime.stop_signals`, as the stages use it) stop the harvest after the
+batch in flight: the state is saved and `Interrupted` (exit 3) says how to go on. Restoring,
+tokenizing and the first (compiling) batch run `runtime.interruptible`, so a stop is acted on
+within seconds there too; a stop during the output effects saves the finished pass over the
+corpus, and the rerun goes straight to the effects.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from pdctl.harvest.accumulate import Harvest
 from pdctl.project import Project, now
 
 SAVE_EVERY = 8  # batches between saves of the partial state
+PARTIAL_FORMAT = 2  # the layout of partial.npz (1: the host accumulator's, not read any more)
 TOY_INPUTS = 8192  # toys: inputs harvested by default
 TOY_BATCH = 1024
 EFFECTS = 256  # LMs: components (the most often firing) whose output effect is measured
@@ -73,7 +82,38 @@ def _load_partial(d: Path, h: Harvest, key: str) -> int:
         return 0
 
 
+def _stopped(signum: int, done: str) -> PdctlError:
+    import signal
+
+    from pdctl.engine.loop import Interrupted
+
+    name = signal.Signals(signum).name
+    return Interrupted(
+        f"harvest: stopped by {name} {done}; the work so far is saved: run `pdctl harvest` "
+        "again with the same options to go on"
+    )
+
+
 def harvest(
+    project: Project,
+    **kwargs,
+) -> Result:
+    """`_harvest` with SIGTERM / SIGINT turned into a clean stop (exit 3, see the module)."""
+    from pdctl.engine import runtime
+
+    with runtime.stop_signals():
+        try:
+            return _harvest(project, **kwargs)
+        except runtime.StopNow as e:  # a restore, tokenization or compile left running
+            from pdctl.engine.loop import Interrupted
+
+            raise Interrupted(
+                f"harvest: stopped by {e.name} while {e.what} (left unfinished); what was "
+                "saved before is kept: run `pdctl harvest` again with the same options to go on"
+            ) from None
+
+
+def _harvest(
     project: Project,
     *,
     stage: str = "train",
@@ -84,7 +124,7 @@ def harvest(
     effects: int = EFFECTS,
     on_batch: Callable[[int, int], None] | None = None,
 ) -> Result:
-    from pdctl.engine import sharding
+    from pdctl.engine import runtime, sharding
     from pdctl.report import load
     from pdctl.science.spd import evaluate
     from pdctl.stages.common import STREAM_TRAIN, StageEnv, corpus_tokens, stream_key
@@ -102,7 +142,9 @@ def harvest(
     if stage not in ("train", "warmup"):
         raise PdctlError(f"--stage: {stage!r} has no decomposition (choose from train, warmup)")
     try:
-        dec = load.load_decomposition(project, stage)
+        dec = runtime.interruptible(
+            load.load_decomposition, project, stage, what="restoring the decomposition"
+        )
     except LookupError as e:
         raise PdctlError(f"harvest: {e}") from None
     cfg = project.config
@@ -121,7 +163,9 @@ def harvest(
     if lm:
         T = cfg.data.seq_len
         env = StageEnv(project, "train", mesh, target)  # a view only: no lock, nothing written
-        stream = np.asarray(corpus_tokens(env, split))
+        stream = runtime.interruptible(
+            lambda: np.asarray(corpus_tokens(env, split)), what="reading and tokenizing the corpus"
+        )
         if n_tokens is not None and n_tokens < T:
             raise PdctlError(f"--tokens: {n_tokens} is fewer than one sequence (data.seq_len {T})")
         n_windows = stream.size // T
@@ -140,24 +184,26 @@ def harvest(
         n_items = n_tokens or TOY_INPUTS
     n_batches = math.ceil(n_items / B)
 
+    rep = sharding.replicated(mesh)
     h = Harvest(sites, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
-                seed=cfg.run.seed)  # fmt: skip
+                seed=cfg.run.seed, device=devices[0])  # fmt: skip
     st = project.stage(stage)
     ident = {"stage": stage, "step": dec.step, "run_id": st.get("run_id"), "split": split,
-             "items": n_items, "batch": B, "top_k": top_k, "lm": lm}  # fmt: skip
+             "items": n_items, "batch": B, "top_k": top_k, "lm": lm,
+             "format": PARTIAL_FORMAT}  # fmt: skip
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     out_dir = harvest_dir(project)
     out_dir.mkdir(exist_ok=True)
     start_batch = _load_partial(out_dir, h, key)
 
-    rep = sharding.replicated(mesh)
     params = jax.device_put(dec.params, rep)
     comps = jax.device_put(dec.components, rep)
     ci_fns = jax.device_put(dec.ci_fns, rep)
     in_sh = sharding.batch_sharding(mesh, 2)
     toy_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 2**20)
     make = None if lm else jax.jit(lambda k: target.inputs(target.make_batch(k, B)))
-    for i in range(start_batch, n_batches):
+
+    def one_batch(i: int) -> None:
         lo, hi = i * B, min(n_items, (i + 1) * B)
         if lm:
             x = windows[lo:hi]
@@ -168,32 +214,52 @@ def harvest(
             x_dev = jax.device_put(make(jax.random.fold_in(toy_key, i)), in_sh)
             x = None
         ci_lower, _ = evaluate.compute_ci_jit(target, params, comps, ci_fns, cfg, x_dev)
-        valid = hi - lo
-        ci = {s: np.asarray(ci_lower[s])[:valid] for s in sites}
-        h.add(ci, None if x is None else x[:valid], start=lo * T)
+        h.add(ci_lower, x, start=lo * T, valid=hi - lo)  # dispatched, not waited for
+
+    for i in range(start_batch, n_batches):
+        if i == start_batch:  # the first batch compiles: a stop must not wait for it
+            runtime.interruptible(one_batch, i, what="compiling the harvest")
+        else:
+            one_batch(i)
+        signum = runtime.stop_requested()
+        if signum is not None and i + 1 < n_batches:
+            _save_partial(out_dir, h, key, i + 1)
+            raise _stopped(signum, f"after batch {i + 1} of {n_batches}")
         if (i + 1) % SAVE_EVERY == 0 and i + 1 < n_batches:
             _save_partial(out_dir, h, key, i + 1)
         if on_batch is not None:
             on_batch(i + 1, n_batches)
+    h.sync()
 
     changes = None
     if lm and effects:
         from pdctl.harvest import effect
 
+        stats = h.stats
         ranked = sorted(
             (
-                (int(h.stats[s].count[c]), s, c)
+                (int(stats[s].count[c]), s, c)
                 for s in sites
                 for c in range(sites[s])
-                if h.stats[s].count[c] > 0
+                if stats[s].count[c] > 0
             ),
             key=lambda r: (-r[0], r[1], r[2]),
         )
         chosen = []
         for _, s, c in ranked[:effects]:
-            pos = h.stats[s].sample.pos[:, c]
+            pos = stats[s].sample.pos[:, c]
             chosen.append((s, c, np.sort(pos[pos >= 0])))
-        got = effect.output_effects(target, params, comps, ci_fns, cfg, windows, chosen, top_k)
+
+        def stop() -> None:
+            signum = runtime.stop_requested()
+            if signum is not None:
+                _save_partial(out_dir, h, key, n_batches)
+                raise _stopped(
+                    signum, "during the output effects (the pass over the corpus is done)"
+                )
+
+        got = effect.output_effects(target, params, comps, ci_fns, cfg, windows, chosen, top_k,
+                                    check=stop)  # fmt: skip
         changes = {sc: effect.top_changes(v) for sc, v in got.items()}  # fmt: skip
     toy = None
     if not lm and hasattr(target, "n_features"):
