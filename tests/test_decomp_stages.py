@@ -214,6 +214,7 @@ def test_lm_train_parity_with_the_components_sharded_over_every_device(tmp_path:
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{data}x{fsdp}")
 
 
+@pytest.mark.slow  # ~10-18 s: compiles the faithfulness term on several meshes
 def test_faithfulness_on_sharded_components_moves_no_weight_sized_collective(tmp_path) -> None:
     """With the components sharded over data (an LM's default), the compiled train and warmup
     steps have no all-reduce / reduce-scatter of a site's d_in x d_out shape: each device forms

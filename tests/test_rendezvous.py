@@ -130,6 +130,7 @@ print("RESULT", json.dumps(out))
 """
 
 
+@pytest.mark.slow  # ~7-14 s: builds and lowers a whole train evaluation
 def test_the_evaluation_has_no_collective_on_a_cpu_mesh(tmp_path):
     """The evaluation of an LM (text batches) and of a toy on pdctl's default mesh over two
     CPU devices compiles only programs without collectives, so however many of them are in

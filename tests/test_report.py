@@ -450,7 +450,7 @@ def test_report_of_the_warmup_stage_and_bad_arguments(runs, tmp_path) -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_unreadable_checkpoint_is_listed_not_a_crash(runs) -> None:
     run = Path(shutil.copytree(runs["interrupted"], runs["interrupted"].parent / "broken"))
-    item = run / "checkpoints" / "train" / "10" / "trainable"
+    item = run / "checkpoints" / "train" / "10" / "decomposition"
     for p in item.iterdir():
         if p.is_dir():
             shutil.rmtree(p)
