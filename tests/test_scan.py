@@ -22,8 +22,8 @@ from pdctl.science.spd import losses as L
 from pdctl.science.spd.grouped import groups, map_sites
 from pdctl.science.spd.masks import stochastic_masks
 from pdctl.science.spd.stacked import per_site_tree
-from pdctl.stages import train
 from pdctl.science.targets.hf import HFCausalLM, read_hf_config
+from pdctl.stages import train
 
 SEQ = 8
 RTOL = ATOL = 1e-5  # float32 reassociation in the loop body / batched matmuls (see above)
@@ -118,8 +118,9 @@ def test_scanned_forward_takes_stacked_units(tmp_path):
     shapes = unrolled.site_shapes()
     rng = np.random.default_rng(0)
     C = 5
-    q, k = group_key("model.layers", 0, 3, "self_attn.q_proj"), group_key(
-        "model.layers", 1, 2, "self_attn.k_proj"
+    q, k = (
+        group_key("model.layers", 0, 3, "self_attn.q_proj"),
+        group_key("model.layers", 1, 2, "self_attn.k_proj"),
     )
     downs = [f"model.layers.{i}.mlp.down_proj" for i in range(4)]
 
