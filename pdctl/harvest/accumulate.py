@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdctl.harvest import reference
-from pdctl.harvest.reference import BINS, SiteStats, Top, priority
+from pdctl.harvest.reference import BINS, SiteLayout, SiteStats, Top, priority
 
 __all__ = ["BINS", "Harvest", "SiteStats", "Top", "priority"]
 
@@ -203,8 +203,9 @@ def _step(
     return jax.jit(step, donate_argnums=0)
 
 
-class Harvest:
-    """The accumulator (see the module's docstring). `device`: where the state lives and the
+class Harvest(SiteLayout):
+    """The accumulator (see the module's docstring; `c_total`, `cooc_kept`, `offsets` from
+    `SiteLayout`). `device`: where the state lives and the
     reduction runs (default: the first device); a batch's CI, sharded over the mesh, is
     copied there (asynchronously). One device, not the mesh: on CPU, the devices share the
     host's cores, and the reduction split over them cost more (collectives, and the top-k
@@ -236,23 +237,6 @@ class Harvest:
         self._inflight: deque = deque()
         self._host: dict[str, np.ndarray] | None = None  # the state as numpy, when read
         self._dev = self._put(self._initial())
-
-    # ---- the run's shape --------------------------------------------------------------------
-
-    @property
-    def c_total(self) -> int:
-        return sum(self.sites.values())
-
-    @property
-    def cooc_kept(self) -> bool:
-        return self.c_total <= self.cooc_max
-
-    def offsets(self) -> dict[str, int]:
-        """The global index of each site's component 0 (sites in order)."""
-        out, o = {}, 0
-        for s, C in self.sites.items():
-            out[s], o = o, o + C
-        return out
 
     # ---- adding batches ---------------------------------------------------------------------
 

@@ -92,8 +92,31 @@ class SiteStats:
     sample: Top
 
 
+class SiteLayout:
+    """The components of a harvest's sites, numbered globally (for both accumulators); needs
+    `sites` ({site: C}, in the run's site order) and `cooc_max`."""
+
+    sites: dict[str, int]
+    cooc_max: int
+
+    @property
+    def c_total(self) -> int:
+        return sum(self.sites.values())
+
+    @property
+    def cooc_kept(self) -> bool:
+        return self.c_total <= self.cooc_max
+
+    def offsets(self) -> dict[str, int]:
+        """The global index of each site's component 0 (sites in order)."""
+        out, o = {}, 0
+        for s, C in self.sites.items():
+            out[s], o = o, o + C
+        return out
+
+
 @dataclass
-class Harvest:
+class Harvest(SiteLayout):
     sites: dict[str, int]  # site -> C, in the run's site order
     threshold: float
     top_k: int = 20
@@ -127,21 +150,6 @@ class Harvest:
             self.corpus_counts = np.zeros(self.vocab, np.int64)
             self.token_keys = np.zeros(0, np.int64)
             self.token_counts = np.zeros(0, np.int64)
-
-    @property
-    def c_total(self) -> int:
-        return sum(self.sites.values())
-
-    @property
-    def cooc_kept(self) -> bool:
-        return self.c_total <= self.cooc_max
-
-    def offsets(self) -> dict[str, int]:
-        """The global index of each site's component 0 (sites in order)."""
-        out, o = {}, 0
-        for s, C in self.sites.items():
-            out[s], o = o, o + C
-        return out
 
     def add(self, ci: Mapping[str, np.ndarray], tokens: np.ndarray | None, start: int) -> None:
         """One batch. `ci[s]`: (B, T, C) for an LM (positions start + b * T + t), (B, C) for a
