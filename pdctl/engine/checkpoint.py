@@ -265,8 +265,10 @@ class Checkpointer:
     def restore(self, step: int, abstract: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore the state keys named in `abstract` (ShapeDtypeStructs with shardings), from
         a split train checkpoint or one item per key, whichever `step` holds."""
-        on_disk = set(self.item_names(step))
-        wanted = split_items(abstract) if DECOMPOSITION in on_disk else dict(abstract)
+        # (from the directory: the manager's item_metadata warns about every item it has no
+        # handler for)
+        split = (self.directory / str(step) / DECOMPOSITION).is_dir()
+        wanted = split_items(abstract) if split else dict(abstract)
         items = {k: ocp.args.StandardRestore(v) for k, v in wanted.items()}
         out = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
         restored = join_items({k: out[k] for k in wanted})
