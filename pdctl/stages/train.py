@@ -58,7 +58,7 @@ def optimizer(cfg, steps: int) -> optax.GradientTransformation:
     )
 
 
-def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacking | None = None):
+def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     """The SPD step, in the reference's order (goodfire-ai/spd `run_spd.py` with
     `persistent_pgd.py`):
 
@@ -70,19 +70,15 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding, stacking: Stacki
     step with that step's source learning rate. A non-finite step changes nothing but the
     counters (`guard_update`).
 
-    With a `stacking` (`[train] scan_layers`) the state holds repeated sites stacked, and
-    everything runs on the groups as they are: the optimizer, clipping and guard, and the SPD
-    functions (`fns` made with the same stacking), so no per-site copy of any of it is in the
-    program."""
+    With `fns` made for a stacking (`[train] scan_layers`: the state holds repeated sites
+    stacked) everything runs on the groups as they are: the optimizer, clipping and guard, and
+    the SPD functions, so no per-site copy of any of it is in the program."""
     tc, lcfg, pcfg = cfg.train, cfg.train.loss, cfg.train.ppgd
     policy = Policy.from_config(cfg.precision)
     k_accum = tc.grad_accum_steps
     mesh = batch_sharding.mesh
     use_ppgd = lcfg.ppgd_recon > 0
     source_lr = schedule(pcfg, total)
-    stacking = stacking or Stacking()
-    if tuple(fns.units) != tuple(stacking.units(fns.paths)):
-        raise ValueError("the SPD functions were made for another stacking of the sites")
 
     def loss_fn(trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None):
         return fns.loss(
@@ -205,7 +201,7 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     lr = schedule(tc.optim, total)
     return StepProgram(
         stage="train",
-        step=make_step(target, fns, tx, cfg, total, sharding.batch_sharding(mesh, 2), stacking),
+        step=make_step(target, fns, tx, cfg, total, sharding.batch_sharding(mesh, 2)),
         make_state=make_state,
         abstract_state=abstract,
         state_shardings=state_sh,

@@ -23,11 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pdctl.science.spd.grouped import group_key, members, per_site_views
+from pdctl.science.spd.grouped import group_key, members
 
-__all__ = ["Stacking", "group_key", "host_per_site", "is_stacked", "members", "per_site"]
+__all__ = ["Stacking", "group_key", "is_stacked", "members", "per_site", "per_site_tree"]
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,6 @@ class Stacking:
                 out[p] = tree
         return out
 
-    def unstack(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The inverse of `stack`, for use under jit: per-site views of each group."""
-        return dict(state) if self.trivial else per_site_views(state)
-
     def units(self, paths: Sequence[str]) -> list[str]:
         """The state's keys for the sites `paths`: each group's key in place of its first
         member, its other members dropped, plain sites as they are."""
@@ -121,11 +116,6 @@ def per_site(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 def is_stacked(tree: Mapping[str, Any]) -> bool:
     return any(members(k) is not None for k in tree)
-
-
-def host_per_site(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """`per_site` of a tree fetched to the host first (numpy slices cost no device programs)."""
-    return per_site(jax.tree.map(np.asarray, jax.device_get(dict(tree))))
 
 
 def per_site_tree(tree: Any) -> Any:
