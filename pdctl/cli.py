@@ -255,9 +255,12 @@ def harvest(
     sampled examples, co-occurring components and input tokens, into <run>/harvest/harvest.db
     (resumable: run it again after an interruption)."""
     from pdctl import report as rep
+    from pdctl.engine import runtime
     from pdctl.harvest import run as hv
 
     proj = _project(ctx)
+    runtime.setup_logging()
+    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)  # several processes
     with rep.progress_bar(err_console) as progress:
         task = progress.add_task("harvest", total=None)
 
@@ -268,8 +271,9 @@ def harvest(
                             split=split, top_k=top_k, effects=effects,
                             on_batch=on_batch)  # fmt: skip
     again = f" (went on from batch {result.resumed_from})" if result.resumed_from else ""
+    by = f" by {result.processes} processes" if result.processes > 1 else ""
     console.print(
-        f"harvested {result.n_positions} positions in {result.batches} batches{again}: "
+        f"harvested {result.n_positions} positions in {result.batches} batches{by}{again}: "
         f"{result.path}",
         markup=False,
     )

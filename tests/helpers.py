@@ -169,6 +169,35 @@ def pdctl_argv(*args: Any, project: Path | None = None) -> list[str]:
     return [sys.executable, "-m", "pdctl", *head, *(str(a) for a in args)]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pdctl_processes(
+    n: int, *args: Any, project: Path, devices: int = 1, timeout: float = 600
+) -> list[tuple[int, str]]:
+    """`pdctl ARGS` as `n` processes of one jax.distributed job on localhost (each on `devices`
+    CPU devices), run to completion: [(returncode, stdout + stderr)] by process id."""
+    port = free_port()
+    head = ("--coordinator", f"127.0.0.1:{port}", "--num-processes", n)
+    procs = [
+        subprocess.Popen(
+            pdctl_argv(*head, "--process-id", pid, *args, project=project),
+            env=pdctl_env(devices),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(n)
+    ]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
 def pdctl_process(
     *args: Any,
     project: Path | None = None,

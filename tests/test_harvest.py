@@ -14,7 +14,7 @@ from helpers import cli, cli_fails, make_run
 
 from pdctl.harvest import db
 from pdctl.harvest import run as hv
-from pdctl.harvest.accumulate import BINS, Harvest
+from pdctl.harvest.accumulate import BINS, SUM_SCALE, Harvest
 
 VOCAB = 6
 TOKENS = np.array([[0, 1, 2, 0, 3, 4], [4, 0, 0, 1, 5, 2]], np.int32)  # (B, T)
@@ -47,7 +47,8 @@ def test_counts_cooccurrence_and_pmi_equal_the_hand_computed_values():
     np.testing.assert_array_equal(h.stats["a"].count, [4, 2, 2])
     np.testing.assert_array_equal(h.stats["b"].count, [5, 0])
     np.testing.assert_array_equal(h.stats["a"].ci_max, [1, 1, 1])
-    np.testing.assert_allclose(h.stats["b"].ci_sum, [2.5, 0.6])
+    # CI sums in units of 2**-24: five 0.5, twelve float32(0.05) * 2**24 = 838860.81 -> 838861
+    assert h.stats["b"].ci_sum.tolist() == [5 * SUM_SCALE // 2, 12 * 838861]
     # histogram: b1's twelve 0.05 are in bin 1 of 20, b0's five 0.5 in bin 10
     assert h.stats["b"].hist[1].tolist() == [0] + [12] + [0] * (BINS - 2)
     assert h.stats["b"].hist[0, 10] == 5 and h.stats["b"].hist[0, 0] == 7
@@ -188,9 +189,9 @@ def _db_rows(path: Path, h) -> list[str]:
         con.close()
 
 
-def test_the_float64_sum_follows_numpy_row_by_row():
-    """CI sums are float64 added row after row within a batch (numpy's order for an axis
-    sum), then to the running sum: equal bits to the reference on values whose sum rounds."""
+def test_the_fixed_point_sum_is_exact_in_any_order():
+    """CI sums are int64 multiples of 2**-24 (`SUM_SCALE`): equal bits to the reference in
+    any batching, within half a unit per value of the float64 sum."""
     from pdctl.harvest import reference
 
     rng = np.random.default_rng(2)
@@ -202,6 +203,44 @@ def test_the_float64_sum_follows_numpy_row_by_row():
         ref.add({"a": ci["a"][lo : lo + 16]}, tok[lo : lo + 16], start=lo * 16)
         h.add({"a": ci["a"][lo : lo + 16]}, tok[lo : lo + 16], start=lo * 16)
     np.testing.assert_array_equal(h.stats["a"].ci_sum, ref.stats["a"].ci_sum)
+    whole = Harvest({"a": 4}, 0.5, vocab=1)
+    whole.add(ci, tok, start=0)
+    np.testing.assert_array_equal(whole.stats["a"].ci_sum, h.stats["a"].ci_sum)
+    exact = ci["a"].astype(np.float64).sum((0, 1))
+    assert np.all(np.abs(h.stats["a"].ci_sum / SUM_SCALE - exact) <= 64 * 16 / 2 / SUM_SCALE)
+
+
+@pytest.mark.parametrize("lm", [True, False], ids=["lm", "toy"])
+def test_merged_parts_equal_one_harvest_bit_for_bit(lm):
+    """What a multi-process harvest does: parts over disjoint positions (here 3, of uneven
+    size and out of order) merged with `merge_states` give the state of one harvest that saw
+    every batch, and a fresh accumulator loaded with it goes on identically."""
+    from pdctl.harvest.accumulate import merge_states
+
+    rng = np.random.default_rng(5)
+    sites, V, B, T = {"x": 5, "y": 3}, 11, 4, 6
+    shape = (B, T) if lm else (B * T,)
+    batches = []
+    for i in range(6):
+        ci = {s: _random_ci(rng, shape, C) for s, C in sites.items()}
+        tok = rng.integers(0, V, (B, T)).astype(np.int32) if lm else None
+        batches.append((ci, tok, i * B * T))
+
+    def run(which) -> Harvest:
+        h = Harvest(sites, 0.1, top_k=4, n_samples=3, window=2, vocab=V if lm else None, seed=9)
+        for i in which:
+            h.add(*batches[i])
+        return h
+
+    whole = run(range(6)).state()
+    merged = merge_states([run([4, 5]).state(), run([0]).state(), run([1, 2, 3]).state()])
+    assert set(merged) == set(whole)
+    for k in whole:
+        np.testing.assert_array_equal(merged[k], whole[k], err_msg=k)
+        assert merged[k].dtype == whole[k].dtype, k
+    h = run([])
+    h.load_state(merged)
+    np.testing.assert_array_equal(h.stats["x"].top.pos, run(range(6)).stats["x"].top.pos)
 
 
 def test_exact_top_k_of_53_bit_priorities_with_ties():
@@ -545,3 +584,27 @@ def test_one_vs_four_devices_sigkill_and_sigterm_give_the_same_database(
     r = pdctl_process(*args, project=tms_trained, devices=4)
     assert r.returncode == 0 and "went on from batch" in r.stdout, (r.stdout, r.stderr)
     assert dump() == dumps[4]
+
+
+@pytest.mark.slow  # three pdctl processes, ~30 s
+def test_one_vs_two_processes_give_the_same_database(tms_trained: Path):
+    """Two processes of one jax.distributed job each harvest half of the batches on their own
+    devices and merge the parts: the database one process writes, bit for bit."""
+    from helpers import pdctl_process, pdctl_processes
+
+    args = ("harvest", "--tokens", "16384", "--batch-size", "256")
+    path = tms_trained / "harvest" / "harvest.db"
+
+    def dump() -> list[str]:
+        skip = ("'devices'", "'processes'")
+        return [r for r in _dump(path) if not any(k in r for k in skip)]
+
+    r = pdctl_process(*args, project=tms_trained, devices=2)
+    assert r.returncode == 0, r.stderr
+    one = dump()
+    path.unlink()
+    outs = pdctl_processes(2, *args, project=tms_trained, devices=1)
+    assert [rc for rc, _ in outs] == [0, 0], outs
+    assert all("harvested 16384 positions in 64 batches by 2 processes" in o for _, o in outs)
+    assert dump() == one
+    assert not list(path.parent.glob("partial*")) and not list(path.parent.glob("effects*"))

@@ -369,3 +369,25 @@ def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, assets):
     assert [(k, t) for k, t, _ in sorted(got)] == [(k, t) for k, t, _ in want_rows]
     np.testing.assert_allclose([n for *_, n in sorted(got)], [n for *_, n in want_rows],
                                rtol=1e-4, atol=1e-6)  # fmt: skip
+
+    # Two processes (one device each): each harvests half of the windows and measures one of
+    # the two effects; process 0 merges and writes the database one process on one device
+    # writes. (Not the 4-device one above: XLA:CPU's matmuls round differently for another
+    # batch per device, which moves some mean CIs by an ulp; the toy's shapes do not.)
+    from helpers import pdctl_process, pdctl_processes
+
+    def dump() -> list[str]:
+        con = sqlite3.connect(run / "harvest" / "harvest.db")
+        skip = ("'devices'", "'processes'", "'created'")
+        rows = [r for r in con.iterdump() if "INSERT" in r and not any(k in r for k in skip)]
+        con.close()
+        return rows
+
+    args = ("harvest", "--tokens", "512", "--effects", "2", "--top-k", "4")
+    r = pdctl_process(*args, project=run, devices=1)
+    assert r.returncode == 0, r.stderr
+    one = dump()
+    (run / "harvest" / "harvest.db").unlink()
+    outs = pdctl_processes(2, *args, project=run, devices=1)
+    assert [rc for rc, _ in outs] == [0, 0], outs
+    assert dump() == one

@@ -372,6 +372,27 @@ def abandoned() -> str | None:
     return _abandoned
 
 
+def barrier(name: str, timeout_s: float) -> None:
+    """Under jax.distributed, wait until every process has reached `name` (each name once per
+    job); a no-op in one process. Waits on a worker thread (`interruptible`), so a stop is
+    acted on; a process that does not come within `timeout_s` is an error line."""
+    mod = sys.modules.get("jax._src.distributed")
+    client = getattr(getattr(mod, "global_state", None), "client", None)
+    if client is None:
+        return
+    try:
+        interruptible(client.wait_at_barrier, name, int(timeout_s * 1000),
+                      what=f"waiting for the other processes ({name})")  # fmt: skip
+    except StopNow:
+        raise
+    except Exception as e:  # the service's DEADLINE_EXCEEDED / a process that died
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PdctlError(
+            f"distributed: not every process reached {name!r} within {timeout_s:.0f} s "
+            f"(one failed or was stopped: see its output) ({first[:200]})"
+        ) from None
+
+
 def leave_together(timeout_s: float = 10.0) -> None:
     """Under jax.distributed, before a stop that abandoned a call ends the process with
     os._exit: every process meets at one barrier, and process 0 (which hosts the coordination

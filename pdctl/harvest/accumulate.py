@@ -5,7 +5,8 @@ is left.
 device or numpy arrays) with the tokens at those positions, and dispatches one jitted program
 (`_step`) that folds the batch into an accumulator held on one device, per component of every
 site (all sites side by side, C_total columns):
-- firing count (CI > threshold), CI sum and max, and a CI histogram (`BINS` bins on [0, 1]);
+- firing count (CI > threshold), CI sum (fixed point, `SUM_SCALE`) and max, and a CI
+  histogram (`BINS` bins on [0, 1]);
 - the `top_k` largest CIs (`lax.top_k` over the batch, then merged with the running best by
   (CI desc, position asc)), each with its token window (`window` tokens either side) and the
   component's CI at every token of the window, gathered on the device;
@@ -22,11 +23,12 @@ site (all sites side by side, C_total columns):
 Nothing waits for a batch when it is added: the host reads a batch's token counts only after
 the next batch has been dispatched (`PIPELINE`), so the device is never idle on the host's
 account. The results equal, bit for bit, the numpy reference (`reference.Harvest`, the
-definitions): integer counts and maxima are exact, the CI sum is float64 added row by row
-within a batch (as numpy sums an axis), then to the running sum; top and sample are ordered by
-(value desc, position asc). The float64 / uint64 work runs with `jax.enable_x64` inside this
-module only. `state()` / `load_state()` round-trip the accumulator through a flat dict of numpy
-arrays (a resumable harvest saves it between batches).
+definitions): counts, maxima and the fixed-point CI sum are exact in any order; top and
+sample are ordered by (value desc, position asc). The int64 / uint64 work runs with
+`jax.enable_x64` inside this module only. `state()` / `load_state()` round-trip the accumulator
+through a flat dict of numpy arrays (a resumable harvest saves it between batches), and
+`merge_states` combines the states of harvests over disjoint positions (the processes of a
+multi-process harvest) into the state of one harvest over all of them, bit for bit.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdctl.harvest import reference
-from pdctl.harvest.reference import BINS, SiteLayout, SiteStats, Top, priority
+from pdctl.harvest.reference import BINS, SUM_SCALE, SiteLayout, SiteStats, Top, priority
 
-__all__ = ["BINS", "Harvest", "SiteStats", "Top", "priority"]
+__all__ = ["BINS", "SUM_SCALE", "Harvest", "SiteStats", "Top", "merge_states", "priority"]
 
 PIPELINE = 1  # batches whose host-side work waits until the next one is dispatched
 _NO_POS = np.iinfo(np.int64).max  # an empty slot's position, for sorting (last)
@@ -166,11 +168,10 @@ def _step(
         fired = (flat > threshold) & ok[:, None]
         new = dict(state)
         new["count"] = state["count"] + jnp.sum(fired, axis=0, dtype=jnp.int64)
-        rows = jnp.where(ok[:, None], flat, 0.0).astype(jnp.float64)
-        # numpy sums an axis row after row: the same order, so the same float64 bits
-        batch_sum, _ = jax.lax.scan(lambda a, r: (a + r, None), jnp.zeros(C, jnp.float64),
-                                    rows, unroll=8)  # fmt: skip
-        new["ci_sum"] = state["ci_sum"] + batch_sum
+        # fixed point (`SUM_SCALE`): flat * 2**24 and its rounding are exact in float32, and
+        # integer sums do not depend on the order: any split of the data gives the same bits
+        fixed = jnp.round(flat * jnp.float32(SUM_SCALE)).astype(jnp.int64)
+        new["ci_sum"] = state["ci_sum"] + jnp.sum(jnp.where(ok[:, None], fixed, 0), axis=0)
         masked = jnp.where(ok[:, None], flat, -jnp.inf)
         new["ci_max"] = jnp.maximum(state["ci_max"], jnp.max(masked, axis=0))
         bins = jnp.clip((flat * BINS).astype(jnp.int32), 0, BINS - 1)
@@ -228,7 +229,7 @@ class Harvest(SiteLayout):
         self.threshold = float(threshold)
         self.top_k, self.n_samples, self.window = top_k, n_samples, window
         self.vocab, self.cooc_max, self.seed = vocab, cooc_max, seed
-        self._device = device if device is not None else jax.devices()[0]
+        self._device = device if device is not None else jax.local_devices()[0]
         self.n_positions = 0
         self.corpus_counts = None if vocab is None else np.zeros(vocab, np.int64)
         self.token_keys = None if vocab is None else np.zeros(0, np.int64)
@@ -244,7 +245,7 @@ class Harvest(SiteLayout):
         C, w = self.c_total, 2 * self.window + 1
         state: dict[str, Any] = {
             "count": np.zeros(C, np.int64),
-            "ci_sum": np.zeros(C, np.float64),
+            "ci_sum": np.zeros(C, np.int64),
             "ci_max": np.zeros(C, np.float32),
             "hist": np.zeros((C, BINS), np.int64),
             "top": _empty(self.top_k, C, w, np.float32),
@@ -396,3 +397,45 @@ class Harvest(SiteLayout):
         for name, a in tokens.items():
             setattr(self, name, a)
         self._host = None
+
+
+def _merge_best(parts: list[dict[str, np.ndarray]], k: int) -> dict[str, np.ndarray]:
+    """The k best slots per component of several (C, k[, width]) tables, by (key desc, position
+    asc), empty slots last: what one accumulator that saw every part's positions keeps."""
+    cat = {f: np.concatenate([p[f] for p in parts], axis=1) for f in _FIELDS}
+    pos = np.where(cat["pos"] < 0, _NO_POS, cat["pos"])
+    order = np.lexsort((pos, -cat["key"].astype(np.float64)), axis=1)[:, :k]
+    out = {}
+    for f, v in cat.items():
+        idx = order if v.ndim == 2 else order[..., None]
+        out[f] = np.take_along_axis(v, idx, axis=1)
+    return out
+
+
+def merge_states(states: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One `Harvest.state()` from the states of harvests over disjoint positions (same sites,
+    options and seed): counts, histograms, co-occurrence, token counts and the fixed-point CI
+    sum add up, maxima take the maximum, top and sample keep the best of the union. Equal, bit
+    for bit, to the state of one harvest that added every part's batches."""
+    if not states:
+        raise ValueError("no states to merge")
+    first = states[0]
+    out: dict[str, np.ndarray] = {}
+    for name in ("n_positions", "count", "ci_sum", "hist", "cooc", "corpus_counts"):
+        if name in first:
+            out[name] = np.sum([np.asarray(s[name]) for s in states], axis=0).astype(
+                np.asarray(first[name]).dtype
+            )
+    out["ci_max"] = np.maximum.reduce([np.asarray(s["ci_max"]) for s in states])
+    for which in ("top", "sample"):
+        parts = [{f: np.asarray(s[f"{which}.{f}"]) for f in _FIELDS} for s in states]
+        k = parts[0]["key"].shape[1]
+        for f, v in _merge_best(parts, k).items():
+            out[f"{which}.{f}"] = v
+    if "token_keys" in first:
+        keys = np.concatenate([np.asarray(s["token_keys"], np.int64) for s in states])
+        counts = np.concatenate([np.asarray(s["token_counts"], np.int64) for s in states])
+        uk, inv = np.unique(keys, return_inverse=True)
+        out["token_keys"] = uk
+        out["token_counts"] = np.bincount(inv, weights=counts, minlength=uk.size).astype(np.int64)
+    return out

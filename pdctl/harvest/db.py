@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from pdctl.harvest.accumulate import BINS, Harvest
+from pdctl.harvest.accumulate import BINS, SUM_SCALE, Harvest
 
 SCHEMA_VERSION = 1
 
@@ -114,7 +114,7 @@ def write(
             con.executemany(
                 "INSERT INTO components VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (s, c, int(st.count[c]), _r(st.count[c] / N), _r(st.ci_sum[c] / N),
+                    (s, c, int(st.count[c]), _r(st.count[c] / N), _r(st.ci_sum[c] / SUM_SCALE / N),
                      _r(st.ci_max[c]), _join(hist[c]),
                      None if vn is None else _r(vn[c]), None if un is None else _r(un[c]))
                     for c in range(C)

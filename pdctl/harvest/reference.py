@@ -5,8 +5,10 @@ definition of what every statistic means.
 `Harvest.add` takes one batch's lower-leaky CI per site ((N, C) per site, N positions: every
 token of every sequence for an LM, every input for a toy) with the tokens around each position,
 and updates, per component of every site:
-- firing count (CI > threshold), CI sum (float64, summed row by row within a batch, then added
-  to the running sum) and max, and a CI histogram (`BINS` bins on [0, 1]);
+- firing count (CI > threshold), CI sum and max, and a CI histogram (`BINS` bins on [0, 1]).
+  The sum is fixed point: each CI rounded to a multiple of 1 / `SUM_SCALE` (2**-24, float32's
+  resolution at 1), summed as int64, so it does not depend on the order of the additions (how
+  the data is split into batches, devices or processes) and holds 2**39 positions;
 - the `top_k` largest CIs, each with its token window (`window` tokens either side) and the
   component's CI at every token of the window;
 - a uniform sample of `n_samples` firing positions across the whole activation range: each
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 BINS = 20
+SUM_SCALE = 2**24  # the CI sum's unit: 1 / SUM_SCALE
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -85,7 +88,7 @@ class Top:
 @dataclass
 class SiteStats:
     count: np.ndarray  # (C,) int64
-    ci_sum: np.ndarray  # (C,) float64
+    ci_sum: np.ndarray  # (C,) int64, in units of 1 / SUM_SCALE
     ci_max: np.ndarray  # (C,) float32
     hist: np.ndarray  # (C, BINS) int64
     top: Top
@@ -138,7 +141,7 @@ class Harvest(SiteLayout):
             if s not in self.stats:
                 self.stats[s] = SiteStats(
                     np.zeros(C, np.int64),
-                    np.zeros(C, np.float64),
+                    np.zeros(C, np.int64),
                     np.zeros(C, np.float32),
                     np.zeros((C, BINS), np.int64),
                     Top.empty(self.top_k, C, w),
@@ -173,7 +176,7 @@ class Harvest(SiteLayout):
             fired = flat > self.threshold
             fired_all.append(fired)
             st.count += fired.sum(0)
-            st.ci_sum += flat.sum(0, dtype=np.float64)
+            st.ci_sum += np.rint(flat * np.float32(SUM_SCALE)).astype(np.int64).sum(0)
             st.ci_max = np.maximum(st.ci_max, flat.max(0))
             bins = np.clip((flat * BINS).astype(np.int64), 0, BINS - 1)
             idx = (np.arange(C, dtype=np.int64)[None, :] * BINS + bins).reshape(-1)

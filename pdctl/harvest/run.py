@@ -7,11 +7,18 @@ the CI functions, never the optimizer state) and the target's weights. LMs: `--t
 of the eval split (default: all of it) in corpus order, as consecutive windows of
 `data.seq_len`; toys: `--tokens` inputs drawn as the train stage draws them, and the CI of each
 one-hot feature. The CI program is the evaluation's (`evaluate.compute_ci_jit`) over this
-machine's devices, the batch split across them; each batch's CI goes straight into the
+process's devices, the batch split across them; each batch's CI goes straight into the
 accumulator's jitted reduction (`accumulate.Harvest`) on the device, and nothing waits for a
 batch before the next is dispatched. Every `SAVE_EVERY` batches the accumulator is saved
 (`harvest/partial.npz`, atomically): an interrupted harvest (SIGTERM, SIGKILL, a crash) run
 again with the same options goes on from there and ends with the same database.
+
+Several processes (jax.distributed, `--coordinator`): the pass needs no collective, so each
+process harvests its own consecutive batches on its own devices and saves its part
+(`partial-<p>of<n>.npz`, resumable as above); at a barrier every process reads every part and
+merges them (`accumulate.merge_states`: the state one process would have, bit for bit), the
+output effects are shared out (every n-th component) and gathered through small JSON files, and
+process 0 writes the database. The run directory must be shared, as for checkpoints.
 
 SIGTERM / SIGINT (`runtime.stop_signals`, as the stages use it) stop the harvest after the
 batch in flight: the state is saved and `Interrupted` (exit 3) says how to go on. Restoring,
@@ -29,13 +36,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
 from pdctl.errors import PdctlError
 from pdctl.harvest import db
-from pdctl.harvest.accumulate import Harvest
+from pdctl.harvest.accumulate import Harvest, merge_states
 from pdctl.project import Project, now
 
 SAVE_EVERY = 8  # batches between saves of the partial state
@@ -43,6 +51,7 @@ PARTIAL_FORMAT = 2  # the layout of partial.npz (1: the host accumulator's, not 
 TOY_INPUTS = 8192  # toys: inputs harvested by default
 TOY_BATCH = 1024
 EFFECTS = 256  # LMs: components (the most often firing) whose output effect is measured
+PEER_TIMEOUT_S = 6 * 3600  # several processes: how long one waits for the others' parts
 
 
 @dataclass
@@ -51,35 +60,62 @@ class Result:
     n_positions: int
     resumed_from: int  # batches already done by an earlier, interrupted harvest
     batches: int
+    processes: int = 1
 
 
 def harvest_dir(project: Project) -> Path:
     return project.root / "harvest"
 
 
-def _save_partial(d: Path, h: Harvest, key: str, next_batch: int) -> None:
-    tmp = d / "partial.tmp.npz"
+def partial_name(pid: int = 0, nproc: int = 1) -> str:
+    """The file holding process `pid`'s saved state (its whole part once its pass is done)."""
+    return "partial.npz" if nproc == 1 else f"partial-{pid}of{nproc}.npz"
+
+
+def _atomic(path: Path, write: Callable[[Any], None]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        np.savez(f, **h.state(), _key=np.asarray(key), _next=np.asarray(next_batch))
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, d / "partial.npz")
+    os.replace(tmp, path)
 
 
-def _load_partial(d: Path, h: Harvest, key: str) -> int:
-    """The next batch of an interrupted harvest with the same `key` (0: start afresh)."""
-    path = d / "partial.npz"
+def _save_partial(path: Path, h: Harvest, key: str, next_batch: int) -> None:
+    state = h.state()
+    _atomic(path, lambda f: np.savez(f, **state, _key=np.asarray(key),
+                                     _next=np.asarray(next_batch)))  # fmt: skip
+
+
+def _read_partial(path: Path, key: str) -> tuple[dict[str, np.ndarray], int] | None:
+    """(state, next batch) of a saved harvest with the same `key`, or None."""
     if not path.is_file():
-        return 0
+        return None
     try:
         with np.load(path) as z:
             if str(z["_key"]) != key:
-                return 0
-            state = {k: z[k] for k in z.files}
-        h.load_state(state)
-        return int(state["_next"])
+                return None
+            state = {k: z[k] for k in z.files if not k.startswith("_")}
+            return state, int(z["_next"])
     except Exception:  # a torn or foreign file: start over (it is only a cache of work done)
-        return 0
+        return None
+
+
+def _load_partial(path: Path, h: Harvest, key: str) -> int | None:
+    """The next batch of an interrupted harvest with the same `key` (None: start afresh)."""
+    got = _read_partial(path, key)
+    if got is None:
+        return None
+    try:
+        h.load_state(got[0])
+    except (ValueError, KeyError):
+        return None
+    return got[1]
+
+
+def _batches_of(pid: int, nproc: int, n_batches: int) -> tuple[int, int]:
+    """Process `pid`'s part: consecutive batches [lo, hi), the parts as even as they go."""
+    return pid * n_batches // nproc, (pid + 1) * n_batches // nproc
 
 
 def _stopped(signum: int, done: str) -> PdctlError:
@@ -150,13 +186,18 @@ def _harvest(
     cfg = project.config
     target = dec.target
     lm = target.output_kind == "logits"
-    devices = jax.devices()
+    # Several processes (jax.distributed): each harvests its own consecutive batches on its
+    # own devices (the pass needs no collective), saves its part, and every process merges
+    # the parts (`merge_states`); the output effects are shared out; process 0 writes.
+    nproc, pid = jax.process_count(), jax.process_index()
+    devices = jax.local_devices()
     mesh = sharding.make_mesh(-1, 1, devices)
     n_dev = len(devices)
     B = batch_size or (cfg.train.eval_batch_size if lm else TOY_BATCH)
     if B % n_dev:
         raise PdctlError(
-            f"--batch-size: {B} is not divisible by the {n_dev} devices (pick a multiple)"
+            f"--batch-size: {B} is not divisible by the {n_dev} devices of this process "
+            "(pick a multiple)"
         )
     sites = {s: int(c["V"].shape[1]) for s, c in dec.components.items()}
 
@@ -190,11 +231,14 @@ def _harvest(
     st = project.stage(stage)
     ident = {"stage": stage, "step": dec.step, "run_id": st.get("run_id"), "split": split,
              "items": n_items, "batch": B, "top_k": top_k, "lm": lm,
-             "format": PARTIAL_FORMAT}  # fmt: skip
+             "format": PARTIAL_FORMAT, "processes": nproc}  # fmt: skip
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     out_dir = harvest_dir(project)
     out_dir.mkdir(exist_ok=True)
-    start_batch = _load_partial(out_dir, h, key)
+    first, last = _batches_of(pid, nproc, n_batches)
+    mine = out_dir / partial_name(pid, nproc)
+    got = _load_partial(mine, h, key)
+    start_batch = first if got is None else got
 
     params = jax.device_put(dec.params, rep)
     comps = jax.device_put(dec.components, rep)
@@ -216,20 +260,26 @@ def _harvest(
         ci_lower, _ = evaluate.compute_ci_jit(target, params, comps, ci_fns, cfg, x_dev)
         h.add(ci_lower, x, start=lo * T, valid=hi - lo)  # dispatched, not waited for
 
-    for i in range(start_batch, n_batches):
+    of = f" of {n_batches}" if nproc == 1 else f" (batches {first}..{last - 1} of {n_batches})"
+    for i in range(start_batch, last):
         if i == start_batch:  # the first batch compiles: a stop must not wait for it
             runtime.interruptible(one_batch, i, what="compiling the harvest")
         else:
             one_batch(i)
         signum = runtime.stop_requested()
-        if signum is not None and i + 1 < n_batches:
-            _save_partial(out_dir, h, key, i + 1)
-            raise _stopped(signum, f"after batch {i + 1} of {n_batches}")
-        if (i + 1) % SAVE_EVERY == 0 and i + 1 < n_batches:
-            _save_partial(out_dir, h, key, i + 1)
+        if signum is not None and i + 1 < last:
+            _save_partial(mine, h, key, i + 1)
+            raise _stopped(signum, f"after batch {i + 1}{of}")
+        if (i + 1) % SAVE_EVERY == 0 and i + 1 < last:
+            _save_partial(mine, h, key, i + 1)
         if on_batch is not None:
-            on_batch(i + 1, n_batches)
+            on_batch(i + 1 - first, last - first)
     h.sync()
+    if nproc > 1:  # hand the part over; take everyone's
+        if start_batch < last or got is None:
+            _save_partial(mine, h, key, last)
+        runtime.barrier("pdctl-harvest-parts", PEER_TIMEOUT_S)
+        h.load_state(merge_states([_part(out_dir, key, p, nproc, n_batches) for p in range(nproc)]))
 
     changes = None
     if lm and effects:
@@ -253,29 +303,63 @@ def _harvest(
         def stop() -> None:
             signum = runtime.stop_requested()
             if signum is not None:
-                _save_partial(out_dir, h, key, n_batches)
+                if nproc == 1:
+                    _save_partial(mine, h, key, n_batches)
                 raise _stopped(
                     signum, "during the output effects (the pass over the corpus is done)"
                 )
 
-        got = effect.output_effects(target, params, comps, ci_fns, cfg, windows, chosen, top_k,
-                                    check=stop)  # fmt: skip
-        changes = {sc: effect.top_changes(v) for sc, v in got.items()}  # fmt: skip
+        done = effect.output_effects(target, params, comps, ci_fns, cfg, windows,
+                                     chosen[pid::nproc], top_k, check=stop)  # fmt: skip
+        changes = {sc: effect.top_changes(v) for sc, v in done.items()}
+        if nproc > 1:  # each process measured every nproc-th component: gather them
+            rows = [[s, c, ch] for (s, c), ch in changes.items()]
+            path = out_dir / f"effects-{pid}of{nproc}.json"
+            text = json.dumps({"key": key, "rows": rows}).encode()
+            _atomic(path, lambda f: f.write(text))
+            runtime.barrier("pdctl-harvest-effects", PEER_TIMEOUT_S)
+            changes = {}
+            for p in range(nproc):
+                got_p = json.loads((out_dir / f"effects-{p}of{nproc}.json").read_text())
+                if got_p.get("key") != key:
+                    raise PdctlError(f"harvest: {out_dir}/effects-{p}of{nproc}.json is from "
+                                     "another harvest (run `pdctl harvest` again)")  # fmt: skip
+                changes.update({(s, c): ch for s, c, ch in got_p["rows"]})
     toy = None
     if not lm and hasattr(target, "n_features"):
         toy = evaluate.toy_ci_matrices(target, params, comps, ci_fns, cfg)
     meta = {"run_id": st.get("run_id"), "stage": stage, "step": dec.step, "split": split,
             "seq_len": T if lm else None, "kind": target.kind, "lm": lm, "vocab": vocab,
-            "batch_size": B, "devices": n_dev, "created": now(), "top_k": top_k}  # fmt: skip
+            "batch_size": B, "devices": n_dev * nproc, "processes": nproc, "created": now(),
+            "top_k": top_k}  # fmt: skip
     path = out_dir / "harvest.db"
+    if pid != 0:  # process 0 writes; the others wait until it has
+        runtime.barrier("pdctl-harvest-written", PEER_TIMEOUT_S)
+        return Result(path, h.n_positions, start_batch - first, n_batches, nproc)
     norms = {
         s: (np.linalg.norm(np.asarray(c["V"], np.float32), axis=0),
             np.linalg.norm(np.asarray(c["U"], np.float32), axis=1))
         for s, c in dec.components.items()
     }  # fmt: skip
     db.write(path, h, meta, toy_features=toy, norms=norms, effects=changes)
-    (out_dir / "partial.npz").unlink(missing_ok=True)
-    return Result(path, h.n_positions, start_batch, n_batches)
+    for p in range(nproc):
+        (out_dir / partial_name(p, nproc)).unlink(missing_ok=True)
+        (out_dir / f"effects-{p}of{nproc}.json").unlink(missing_ok=True)
+    if nproc > 1:
+        runtime.barrier("pdctl-harvest-written", PEER_TIMEOUT_S)
+    return Result(path, h.n_positions, start_batch - first, n_batches, nproc)
+
+
+def _part(d: Path, key: str, p: int, nproc: int, n_batches: int) -> dict[str, np.ndarray]:
+    """Process p's finished part (its state after its last batch)."""
+    got = _read_partial(d / partial_name(p, nproc), key)
+    if got is None or got[1] != _batches_of(p, nproc, n_batches)[1]:
+        raise PdctlError(
+            f"harvest: the part of process {p} ({d / partial_name(p, nproc)}) is missing or "
+            "unfinished: is the run directory shared by every process? (then run `pdctl "
+            "harvest` again)"
+        )
+    return got[0]
 
 
 def harvest_line(project: Project) -> str | None:
@@ -284,7 +368,7 @@ def harvest_line(project: Project) -> str | None:
     d = harvest_dir(project)
     path = d / "harvest.db"
     partial = " (an interrupted harvest can go on: `pdctl harvest` again)"
-    partial = partial if (d / "partial.npz").is_file() else ""
+    partial = partial if any(d.glob("partial*.npz")) else ""
     if not path.is_file():
         return f"harvest: none yet{partial}" if partial else None
     try:

@@ -105,7 +105,7 @@ def target_params(project: Project, target: Any) -> Any:
         from pdctl.science.targets import imported
 
         abstract = jax.eval_shape(target.init, jax.random.PRNGKey(0))
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         imported.verify(target, pre)
         return _host(imported.load(target, jax.tree.map(lambda _: one, abstract)))
     items, _ = _restore(project, "pretrain", ["params"])
@@ -151,7 +151,7 @@ def eval_inputs(project: Project, target: Any) -> tuple[np.ndarray, np.ndarray |
     from pdctl.engine import sharding
     from pdctl.stages.common import StageEnv, text_batches
 
-    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    mesh = sharding.make_mesh(1, 1, jax.local_devices()[:1])
     env = StageEnv(project, "train", mesh, target)  # a view only: no lock, nothing written
     it = text_batches(
         env,
