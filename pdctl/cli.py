@@ -250,6 +250,14 @@ def harvest(
         int,
         typer.Option("--effects", help="LMs: output effect of the N most often firing components."),
     ] = 256,
+    cooc_max: Annotated[
+        int,
+        typer.Option(
+            "--cooc-max",
+            help="Co-occurrence: dense over every component up to N of them; beyond, a second "
+            "pass over the N most often firing.",
+        ),
+    ] = 8192,
 ) -> None:
     """What each component does over a corpus: firing frequency, CI statistics, top and
     sampled examples, co-occurring components and input tokens, into <run>/harvest/harvest.db
@@ -268,7 +276,7 @@ def harvest(
             progress.update(task, completed=done, total=total)
 
         result = hv.harvest(proj, stage=stage, n_tokens=tokens, batch_size=batch_size,
-                            split=split, top_k=top_k, effects=effects,
+                            split=split, top_k=top_k, effects=effects, cooc_max=cooc_max,
                             on_batch=on_batch)  # fmt: skip
     again = f" (went on from batch {result.resumed_from})" if result.resumed_from else ""
     by = f" by {result.processes} processes" if result.processes > 1 else ""

@@ -243,6 +243,30 @@ def test_merged_parts_equal_one_harvest_bit_for_bit(lm):
     np.testing.assert_array_equal(h.stats["x"].top.pos, run(range(6)).stats["x"].top.pos)
 
 
+def test_restricted_cooccurrence_equals_the_dense_matrix_on_its_components():
+    """Beyond `cooc_max` components the second pass (`CoocCounter`) counts co-occurrence among
+    the chosen ones: the dense matrix's rows and columns for them, and the same database rows
+    for every pair both keep."""
+    from pdctl.harvest.accumulate import CoocCounter
+
+    dense = _harvest(2)
+    index = np.array([0, 3, 4])  # a0, b0, b1 (global)
+    counter = CoocCounter({"a": 3, "b": 2}, index, 0.1)
+    for lo in range(0, TOKENS.shape[0]):  # other batches than `dense` saw
+        tok = TOKENS[lo : lo + 1]
+        counter.add(closed_form_ci(tok), valid=1)
+    np.testing.assert_array_equal(counter.counts, dense.cooc[np.ix_(index, index)])
+    narrow = Harvest({"a": 3, "b": 2}, 0.1, top_k=3, n_samples=2, window=1, vocab=VOCAB,
+                     cooc_max=2)  # fmt: skip
+    narrow.add(closed_form_ci(TOKENS), TOKENS, start=0)
+    assert narrow.cooc is None  # 5 components > 2: skipped by the first pass
+    narrow.set_cooc(index, counter.counts)
+    rows = {(a, b): r for a, b, *r in narrow.cooc_rows()}
+    assert set(rows) == {(0, 3), (3, 0)}  # b1 never fires
+    want = {(a, b): r for a, b, *r in dense.cooc_rows()}
+    assert rows[(0, 3)] == want[(0, 3)] and rows[(3, 0)] == want[(3, 0)]
+
+
 def test_exact_top_k_of_53_bit_priorities_with_ties():
     """The sample's selection (`_top_k_u53`): the k largest by (value desc, index asc) even
     when values share their high digits (what the three float32 levels resolve)."""
@@ -291,10 +315,27 @@ def _dump(path: Path) -> list[str]:
 
 
 def test_harvest_of_a_toy_run_and_an_interrupted_one_resumes(tms_trained: Path, monkeypatch):
-    r = cli("--project", tms_trained, "harvest", "--tokens", "2048", "--batch-size", "256")
-    assert r.exit_code == 0, r.output
+    # beyond --cooc-max components a second pass counts co-occurrence among the most often
+    # firing ones: the same rows as the dense matrix for the pairs both keep
+    args = ("--project", tms_trained, "harvest", "--tokens", "2048", "--batch-size", "256")
+    assert cli(*args, "--cooc-max", "6").exit_code == 0
     path = tms_trained / "harvest" / "harvest.db"
+    con = db.open_readonly(path)
+    narrow = {r[:4]: r[4:] for r in con.execute("SELECT * FROM cooc")}
+    says = con.execute("SELECT value FROM meta WHERE key = 'cooc'").fetchone()[0]
+    con.close()
+    assert "among the 6 most often firing of 40 components" in says, says
+    assert narrow and len({(s, c) for s, c, *_ in narrow}) <= 6
+
+    r = cli(*args)
+    assert r.exit_code == 0, r.output
     full = _dump(path)
+    con = db.open_readonly(path)
+    dense = {r[:4]: r[4:] for r in con.execute("SELECT * FROM cooc")}
+    assert con.execute("SELECT value FROM meta WHERE key = 'cooc'").fetchone()[0] == '"dense"'
+    con.close()
+    both = set(narrow) & set(dense)
+    assert both and all(narrow[k] == dense[k] for k in both)
     con = db.open_readonly(path)
     n = con.execute("SELECT value FROM meta WHERE key='n_positions'").fetchone()[0]
     assert n == "2048"
@@ -608,3 +649,11 @@ def test_one_vs_two_processes_give_the_same_database(tms_trained: Path):
     assert all("harvested 16384 positions in 64 batches by 2 processes" in o for _, o in outs)
     assert dump() == one
     assert not list(path.parent.glob("partial*")) and not list(path.parent.glob("effects*"))
+    # the co-occurrence's second pass (beyond --cooc-max), shared out the same way
+    r = pdctl_process(*args, "--cooc-max", "6", project=tms_trained, devices=2)
+    assert r.returncode == 0, r.stderr
+    one = dump()
+    outs = pdctl_processes(2, *args, "--cooc-max", "6", project=tms_trained, devices=1)
+    assert [rc for rc, _ in outs] == [0, 0], outs
+    assert dump() == one and any("most often firing" in row for row in one)
+    assert not list(path.parent.glob("cooc-*"))

@@ -16,7 +16,8 @@ site (all sites side by side, C_total columns):
   deterministic reservoir; selected exactly with float32 top-k passes, `_top_k_u53`);
 - co-occurrence counts with every other component (the matmul of the batch's firing
   indicators, kept only when C_total <= `cooc_max`: the dense matrix is the known cost,
-  8192 components are 512 MiB of int64 counts);
+  8192 components are 512 MiB of int64 counts; beyond that a second pass, `CoocCounter`,
+  counts it among the `cooc_max` most often firing components);
 - for LMs, (token, component) firing counts over the batch's distinct tokens (an integer
   segment sum of the firing indicators by token), which the host turns into sparse counts.
 
@@ -45,7 +46,16 @@ import numpy as np
 from pdctl.harvest import reference
 from pdctl.harvest.reference import BINS, SUM_SCALE, SiteLayout, SiteStats, Top, priority
 
-__all__ = ["BINS", "SUM_SCALE", "Harvest", "SiteStats", "Top", "merge_states", "priority"]
+__all__ = [
+    "BINS",
+    "SUM_SCALE",
+    "CoocCounter",
+    "Harvest",
+    "SiteStats",
+    "Top",
+    "merge_states",
+    "priority",
+]
 
 PIPELINE = 1  # batches whose host-side work waits until the next one is dispatched
 _NO_POS = np.iinfo(np.int64).max  # an empty slot's position, for sorting (last)
@@ -237,6 +247,8 @@ class Harvest(SiteLayout):
         self._pending_tokens: list[tuple[np.ndarray, np.ndarray]] = []
         self._inflight: deque = deque()
         self._host: dict[str, np.ndarray] | None = None  # the state as numpy, when read
+        self._cooc_index: np.ndarray | None = None  # a restricted co-occurrence (`set_cooc`)
+        self._cooc_sub: np.ndarray | None = None
         self._dev = self._put(self._initial())
 
     # ---- adding batches ---------------------------------------------------------------------
@@ -350,7 +362,21 @@ class Harvest(SiteLayout):
 
     @property
     def cooc(self) -> np.ndarray | None:
+        if self._cooc_sub is not None:
+            return self._cooc_sub
         return self._state_host().get("cooc")
+
+    @property
+    def cooc_index(self) -> np.ndarray | None:
+        """The global components the co-occurrence matrix covers when a restricted pass
+        (`CoocCounter`) made it; None: all of them (or none, when skipped)."""
+        return self._cooc_index
+
+    def set_cooc(self, index: np.ndarray, counts: np.ndarray) -> None:
+        """The co-occurrence of components `index` (ascending global indices), counted by a
+        second pass over the same positions, for a harvest whose dense matrix was skipped."""
+        self._cooc_index = np.asarray(index, np.int64)
+        self._cooc_sub = np.asarray(counts, np.int64)
 
     cooc_rows = reference.Harvest.cooc_rows
     token_rows = reference.Harvest.token_rows
@@ -397,6 +423,50 @@ class Harvest(SiteLayout):
         for name, a in tokens.items():
             setattr(self, name, a)
         self._host = None
+
+
+@lru_cache(maxsize=8)
+def _cooc_step(k: int, threshold: float):
+    """(counts (k, k) int64, CI per site, index (k,), valid) -> counts + this batch's
+    co-occurrence of the components `index` (global columns of the sites side by side)."""
+
+    def step(counts, cis, index, valid):
+        ci = cis[0] if len(cis) == 1 else jnp.concatenate(cis, axis=-1)
+        flat = ci.reshape(-1, ci.shape[-1]).astype(jnp.float32)
+        T = flat.shape[0] // ci.shape[0]
+        ok = jnp.repeat(jnp.arange(ci.shape[0]) < valid, T)
+        F = ((jnp.take(flat, index, axis=1) > threshold) & ok[:, None]).astype(jnp.float32)
+        hi = jax.lax.Precision.HIGHEST  # exact: every count of one batch is below 2**24
+        return counts + jnp.dot(F.T, F, precision=hi).astype(jnp.int64)
+
+    return jax.jit(step, donate_argnums=0)
+
+
+class CoocCounter:
+    """Co-occurrence counts of a chosen set of components (global indices, ascending; at most
+    `cooc_max` of them) over batches of CI, as `Harvest` counts them: the second pass of a
+    harvest whose dense C_total x C_total matrix was skipped."""
+
+    def __init__(self, sites: dict[str, int], index: np.ndarray, threshold: float,
+                 device: Any = None) -> None:  # fmt: skip
+        self.sites = dict(sites)
+        self.index = np.asarray(index, np.int64)
+        self.threshold = float(threshold)
+        self._device = device if device is not None else jax.local_devices()[0]
+        k = self.index.size
+        with jax.enable_x64(True):
+            self._counts = jax.device_put(np.zeros((k, k), np.int64), self._device)
+            self._index = jax.device_put(self.index.astype(np.int32), self._device)
+
+    def add(self, ci: Mapping[str, Any], valid: int) -> None:
+        arrays = jax.device_put(tuple(ci[s] for s in self.sites), self._device)
+        fn = _cooc_step(self.index.size, self.threshold)
+        with jax.enable_x64(True):
+            self._counts = fn(self._counts, arrays, self._index, np.int32(valid))
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.array(self._counts)
 
 
 def _merge_best(parts: list[dict[str, np.ndarray]], k: int) -> dict[str, np.ndarray]:

@@ -57,6 +57,16 @@ CREATE INDEX effects_by_component ON effects (site, component);
 """
 
 
+def _cooc_says(h: Harvest) -> str:
+    index = getattr(h, "cooc_index", None)
+    if h.cooc is None:
+        return f"skipped: {h.c_total} components > cooc_max {h.cooc_max}"
+    if index is None:
+        return "dense"
+    return (f"among the {len(index)} most often firing of {h.c_total} components (a second "
+            f"pass: {h.c_total} > cooc_max {h.cooc_max})")  # fmt: skip
+
+
 def _r(x: float) -> float:
     """A float as SQLite stores it, rounded to float32's precision (stable text in JSON)."""
     return float(np.float32(x))
@@ -92,8 +102,7 @@ def write(
     try:
         con.executescript(SCHEMA)
         rows = {"schema_version": SCHEMA_VERSION, "bins": BINS, "threshold": h.threshold,
-                "n_positions": h.n_positions, "cooc": "dense" if h.cooc is not None else
-                f"skipped: {h.c_total} components > cooc_max {h.cooc_max}", **meta}  # fmt: skip
+                "n_positions": h.n_positions, "cooc": _cooc_says(h), **meta}  # fmt: skip
         con.executemany(
             "INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in rows.items()]
         )

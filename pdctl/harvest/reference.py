@@ -249,6 +249,10 @@ class Harvest(SiteLayout):
         n_b, jaccard = n_ab / (n_a + n_b - n_ab), pmi = ln(n_ab N / (n_a n_b))."""
         if self.cooc is None:
             return []
+        # the matrix's rows and columns: every component, or those of `cooc_index` (global
+        # indices, ascending: a co-occurrence pass restricted to the most often firing ones)
+        index = getattr(self, "cooc_index", None)
+        glob = np.arange(self.cooc.shape[0]) if index is None else np.asarray(index)
         n = np.diag(self.cooc).astype(np.float64)
         N = float(self.n_positions)
         rows = []
@@ -261,8 +265,8 @@ class Harvest(SiteLayout):
             order = np.lexsort((others, -nab[others], -jac))[:top_pairs]
             for j in order:
                 b = int(others[j])
-                rows.append((a, b, int(nab[b]), nab[b] / n[a], nab[b] / n[b], float(jac[j]),
-                             float(np.log(nab[b] * N / (n[a] * n[b])))))  # fmt: skip
+                rows.append((int(glob[a]), int(glob[b]), int(nab[b]), nab[b] / n[a], nab[b] / n[b],
+                             float(jac[j]), float(np.log(nab[b] * N / (n[a] * n[b])))))  # fmt: skip
         return rows
 
     def token_rows(self, top: int = 20) -> list[tuple[int, int, int, float, str]]:

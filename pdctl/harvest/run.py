@@ -13,6 +13,12 @@ batch before the next is dispatched. Every `SAVE_EVERY` batches the accumulator 
 (`harvest/partial.npz`, atomically): an interrupted harvest (SIGTERM, SIGKILL, a crash) run
 again with the same options goes on from there and ends with the same database.
 
+Co-occurrence: a dense C_total x C_total count matrix while C_total <= `--cooc-max` (8192:
+512 MiB of int64 on the accumulator's device); beyond that a second pass over the same batches
+counts it among the `--cooc-max` most often firing components (`accumulate.CoocCounter`), so
+the cost is one more forward + CI pass, not C_total^2 memory. An interruption during that pass
+keeps the first one; the second starts again.
+
 Several processes (jax.distributed, `--coordinator`): the pass needs no collective, so each
 process harvests its own consecutive batches on its own devices and saves its part
 (`partial-<p>of<n>.npz`, resumable as above); at a barrier every process reads every part and
@@ -43,7 +49,7 @@ import numpy as np
 
 from pdctl.errors import PdctlError
 from pdctl.harvest import db
-from pdctl.harvest.accumulate import Harvest, merge_states
+from pdctl.harvest.accumulate import CoocCounter, Harvest, merge_states
 from pdctl.project import Project, now
 
 SAVE_EVERY = 8  # batches between saves of the partial state
@@ -51,6 +57,7 @@ PARTIAL_FORMAT = 2  # the layout of partial.npz (1: the host accumulator's, not 
 TOY_INPUTS = 8192  # toys: inputs harvested by default
 TOY_BATCH = 1024
 EFFECTS = 256  # LMs: components (the most often firing) whose output effect is measured
+COOC_MAX = 8192  # components in the dense co-occurrence matrix (C_total^2 int64: 512 MiB)
 PEER_TIMEOUT_S = 6 * 3600  # several processes: how long one waits for the others' parts
 
 
@@ -158,6 +165,7 @@ def _harvest(
     split: str = "eval",
     top_k: int = 20,
     effects: int = EFFECTS,
+    cooc_max: int = COOC_MAX,
     on_batch: Callable[[int, int], None] | None = None,
 ) -> Result:
     from pdctl.engine import runtime, sharding
@@ -175,6 +183,8 @@ def _harvest(
         raise PdctlError(f"--top-k: must be >= 1, got {top_k}")
     if effects < 0:
         raise PdctlError(f"--effects: must be >= 0, got {effects}")
+    if cooc_max < 1:
+        raise PdctlError(f"--cooc-max: must be >= 1, got {cooc_max}")
     if stage not in ("train", "warmup"):
         raise PdctlError(f"--stage: {stage!r} has no decomposition (choose from train, warmup)")
     try:
@@ -227,11 +237,11 @@ def _harvest(
 
     rep = sharding.replicated(mesh)
     h = Harvest(sites, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
-                seed=cfg.run.seed, device=devices[0])  # fmt: skip
+                cooc_max=cooc_max, seed=cfg.run.seed, device=devices[0])  # fmt: skip
     st = project.stage(stage)
     ident = {"stage": stage, "step": dec.step, "run_id": st.get("run_id"), "split": split,
              "items": n_items, "batch": B, "top_k": top_k, "lm": lm,
-             "format": PARTIAL_FORMAT, "processes": nproc}  # fmt: skip
+             "format": PARTIAL_FORMAT, "processes": nproc, "cooc_max": cooc_max}  # fmt: skip
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     out_dir = harvest_dir(project)
     out_dir.mkdir(exist_ok=True)
@@ -247,7 +257,8 @@ def _harvest(
     toy_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 2**20)
     make = None if lm else jax.jit(lambda k: target.inputs(target.make_batch(k, B)))
 
-    def one_batch(i: int) -> None:
+    def ci_batch(i: int) -> tuple[Any, np.ndarray | None, int, int]:
+        """Batch i's CI (dispatched, not waited for), its tokens and its rows [lo, hi)."""
         lo, hi = i * B, min(n_items, (i + 1) * B)
         if lm:
             x = windows[lo:hi]
@@ -258,6 +269,10 @@ def _harvest(
             x_dev = jax.device_put(make(jax.random.fold_in(toy_key, i)), in_sh)
             x = None
         ci_lower, _ = evaluate.compute_ci_jit(target, params, comps, ci_fns, cfg, x_dev)
+        return ci_lower, x, lo, hi
+
+    def one_batch(i: int) -> None:
+        ci_lower, x, lo, hi = ci_batch(i)
         h.add(ci_lower, x, start=lo * T, valid=hi - lo)  # dispatched, not waited for
 
     of = f" of {n_batches}" if nproc == 1 else f" (batches {first}..{last - 1} of {n_batches})"
@@ -280,6 +295,31 @@ def _harvest(
             _save_partial(mine, h, key, last)
         runtime.barrier("pdctl-harvest-parts", PEER_TIMEOUT_S)
         h.load_state(merge_states([_part(out_dir, key, p, nproc, n_batches) for p in range(nproc)]))
+
+    if not h.cooc_kept:  # too many components for the dense matrix: a second, narrower pass
+        count = np.concatenate([h.stats[s].count for s in sites])
+        alive = np.nonzero(count > 0)[0]
+        index = np.sort(alive[np.lexsort((alive, -count[alive]))[:cooc_max]])
+        if index.size:
+            if nproc == 1 and start_batch < n_batches:  # a stop in this pass keeps the first
+                _save_partial(mine, h, key, n_batches)
+            counter = CoocCounter(sites, index, cfg.decomp.ci_threshold, device=devices[0])
+            for i in range(first, last):
+                ci_lower, _, lo, hi = ci_batch(i)
+                counter.add(ci_lower, hi - lo)
+                signum = runtime.stop_requested()
+                if signum is not None and i + 1 < last:
+                    raise _stopped(signum, "during the co-occurrence pass (the first pass is "
+                                           "saved; this one starts again)")  # fmt: skip
+                if on_batch is not None:
+                    on_batch(i + 1 - first, last - first)
+            counts = counter.counts
+            if nproc > 1:
+                mine_c = out_dir / f"cooc-{pid}of{nproc}.npz"
+                _atomic(mine_c, lambda f: np.savez(f, counts=counts, _key=np.asarray(key)))
+                runtime.barrier("pdctl-harvest-cooc", PEER_TIMEOUT_S)
+                counts = sum(_cooc_part(out_dir, key, p, nproc) for p in range(nproc))
+            h.set_cooc(index, counts)
 
     changes = None
     if lm and effects:
@@ -345,9 +385,22 @@ def _harvest(
     for p in range(nproc):
         (out_dir / partial_name(p, nproc)).unlink(missing_ok=True)
         (out_dir / f"effects-{p}of{nproc}.json").unlink(missing_ok=True)
+        (out_dir / f"cooc-{p}of{nproc}.npz").unlink(missing_ok=True)
     if nproc > 1:
         runtime.barrier("pdctl-harvest-written", PEER_TIMEOUT_S)
     return Result(path, h.n_positions, start_batch - first, n_batches, nproc)
+
+
+def _cooc_part(d: Path, key: str, p: int, nproc: int) -> np.ndarray:
+    path = d / f"cooc-{p}of{nproc}.npz"
+    try:
+        with np.load(path) as z:
+            if str(z["_key"]) == key:
+                return z["counts"]
+    except (OSError, KeyError, ValueError):
+        pass
+    raise PdctlError(f"harvest: {path} is missing or from another harvest (run `pdctl harvest` "
+                     "again; is the run directory shared by every process?)")  # fmt: skip
 
 
 def _part(d: Path, key: str, p: int, nproc: int, n_batches: int) -> dict[str, np.ndarray]:
