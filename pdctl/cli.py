@@ -756,7 +756,9 @@ def main() -> None:
     import sys
 
     from pdctl import supervisor
+    from pdctl.engine import runtime
 
+    runtime.cpu_xla_flags()  # before JAX starts (any command)
     supervisor.enable()
     try:
         app(prog_name="pdctl")

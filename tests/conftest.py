@@ -17,6 +17,10 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("WANDB_MODE", "disabled")
+# pdctl's XLA:CPU options, as `pdctl` sets them, in this process and in the ones tests start
+from pdctl.engine.runtime import cpu_xla_flags  # noqa: E402
+
+cpu_xla_flags()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -80,6 +80,29 @@ def cpu_devices() -> int:
         return os.cpu_count() or 1
 
 
+# XLA:CPU options pdctl sets unless XLA_FLAGS names them, for the jaxlib versions they were
+# measured on (an unknown flag in XLA_FLAGS aborts the process, and these are experimental):
+# YNNPACK keeps its dot fusions but not its reduction fusions, which took materialised
+# broadcasts as operands; without them XLA fuses the CI functions' (B, C, hidden) work into
+# its own loops (docs/performance.md, issue 23: the TMS 5-2 step).
+CPU_XLA_FLAGS = {
+    "0.10.2": ("--xla_cpu_experimental_ynn_fusion_type=individual_dot,individual_convolution",),
+}
+
+
+def cpu_xla_flags() -> None:
+    """Add `CPU_XLA_FLAGS` to XLA_FLAGS (before JAX starts its backends: afterwards they do
+    nothing). GPUs and TPUs ignore XLA:CPU's flags."""
+    try:
+        from jaxlib.version import __version__ as version
+    except ImportError:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    add = [f for f in CPU_XLA_FLAGS.get(version, ()) if f.split("=")[0] not in flags]
+    if add:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *add]).strip()
+
+
 def configure_devices() -> None:
     """One JAX CPU device per core, unless XLA_FLAGS already sets a device count (the user's
     choice, e.g. `--xla_force_host_platform_device_count=1`) or JAX has started its backends.
@@ -162,6 +185,7 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if _initialized:
         return
+    cpu_xla_flags()
     configure_devices()
     if coordinator:
         _cpu_collectives()
