@@ -201,9 +201,11 @@ def _harvest(
     # the parts (`merge_states`); the output effects are shared out; process 0 writes.
     nproc, pid = jax.process_count(), jax.process_index()
     devices = jax.local_devices()
+    B = batch_size or (cfg.train.eval_batch_size if lm else TOY_BATCH)
+    if batch_size is None:  # the default batch: as many devices as divide it
+        devices = devices[: max(d for d in range(1, len(devices) + 1) if B % d == 0)]
     mesh = sharding.make_mesh(-1, 1, devices)
     n_dev = len(devices)
-    B = batch_size or (cfg.train.eval_batch_size if lm else TOY_BATCH)
     if B % n_dev:
         raise PdctlError(
             f"--batch-size: {B} is not divisible by the {n_dev} devices of this process "
