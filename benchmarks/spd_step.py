@@ -38,6 +38,7 @@ def child(template: str, n_steps: int, peak_tflops: float) -> dict:
     import numpy as np
 
     from pdctl.engine import donation, measure, sharding
+    from pdctl.engine.loop import MAX_AHEAD
     from pdctl.project import Project
     from pdctl.stages import train, warmup
     from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
@@ -67,8 +68,12 @@ def child(template: str, n_steps: int, peak_tflops: float) -> dict:
     w_state = w_prog.jit_make_state()(dec["components"])
     w_step = w_prog.jit().lower(params, w_state, None).compile()
     t1 = time.perf_counter()
-    for _ in range(cfg.warmup.steps):
-        w_state, _ = w_step(params, w_state, None)
+    ahead: list = []  # as the stage loop: at most MAX_AHEAD steps in flight (a collective
+    for _ in range(cfg.warmup.steps):  # behind 32 more aborts XLA:CPU: runtime's note)
+        w_state, wm = w_step(params, w_state, None)
+        ahead.append(wm)
+        if len(ahead) > MAX_AHEAD:
+            jax.block_until_ready(ahead.pop(0))
     jax.block_until_ready(w_state)
     out.update(warmup_compile_s=t1 - t0, warmup_run_s=time.perf_counter() - t1)
 
@@ -106,8 +111,12 @@ def child(template: str, n_steps: int, peak_tflops: float) -> dict:
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
+        ahead = []
         for _ in range(n_steps):
             state, m = step(params, state, batch)
+            ahead.append(m)
+            if len(ahead) > MAX_AHEAD:
+                jax.block_until_ready(ahead.pop(0))
         jax.block_until_ready((state, m))
         best = min(best, (time.perf_counter() - t0) / n_steps)
     flops = measure.step_flops(step)
