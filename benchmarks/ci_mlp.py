@@ -1,12 +1,14 @@
-"""The TMS CI function (`mlp`, one hidden layer of 16, C = 20 per site) forward + backward on
-one device at a TMS per-device batch, in formulations that move its (B, C, 16) arrays through
-memory differently, interleaved, best of R windows; each against pdctl's own
-(`ci.ci_fn_apply`: einsums). Issue 23 item 2's probe: which formulation XLA:CPU runs faster.
+"""The CI function (`mlp`, one hidden layer of 16) forward + backward on one device at the
+per-device shapes of the templates' train steps (2 devices: half the batch each), in
+formulations that move its (B, C, 16) arrays through memory differently, interleaved, best of
+R rounds; each against pdctl's own (`ci.ci_fn_apply`). Issue 13's probe (a hand-written
+backward, then `benchmarks/ci_vjp.py`) and issue 23's (the layers of width 1 as products and
+sums, XLA:CPU's YNNPACK reduction fusions) in one script.
 
-    python benchmarks/ci_mlp.py [--batch 2048] [--repeats 5]
+    python benchmarks/ci_mlp.py [--shapes tms ...] [--repeats 5]
 
-Set XLA_FLAGS before it starts to compare XLA options (e.g. an empty
-`--xla_cpu_experimental_ynn_fusion_type=` turns off the YNNPACK reduction fusions).
+XLA_FLAGS as the environment sets it, else pdctl's (`runtime.cpu_xla_flags`); set
+`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot,reduce` to see XLA's default.
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+from pdctl.engine.runtime import cpu_xla_flags
 
-import jax
-import jax.numpy as jnp
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+).strip()
+cpu_xla_flags()
 
-from pdctl.science.spd.ci import _gelu, ci_fn_apply
+import jax  # noqa: E402  (after the XLA flags)
+import jax.numpy as jnp  # noqa: E402
 
-C, H = 20, 16
+from pdctl.science.spd.ci import _gelu, ci_fn_apply  # noqa: E402
+
+H = 16
+SHAPES = {"tms": (2048, 20), "tms-40-10": (4096, 200), "resid-mlp": (1024, 100)}  # (B, C)
 _INV_SQRT2 = 0.7071067811865476
 _INV_SQRT2PI = 0.3989422804014327
 
@@ -31,10 +39,13 @@ def pdctl_form(p, h):
     return ci_fn_apply("mlp", p, None, h)
 
 
-def broadcast_form(p, h):
-    """No einsum: a broadcast multiply-add, GELU, a multiply and a sum over the hidden axis."""
-    a = _gelu(h[..., None] * p["0"]["W"][:, 0, :] + p["0"]["b"])
-    return jnp.sum(a * p["1"]["W"][:, :, 0], axis=-1) + p["1"]["b"][:, 0]
+def einsum_form(p, h):
+    """pdctl's before issue 23: both layers as batched einsums (contractions of 1 and 16)."""
+    a = h[..., None]
+    for i in ("0", "1"):
+        a = jnp.einsum("...ci,cio->...co", a, p[i]["W"]) + p[i]["b"]
+        a = _gelu(a) if i == "0" else a
+    return a[..., 0]
 
 
 @jax.custom_vjp
@@ -71,51 +82,52 @@ def lanes_form(p, h):
     return (jnp.sum(_gelu(pre) * p["1"]["W"][:, :, 0, None], axis=1) + p["1"]["b"]).T
 
 
-FORMS = {"pdctl (einsum)": pdctl_form, "broadcast": broadcast_form,
+FORMS = {"pdctl": pdctl_form, "einsum (before)": einsum_form,
          "custom_vjp recompute": recompute_form, "layout (C, H, B)": lanes_form}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    params = {"0": {"W": jax.random.normal(k[0], (C, 1, H)), "b": jax.random.normal(k[1], (C, H))},
-              "1": {"W": jax.random.normal(k[2], (C, H, 1)),
-                    "b": jax.random.normal(k[3], (C, 1))}}  # fmt: skip
-    h = jax.random.normal(k[4], (args.batch, C))
-    g = jax.random.normal(k[5], (args.batch, C))
+    print(f"CI MLP fwd+bwd, one site, 1 device, XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}, "
+          f"best of {args.repeats} x {args.calls}")  # fmt: skip
+    print(f"{'shape':<10} {'formulation':<22} {'ms':>8} {'vs pdctl':>9} {'max |diff|':>11}")
+    for name in args.shapes:
+        B, C = SHAPES[name]
+        k = jax.random.split(jax.random.PRNGKey(0), 6)
+        params = {
+            "0": {"W": jax.random.normal(k[0], (C, 1, H)), "b": jax.random.normal(k[1], (C, H))},
+            "1": {"W": jax.random.normal(k[2], (C, H, 1)), "b": jax.random.normal(k[3], (C, 1))},
+        }
+        h = jax.random.normal(k[4], (B, C))
+        g = jax.random.normal(k[5], (B, C))
 
-    def step(f):
-        # the CI's use in the loss: squashed, then weighted (a stand-in for the loss terms)
-        return jax.jit(jax.value_and_grad(
-            lambda p, h: jnp.sum(jnp.clip(f(p, h), 0, 1) * g), argnums=(0, 1)))  # fmt: skip
+        def step(f, g=g):
+            # the CI's use in the loss: squashed, then weighted (a stand-in for the loss terms)
+            return jax.jit(jax.value_and_grad(
+                lambda p, x: jnp.sum(jnp.clip(f(p, x), 0, 1) * g), argnums=(0, 1)))  # fmt: skip
 
-    fns = {n: step(f) for n, f in FORMS.items()}
-    ref = fns["pdctl (einsum)"](params, h)
-    diffs = {}
-    for n, f in fns.items():
-        out = f(params, h)
-        pairs = zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True)
-        diffs[n] = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(args.repeats):
+        fns = {n: step(f) for n, f in FORMS.items()}
+        ref = fns["pdctl"](params, h)
+        diffs = {}
         for n, f in fns.items():
-            jax.block_until_ready(f(params, h))
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                r = f(params, h)
-            jax.block_until_ready(r)
-            best[n] = min(best[n], (time.perf_counter() - t0) / args.calls)
-    base = best["pdctl (einsum)"]
-    flags = os.environ.get("XLA_FLAGS")
-    print(f"CI MLP fwd+bwd, one site, ({args.batch}, {C}, {H}), 1 device, "
-          f"XLA_FLAGS={flags!r}, best of {args.repeats} x {args.calls}")  # fmt: skip
-    print(f"{'formulation':<22} {'ms':>8} {'vs pdctl':>9} {'max |diff|':>11}")
-    for n in fns:
-        print(f"{n:<22} {best[n] * 1e3:>8.3f} {base / best[n]:>8.2f}x {diffs[n]:>11.2e}")
+            pairs = zip(jax.tree.leaves(f(params, h)), jax.tree.leaves(ref), strict=True)
+            diffs[n] = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(args.repeats):
+            for n, f in fns.items():
+                jax.block_until_ready(f(params, h))
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    r = f(params, h)
+                jax.block_until_ready(r)
+                best[n] = min(best[n], (time.perf_counter() - t0) / args.calls)
+        for n in fns:
+            print(f"{name:<10} {n:<22} {best[n] * 1e3:>8.3f} {best['pdctl'] / best[n]:>8.2f}x "
+                  f"{diffs[n]:>11.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":
