@@ -268,7 +268,11 @@ def test_train_resumes_across_the_state_layout(tmp_path, assets):
         got = np.load(_export_npz(run, tmp_path / f"b{first}.npz"))
         assert set(got.files) == set(straight.files)
         for k in straight.files:
-            np.testing.assert_allclose(got[k], straight[k], rtol=2e-3, atol=2e-5, err_msg=k)
+            # The PPGD sources take an ascent step per train step from gradients the scan sums
+            # in another order; after the CI functions' last layer became a sum (not a dot), one
+            # source element in 320 moved by 1.1e-4 (at 0.034): their atol is 2e-4.
+            atol = 2e-4 if k.startswith("sources.") else 2e-5
+            np.testing.assert_allclose(got[k], straight[k], rtol=2e-3, atol=atol, err_msg=k)
 
 
 @pytest.mark.slow
