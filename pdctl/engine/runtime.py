@@ -407,9 +407,7 @@ def barrier(name: str, timeout_s: float) -> None:
     try:
         interruptible(client.wait_at_barrier, name, int(timeout_s * 1000),
                       what=f"waiting for the other processes ({name})")  # fmt: skip
-    except StopNow:
-        raise
-    except Exception as e:  # the service's DEADLINE_EXCEEDED / a process that died
+    except Exception as e:  # DEADLINE_EXCEEDED, a process that died (StopNow passes: Base)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PdctlError(
             f"distributed: not every process reached {name!r} within {timeout_s:.0f} s "

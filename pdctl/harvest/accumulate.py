@@ -34,6 +34,7 @@ multi-process harvest) into the state of one harvest over all of them, bit for b
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Mapping
 from functools import lru_cache
@@ -469,19 +470,6 @@ class CoocCounter:
         return np.array(self._counts)
 
 
-def _merge_best(parts: list[dict[str, np.ndarray]], k: int) -> dict[str, np.ndarray]:
-    """The k best slots per component of several (C, k[, width]) tables, by (key desc, position
-    asc), empty slots last: what one accumulator that saw every part's positions keeps."""
-    cat = {f: np.concatenate([p[f] for p in parts], axis=1) for f in _FIELDS}
-    pos = np.where(cat["pos"] < 0, _NO_POS, cat["pos"])
-    order = np.lexsort((pos, -cat["key"].astype(np.float64)), axis=1)[:, :k]
-    out = {}
-    for f, v in cat.items():
-        idx = order if v.ndim == 2 else order[..., None]
-        out[f] = np.take_along_axis(v, idx, axis=1)
-    return out
-
-
 def merge_states(states: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One `Harvest.state()` from the states of harvests over disjoint positions (same sites,
     options and seed): counts, histograms, co-occurrence, token counts and the fixed-point CI
@@ -498,10 +486,12 @@ def merge_states(states: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray
             )
     out["ci_max"] = np.maximum.reduce([np.asarray(s["ci_max"]) for s in states])
     for which in ("top", "sample"):
-        parts = [{f: np.asarray(s[f"{which}.{f}"]) for f in _FIELDS} for s in states]
-        k = parts[0]["key"].shape[1]
-        for f, v in _merge_best(parts, k).items():
-            out[f"{which}.{f}"] = v
+        # the reference's merge (k, C layout): the best of both by (key desc, position asc)
+        tops = [Top(*(np.moveaxis(np.asarray(s[f"{which}.{f}"]), 1, 0) for f in _FIELDS))
+                for s in states]  # fmt: skip
+        best = functools.reduce(Top.merge, tops)
+        for f, v in zip(_FIELDS, best.fields(), strict=True):
+            out[f"{which}.{f}"] = np.moveaxis(v, 0, 1)
     if "token_keys" in first:
         keys = np.concatenate([np.asarray(s["token_keys"], np.int64) for s in states])
         counts = np.concatenate([np.asarray(s["token_counts"], np.int64) for s in states])

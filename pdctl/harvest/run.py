@@ -94,18 +94,21 @@ def _save_partial(path: Path, h: Harvest, key: str, next_batch: int) -> None:
                                      _next=np.asarray(next_batch)))  # fmt: skip
 
 
-def _read_partial(path: Path, key: str) -> tuple[dict[str, np.ndarray], int] | None:
-    """(state, next batch) of a saved harvest with the same `key`, or None."""
-    if not path.is_file():
-        return None
+def _read_keyed(path: Path, key: str) -> dict[str, np.ndarray] | None:
+    """The arrays of an .npz this harvest (`key`) saved, or None (missing, torn, foreign)."""
     try:
         with np.load(path) as z:
-            if str(z["_key"]) != key:
-                return None
-            state = {k: z[k] for k in z.files if not k.startswith("_")}
-            return state, int(z["_next"])
+            return {k: z[k] for k in z.files} if str(z["_key"]) == key else None
     except Exception:  # a torn or foreign file: start over (it is only a cache of work done)
         return None
+
+
+def _read_partial(path: Path, key: str) -> tuple[dict[str, np.ndarray], int] | None:
+    """(state, next batch) of a saved harvest with the same `key`, or None."""
+    got = _read_keyed(path, key)
+    if got is None:
+        return None
+    return {k: v for k, v in got.items() if not k.startswith("_")}, int(got["_next"])
 
 
 def _load_partial(path: Path, h: Harvest, key: str) -> int | None:
@@ -367,9 +370,6 @@ def _harvest(
                     raise PdctlError(f"harvest: {out_dir}/effects-{p}of{nproc}.json is from "
                                      "another harvest (run `pdctl harvest` again)")  # fmt: skip
                 changes.update({(s, c): ch for s, c, ch in got_p["rows"]})
-    toy = None
-    if not lm and hasattr(target, "n_features"):
-        toy = evaluate.toy_ci_matrices(target, params, comps, ci_fns, cfg)
     meta = {"run_id": st.get("run_id"), "stage": stage, "step": dec.step, "split": split,
             "seq_len": T if lm else None, "kind": target.kind, "lm": lm, "vocab": vocab,
             "batch_size": B, "devices": n_dev * nproc, "processes": nproc, "created": now(),
@@ -378,6 +378,9 @@ def _harvest(
     if pid != 0:  # process 0 writes; the others wait until it has
         runtime.barrier("pdctl-harvest-written", PEER_TIMEOUT_S)
         return Result(path, h.n_positions, start_batch - first, n_batches, nproc)
+    toy = None
+    if not lm and hasattr(target, "n_features"):
+        toy = evaluate.toy_ci_matrices(target, params, comps, ci_fns, cfg)
     norms = {
         s: (np.linalg.norm(np.asarray(c["V"], np.float32), axis=0),
             np.linalg.norm(np.asarray(c["U"], np.float32), axis=1))
@@ -395,12 +398,9 @@ def _harvest(
 
 def _cooc_part(d: Path, key: str, p: int, nproc: int) -> np.ndarray:
     path = d / f"cooc-{p}of{nproc}.npz"
-    try:
-        with np.load(path) as z:
-            if str(z["_key"]) == key:
-                return z["counts"]
-    except (OSError, KeyError, ValueError):
-        pass
+    got = _read_keyed(path, key)
+    if got is not None:
+        return got["counts"]
     raise PdctlError(f"harvest: {path} is missing or from another harvest (run `pdctl harvest` "
                      "again; is the run directory shared by every process?)")  # fmt: skip
 
