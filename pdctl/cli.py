@@ -682,7 +682,8 @@ def sweep_run(
         ),
     ] = None,
 ) -> None:
-    """Run (or continue) every member; members that differ only in their seed train as one
+    """Run (or continue) every member; members that differ only in their seed and in traced
+    numbers (loss coefficients, learning rates, p, beta, feature probability) train as one
     program per stage."""
     from pdctl.sweep.stacked import STRATEGIES
 
@@ -713,8 +714,8 @@ def _sweep_status(sweep, as_json: bool) -> None:
         return
     t = Table(title=f"sweep {sweep.name}")
     keep = [i for i, h in enumerate(table.STATUS_HEADER) if h != "grid point" or sweep.grid]
-    for i in keep:
-        t.add_column(table.STATUS_HEADER[i], no_wrap=i == 0)
+    for i in keep:  # a long member name folds rather than squeezing the other columns away
+        t.add_column(table.STATUS_HEADER[i], overflow="fold" if i < 2 else "ellipsis")
     for line in table.status_lines(sweep, rows):
         t.add_row(*(line[i] for i in keep))
     console.print(t)

@@ -17,6 +17,7 @@ from pdctl.project import Project
 from pdctl.stages import pretrain, train
 from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 from pdctl.stages.init_weights import init_decomposition
+from pdctl.sweep import hyper, spec
 from pdctl.sweep import stacked as st
 from pdctl.sweep.spec import Sweep
 
@@ -123,6 +124,79 @@ def test_stacked_pretrain_is_each_members_own_step(tmp_path, monkeypatch, strate
     assert not np.array_equal(got["params"]["linear1"]["W"][0], got["params"]["linear1"]["W"][1])
 
 
+def test_traced_values_share_a_program_and_structure_does_not(tmp_path, monkeypatch):
+    """Members that differ only in numbers `hyper.TRACED` lists have one signature; a value
+    that changes the program's structure (p_final None vs a number, a schedule kind) does not.
+    `varied` lists only the keys whose values differ, `substitute` puts values in place."""
+    monkeypatch.chdir(tmp_path)
+    grid = ["train.optim.lr=0.001,0.002", "data.feature_probability=0.05,0.1"]
+    cli_ok("sweep", "new", "sw", "--seeds", "2", *[x for g in grid for x in ("--grid", g)],
+           *_sets(["warmup.lr=0.02"]))  # fmt: skip
+    sweep = Sweep.load(tmp_path / "sw")
+    raws = [sweep.project(m).config.model_dump(mode="json", by_alias=True) for m in sweep.members]
+    assert len({hyper.signature(r) for r in raws}) == 1
+    got = hyper.varied(raws)
+    assert sorted(got) == ["data.feature_probability", "train.optim.lr"]  # not warmup.lr
+    np.testing.assert_array_equal(got["train.optim.lr"], np.float32([0.001] * 4 + [0.002] * 4))
+    other = json.loads(json.dumps(raws[0]))
+    other["train"]["loss"]["p_final"] = 0.5
+    assert hyper.signature(other) != hyper.signature(raws[0])
+    other = json.loads(json.dumps(raws[0]))
+    other["train"]["optim"]["schedule"] = "linear"
+    assert hyper.signature(other) != hyper.signature(raws[0])
+    cfg = sweep.project(sweep.members[0]).config
+    new = hyper.substitute(cfg, {"train.optim.lr": 0.5, "train.loss.stochastic_recon": 2.0})
+    assert (new.train.optim.lr, new.train.loss.stochastic_recon) == (0.5, 2.0)
+    assert cfg.train.optim.lr == 0.001 and new.train.steps == cfg.train.steps
+    # names stay readable when two keys end alike
+    assert spec.short_keys(["train.optim.lr", "warmup.lr", "train.loss.p"]) == {
+        "train.optim.lr": "optim.lr", "warmup.lr": "warmup.lr", "train.loss.p": "p"
+    }  # fmt: skip
+
+
+def test_stacked_pretrain_with_traced_values_is_each_members_own_step(tmp_path, monkeypatch):
+    """Two members with another learning rate and feature probability, stacked with their
+    values traced: each member's result equals its own program's (the values are folded into
+    the member's own program as constants, so XLA may round differently: float32 rounding)."""
+    monkeypatch.chdir(tmp_path)
+    grid = ["pretrain.optim.lr=0.005,0.02", "data.feature_probability=0.05,0.2"]
+    cli_ok("sweep", "new", "sw", "--seeds", "1", *[x for g in grid for x in ("--grid", g)],
+           *_sets())  # fmt: skip
+    sweep = Sweep.load(tmp_path / "sw")
+    cfgs = [sweep.project(m).config for m in sweep.members][::3]  # (0.005, 0.05), (0.02, 0.2)
+    raws = [c.model_dump(mode="json", by_alias=True) for c in cfgs]
+    varied = hyper.varied(raws)
+    mesh = st.member_mesh(2)
+    target0 = target_from_config(cfgs[0])
+
+    def build(values):
+        t = dataclasses.replace(target0, feature_probability=values["data.feature_probability"])
+        return pretrain.program(hyper.substitute(cfgs[0], values), mesh, t).step
+
+    member = pretrain.program(cfgs[0], mesh, target0)
+    sp = st.stacked_program(member, 2, "map", tuple(varied), build)
+    states = [
+        jax.device_get(member.jit_make_state()(target0.init(stream_key(c, STREAM_TARGET))))
+        for c in cfgs
+    ]
+    s = sp.put(states, sp.state_shardings)
+    values = jax.device_put(varied, sp.frozen_shardings[-1])
+    step = sp.jit()
+    for _ in range(4):
+        s, _ = step(values, s, None)
+    got = jax.device_get(s)
+    for i, c in enumerate(cfgs):
+        own = pretrain.program(c, st.member_mesh(1), target_from_config(c))
+        want = _alone(own, (), states[i], 4)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+            st.member_slice(got, i),
+            want,
+        )
+    # the two members really trained differently (their lr and data differ)
+    assert not np.allclose(got["params"]["linear1"]["W"][0], got["params"]["linear1"]["W"][1])
+
+
 @pytest.mark.slow
 def test_stacked_train_step_matches_each_members_own(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -165,7 +239,8 @@ def _run_tiny(tmp_path: Path, *args: str) -> Sweep:
 @pytest.mark.slow
 def test_a_sweep_end_to_end(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    sweep = _run_tiny(tmp_path, "--seeds", "2", "--grid", "train.loss.p=1.0,2.0")
+    # a structural key: two groups of two members, run one after the other
+    sweep = _run_tiny(tmp_path, "--seeds", "2", "--grid", "decomp.n_mask_samples=1,2")
     for m in sweep.members:
         run = sweep.run_dir(m)
         for stage in ("init_weights", "pretrain", "warmup", "train"):
@@ -183,7 +258,7 @@ def test_a_sweep_end_to_end(tmp_path: Path, monkeypatch):
     assert all(r["status"] == "done" and r["success"] in (True, False) for r in out["members"])
     assert [g["members"] for g in out["points"]] == [2, 2]
     rep = cli_ok("sweep", "report", "sw")
-    assert "train.loss.p=1.0" in rep.stdout and (tmp_path / "sw" / "report.md").is_file()
+    assert "decomp.n_mask_samples=1" in rep.stdout and (tmp_path / "sw" / "report.md").is_file()
     # a second run has nothing to do and changes nothing
     before = [(sweep.run_dir(m) / "pdctl.toml").read_text() for m in sweep.members]
     again = cli_ok("sweep", "run", "sw")
@@ -207,6 +282,40 @@ def test_a_one_member_sweep_is_pdctl_run_bit_for_bit(tmp_path: Path, monkeypatch
     assert got.files == want.files
     for k in want.files:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_members_with_other_coefficients_run_as_one_program_like_alone(tmp_path, monkeypatch):
+    """A grid over a loss coefficient (0 = the term off for that member) and the feature
+    probability is ONE group: every stage runs its 4 members as one program. A member's
+    result equals its own `pdctl run` within float32 rounding (its values are traced in the
+    sweep, constants alone; measured max |diff| 1.2e-7 on the CI weights, the rest equal) and
+    its evaluation is the same."""
+    monkeypatch.chdir(tmp_path)
+    grid = ["train.loss.importance_minimality=0.0,0.003", "data.feature_probability=0.05,0.1"]
+    cli_ok("sweep", "new", "sw", "--seeds", "1", *[x for g in grid for x in ("--grid", g)],
+           *_sets())  # fmt: skip
+    out = cli_ok("sweep", "run", "sw").stdout
+    assert "group 1/1: 4 members" in out and out.count("4 members as one program") == 3
+    sweep = Sweep.load(tmp_path / "sw")
+    for m in (sweep.members[0], sweep.members[3]):  # the term off / on, both probabilities
+        member = sweep.run_dir(m)
+        solo = tmp_path / f"solo-{m.name}"
+        solo.mkdir()
+        text = (member / "pdctl.toml").read_text()
+        (solo / "pdctl.toml").write_text(text[: text.index("\n[state.")] + "\n")
+        cli_ok("-p", str(solo), "run")
+        for run in (member, solo):
+            cli_ok("-p", str(run), "export", "--out", str(tmp_path / f"{run.name}.npz"))
+        got, want = np.load(tmp_path / f"{member.name}.npz"), np.load(tmp_path / f"{solo.name}.npz")
+        assert got.files == want.files
+        for k in want.files:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        ev, ev_solo = state(member, "train")["eval"], state(solo, "train")["eval"]
+        assert ev["ci_errors"] == ev_solo["ci_errors"]
+        assert ev["mmcs"] == pytest.approx(ev_solo["mmcs"], abs=1e-5)
+    names = [m.name for m in sweep.members]
+    assert names[0] == "importance_minimality-0.0_feature_probability-0.05_seed0"
 
 
 @pytest.mark.slow

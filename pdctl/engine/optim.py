@@ -23,7 +23,10 @@ def schedule(cfg: Any, steps: int) -> optax.Schedule:
     # Python floats, not ints, enter the traced arithmetic: a legal step count past int32
     # (`steps = 2**40`) would not fit the int32 a Python int becomes there.
     warmup_f, span = float(warmup), float(max(decay - 1, 1))
-    peak, final = float(cfg.lr), float(cfg.final_lr_frac)
+    # a sweep may pass these as tracers (pdctl.sweep.hyper): keep those as they are
+    peak, final = (
+        v if isinstance(v, jax.core.Tracer) else float(v) for v in (cfg.lr, cfg.final_lr_frac)
+    )
     kind = cfg.schedule
     if kind not in ("constant", "linear", "cosine"):
         raise ValueError(f"unknown schedule {kind!r}")

@@ -9,3 +9,11 @@ def expand_left(a: jax.Array, ndim: int) -> jax.Array:
     valid under `jax_numpy_rank_promotion="raise"`)."""
     a = jnp.asarray(a)
     return a.reshape((1,) * (ndim - a.ndim) + a.shape)
+
+
+def is_traced(x: object) -> bool:
+    """A config value that arrives as a tracer: a key a sweep varies inside one program
+    (`pdctl.sweep.hyper`). Code that decides the program's structure from such a value (a term
+    with coefficient 0 is not computed) treats a traced one as "on", and never calls `float`
+    or `bool` on it."""
+    return isinstance(x, jax.core.Tracer)

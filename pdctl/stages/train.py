@@ -20,6 +20,7 @@ from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
 from pdctl.engine.program import StepProgram
+from pdctl.science.arrays import is_traced
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.components import component_ties
 from pdctl.science.spd.losses import (
@@ -93,7 +94,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             return grad_fn(trainable, sources, target_params, clean, x, key, step_frac)
         micro = split_micro({"x": x, "clean": clean}, k_accum, mesh)
         imp_totals, p = None, p_at(lcfg, step_frac)
-        if lcfg.importance_minimality > 0:
+        if is_traced(lcfg.importance_minimality) or lcfg.importance_minimality > 0:
             # Importance minimality sums over the whole accumulated batch: a forward-only first
             # pass collects S_c over every micro-batch.
             def sums(c):

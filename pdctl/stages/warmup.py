@@ -35,9 +35,9 @@ from pdctl.stages.common import (
 
 def optimizer(cfg: Config, steps: int) -> optax.GradientTransformation:
     w = cfg.warmup
-    return adamw(
-        OptimConfig(lr=w.lr, weight_decay=w.weight_decay, schedule="constant"), max(steps, 1)
-    )
+    # not validated: a sweep may vary lr / weight_decay as tracers (pdctl.sweep.hyper)
+    opt = OptimConfig.model_construct(lr=w.lr, weight_decay=w.weight_decay, schedule="constant")
+    return adamw(opt, max(steps, 1))
 
 
 def make_step(

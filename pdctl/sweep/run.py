@@ -1,8 +1,11 @@
 """`pdctl sweep run`: the members of a sweep through init-weights → pretrain → warmup → train,
 each training stage as ONE program for all the members that can share it.
 
-Members whose configs differ only in their seed share every program (the seed only changes
-array values); members that differ in anything else form separate groups. For each group and
+Members whose configs differ only in their seed and in the numbers `sweep.hyper.TRACED` lists
+(loss coefficients, learning rates, p, beta, the feature probability) share every program: the
+seed only changes array values, and a varied number becomes a traced value per member
+(`hyper`). Members that differ in anything else (a shape, a term switched between "on" for all
+and "off" for all, a schedule kind) form separate groups. For each group and
 stage, the members that would run the stage (fresh, or resuming from the same step) run it
 together (`stacked.Stacked`); a group of one runs the ordinary stage, so a one-member sweep is
 `pdctl run`, bit for bit.
@@ -17,6 +20,7 @@ evaluation) ends `failed`; the others carry on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,17 +44,18 @@ from pdctl.stages.common import (
     peak_flops,
     resume_point,
 )
+from pdctl.sweep import hyper
 from pdctl.sweep import stacked as st
-from pdctl.sweep.spec import Member, Sweep, traced_signature
+from pdctl.sweep.spec import Member, Sweep
 
 
 def groups(sweep: Sweep) -> list[list[tuple[Member, Project]]]:
     """The members, grouped by what they must share to run as one program (their config but
-    the seed), in sweep order."""
+    the seed and the traced numbers: `hyper.signature`), in sweep order."""
     out: dict[str, list[tuple[Member, Project]]] = {}
     for m in sweep.members:
         p = sweep.project(m)
-        sig = traced_signature(p.config.model_dump(mode="json", by_alias=True))
+        sig = hyper.signature(p.config.model_dump(mode="json", by_alias=True))
         out.setdefault(sig, []).append((m, p))
     return list(out.values())
 
@@ -138,6 +143,22 @@ def resume_steps(ms, stage: str) -> None:
 # ---- one stage of several members, as one program ---------------------------------------------
 
 
+def _member_step(spec, cfg0, mesh, target0) -> Callable[[dict[str, Any]], Callable[..., Any]]:
+    """values -> that member's step: the group's program built from the config with the
+    member's values (tracers inside the stacked step) of the varied keys in place."""
+
+    def build(values: dict[str, Any]) -> Callable[..., Any]:
+        cfg = hyper.substitute(cfg0, values)
+        target = target0
+        if "data.feature_probability" in values:  # the toy target draws its own data
+            target = dataclasses.replace(
+                target0, feature_probability=values["data.feature_probability"]
+            )
+        return spec.program(cfg, mesh, target).step
+
+    return build
+
+
 @dataclass
 class MemberRun:
     name: str
@@ -145,6 +166,7 @@ class MemberRun:
     checkpointer: Checkpointer | None = None
     tracker: Tracker = field(default_factory=NoopTracker)
     eval_fn: Callable[[Any], dict[str, Any]] | None = None
+    lr_fn: Callable[[int], dict[str, float]] | None = None  # its own, where lrs differ
     alive: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
     eval: dict[str, Any] = field(default_factory=dict)
@@ -165,7 +187,9 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
     cfg0 = envs[0].cfg
     mesh = st.member_mesh(n)
     member_prog = spec.program(cfg0, mesh, envs[0].target)
-    prog = st.stacked_program(member_prog, n, strategy)
+    varied = hyper.varied(env.cfg.model_dump(mode="json", by_alias=True) for env in envs)
+    build = _member_step(spec, cfg0, mesh, envs[0].target) if varied else None
+    prog = st.stacked_program(member_prog, n, strategy, tuple(varied), build)
     starts = [resume_point(env, resume=resume, fresh=not resume) for env in envs]
     frozen_m, states_m = [], []
     for env, start in zip(envs, starts, strict=True):
@@ -194,11 +218,16 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
     start = 0 if starts[0] is None else int(starts[0])
     state = prog.put(states_m, prog.state_shardings)
     frozen = tuple(
-        prog.put([f[i] for f in frozen_m], sh) for i, sh in enumerate(prog.frozen_shardings)
+        prog.put([f[i] for f in frozen_m], sh)
+        for i, sh in enumerate(prog.frozen_shardings[: len(member_prog.frozen_shardings)])
     )
+    if varied:  # the members' own values of the varied keys, one more frozen argument
+        frozen = (*frozen, jax.device_put(varied, prog.frozen_shardings[-1]))
     runs = []
     for i, (name, env) in enumerate(zip(names, envs, strict=True)):
         run = MemberRun(name, env, env.checkpointer(), env.tracker(start))
+        if varied:  # what its log reports as its learning rate is its own
+            run.lr_fn = spec.program(env.cfg, mesh, env.target).lr_fn
         if spec.evaluation:
             fr = frozen_m[i] if frozen_m else ()
             run.eval_fn = later(spec.evaluation, env, fr, member_prog, what="preparing the eval")
@@ -314,6 +343,8 @@ class SweepLoop(Loop):
         for i in self._alive():
             rec = {k: float(np.asarray(v)[i]) for k, v in host.items()}
             rec.update(extra)
+            if self.members[i].lr_fn:
+                rec.update(self.members[i].lr_fn(step))
             self.members[i].metrics = rec
             self.members[i].tracker.log(rec, step=step)
         mean = {k: _to_float(v) for k, v in host.items()}

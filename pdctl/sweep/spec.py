@@ -164,8 +164,23 @@ class Sweep:
         return head + tomli_w.dumps(body)
 
 
+def short_keys(keys: list[str]) -> dict[str, str]:
+    """{dotted key: its shortest dotted suffix that no other key ends with}: `train.optim.lr`
+    and `warmup.lr` -> `optim.lr`, `warmup.lr`; a lone `train.loss.p` -> `p`."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            tail = parts[-n:]
+            if not any(o != key and o.split(".")[-n:] == tail for o in keys):
+                break
+        out[key] = ".".join(tail)
+    return out
+
+
 def member_name(point: dict[str, Any], seed: int) -> str:
-    parts = [f"{k.rsplit('.', 1)[-1]}-{_fmt(v)}" for k, v in point.items()]
+    short = short_keys(list(point))
+    parts = [f"{short[k]}-{_fmt(v)}" for k, v in point.items()]
     return _UNSAFE.sub("_", "_".join([*parts, f"seed{seed}"]))
 
 
@@ -252,14 +267,3 @@ def _check_sweepable(raw: dict[str, Any]) -> None:
             f"--template: sweeps run toy targets (tms, resid_mlp); target.kind {kind!r} reads a "
             "text corpus, which a sweep does not stack yet: run its seeds with `pdctl run`"
         )
-
-
-def traced_signature(raw_cfg: dict[str, Any]) -> str:
-    """What members must share to run as one program: everything but the seed (the seed only
-    changes array values: the initial weights, the step's random keys)."""
-    import copy
-    import json
-
-    cfg = copy.deepcopy(raw_cfg)
-    cfg.get("run", {}).pop("seed", None)
-    return json.dumps(cfg, sort_keys=True, default=str)

@@ -12,6 +12,7 @@ what an accelerator wants). No collective crosses members: there is nothing to a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -50,11 +51,18 @@ def _stack_abstract(tree: Any, n: int) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Stacked:
-    """A member program (built on `member_mesh`) run for `n` members at once."""
+    """A member program (built on `member_mesh`) run for `n` members at once.
+
+    With `hyper` (the traced keys whose values differ among the members, `sweep.hyper`), the
+    step takes one more frozen argument after the member program's: {key: (n,) float32}, and
+    each member's step is `build({key: its value})`, the member program built with its own
+    values (tracers) in the config."""
 
     member: StepProgram
     n: int
     strategy: str = "map"
+    hyper: tuple[str, ...] = ()
+    build: Callable[[dict[str, Any]], Callable[..., Any]] | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -66,7 +74,8 @@ class Stacked:
 
     @property
     def frozen_shardings(self) -> tuple[Any, ...]:
-        return tuple(_lead(s, self.mesh) for s in self.member.frozen_shardings)
+        own = tuple(_lead(s, self.mesh) for s in self.member.frozen_shardings)
+        return (*own, dict.fromkeys(self.hyper, self.by_member)) if self.hyper else own
 
     @property
     def abstract_state(self) -> Any:
@@ -80,12 +89,16 @@ class Stacked:
         *frozen, state, batch = args
         if batch is not None:
             raise ValueError("a stacked step makes its own batches (toy targets)")
-        step, strategy = self.member.step, self.strategy
+        step, strategy, build = self.member.step, self.strategy, self.build
+        traced = bool(self.hyper)
 
         def local(frozen, state):
             def one(fs):
                 *fr, st = fs
-                return step(*fr, st, None)
+                if not traced:
+                    return step(*fr, st, None)
+                *fr, values = fr  # this member's traced config values: its own step
+                return build(values)(*fr, st, None)
 
             if strategy == "vmap":
                 return jax.vmap(one)((*frozen, state))
@@ -121,7 +134,7 @@ class Stacked:
     def jit(self) -> Any:
         """The stacked step under jit, the state donated, the metrics left on their devices
         (a member's metrics are read with the others at the logging cadence; no collective)."""
-        nf = len(self.member.frozen_abstract)
+        nf = len(self.frozen_shardings)  # the traced values too, when there are any
         return jax.jit(
             self.step,
             in_shardings=(*self.frozen_shardings, self.state_shardings, None),
@@ -140,12 +153,20 @@ class Stacked:
         return jax.jit(jax.vmap(state_is_finite), out_shardings=self.by_member)
 
 
-def stacked_program(member: StepProgram, n: int, strategy: str) -> Stacked:
+def stacked_program(
+    member: StepProgram,
+    n: int,
+    strategy: str,
+    hyper: tuple[str, ...] = (),
+    build: Callable[[dict[str, Any]], Callable[..., Any]] | None = None,
+) -> Stacked:
     if strategy not in STRATEGIES:
         raise ValueError(strategy)
     if not member.makes_own_batch:
         raise ValueError("sweeps stack toy targets only (their step makes its own batch)")
-    return Stacked(member, n, strategy)
+    if bool(hyper) != (build is not None):
+        raise ValueError("traced config values need the function that builds a member's step")
+    return Stacked(member, n, strategy, tuple(hyper), build)
 
 
 def member_slice(host_tree: Any, i: int) -> Any:

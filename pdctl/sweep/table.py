@@ -8,7 +8,7 @@ from typing import Any
 
 from pdctl.config import STAGES
 from pdctl.errors import PdctlError
-from pdctl.sweep.spec import Member, Sweep, _fmt
+from pdctl.sweep.spec import Member, Sweep, _fmt, short_keys
 
 
 def member_row(sweep: Sweep, m: Member) -> dict[str, Any]:
@@ -86,8 +86,9 @@ def _num(v: Any, digits: int = 4) -> str:
 
 def status_lines(sweep: Sweep, table: list[dict[str, Any]]) -> list[list[str]]:
     out = []
+    short = short_keys(list(sweep.grid))
     for r in table:
-        point = ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in r["point"].items())
+        point = ", ".join(f"{short.get(k, k)}={_fmt(v)}" for k, v in r["point"].items())
         l0 = " / ".join(f"{v:.3g}" for v in r.get("l0", {}).values()) or "-"
         alive = " / ".join(f"{v:g}" for v in r.get("alive", {}).values()) or "-"
         ok = {True: "yes", False: "no", None: "-"}[r.get("success")]

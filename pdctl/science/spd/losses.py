@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from pdctl.config import Config, LossConfig
+from pdctl.science.arrays import is_traced
 from pdctl.science.spd import sources as src_mod
 from pdctl.science.spd.ci import compute_ci
 from pdctl.science.spd.components import (
@@ -207,6 +208,14 @@ def faithfulness_loss(
     return total / float(sum(weights[p].size for p in sites_of(paths)))
 
 
+def weighted(coeff: Array | float, value: Array) -> Array:
+    """coeff * value; a traced coefficient of 0 (a sweep member without this term, computed
+    for its group) contributes exactly 0, even where the term is not finite."""
+    if is_traced(coeff):
+        return jnp.where(coeff > 0, coeff * value, 0.0)
+    return coeff * value
+
+
 def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     """p, annealed linearly from `p` to `p_final` between fractions `p_anneal_start` and
     `p_anneal_end` of training (constant `p` when `p_final` is None), as goodfire-ai/spd's
@@ -254,7 +263,7 @@ def importance_minimality_loss(
             n_examples = math.prod(lead_shape(path, ci_upper[path]))
             m_C = S_C / n_examples
             site = jnp.sum(m_C)
-            if beta:
+            if is_traced(beta) or beta:
                 site = site + beta * jnp.sum(m_C * jnp.log2(1 + S_C))
         else:
             S_tot, n = jax.lax.stop_gradient(totals[0][path]), totals[1]
@@ -269,7 +278,8 @@ def importance_minimality_from_sums(S: Mapping[str, Array], n: int, beta: float)
     total = jnp.zeros((), jnp.float32)
     for S_C in S.values():
         m_C = S_C / n
-        total = total + jnp.sum(m_C) + (beta * jnp.sum(m_C * jnp.log2(1 + S_C)) if beta else 0.0)
+        extra = is_traced(beta) or beta
+        total = total + jnp.sum(m_C) + (beta * jnp.sum(m_C * jnp.log2(1 + S_C)) if extra else 0.0)
     return total
 
 
@@ -559,10 +569,10 @@ def make_spd_fns(
         metrics: dict[str, Array] = {}
         for i, name in enumerate(TERMS):
             coeff = getattr(lcfg, name)
-            if coeff > 0:
+            if is_traced(coeff) or coeff > 0:
                 value = compute[name](jax.random.fold_in(key, i)).astype(jnp.float32)
                 metrics[name] = value
-                total = total + coeff * value
+                total = total + weighted(coeff, value)
         metrics["total"] = total
         l0 = l0_per_site(jax.lax.stop_gradient(ci_lower), dcfg.ci_threshold, grouped)
         for p, v in l0.items():
