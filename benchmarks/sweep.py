@@ -9,9 +9,12 @@ the ratio, and the sweep's recovery (members with 0 CI errors).
 
     python benchmarks/sweep.py [--template tms] [--seeds 10] [--solo 2] [--set KEY=VALUE ...]
 
-The torch reference's figure for TMS 5-2 (21.5-22 ms per SPD step on 2 threads, issue 13) is
-not re-measured here; the script prints the seeds per hour it implies (step ms x steps x
-seeds, pretrain excluded) next to pdctl's.
+With `--torch-python` (the torch reference's environment, setup in `torch_toy_step.py`) the
+torch reference's SPD step for the same template (goodfire-ai/spd's own loop, 2 threads) is
+measured in the same run, twice (after the first solo run and after the sweep; the faster
+counts), and its seeds per hour are step ms x train steps x seeds: train steps only (the
+reference's pretrain, warmup and start-up would only add to its time, so the ratio is a lower
+bound). `--set` overrides (e.g. `train.steps=1000` for a scaled run) apply to both sides.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import tomllib
 from pathlib import Path
 
-TORCH_STEP_MS = {"tms": 22.0}  # issue 13's measurement of goodfire-ai/spd on this machine type
+TORCH_TOY = {"tms": "tms", "resid-mlp": "resid_mlp"}  # templates torch_toy_step.py mirrors
 
 
 def _pdctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -42,7 +45,22 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--strategy", default=None)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--torch-python", type=Path, help="python of the torch reference's venv")
+    ap.add_argument("--spd", type=Path, default=Path("/work/spd-bench/spd"))
     args = ap.parse_args()
+    torch_ms: list[float] = []
+
+    def torch_step() -> None:
+        if not args.torch_python or args.template not in TORCH_TOY:
+            return
+        cmd = [str(args.torch_python), str(Path(__file__).parent / "torch_toy_step.py")]
+        cmd += ["--child", TORCH_TOY[args.template], "--spd", str(args.spd)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"torch reference failed:\n{r.stderr[-2000:]}")
+        torch_ms.append(json.loads(r.stdout.strip().splitlines()[-1])["step_ms"])
+        print(f"torch reference step: {torch_ms[-1]:.2f} ms", flush=True)
+
     sets = [x for s in args.sets for x in ("--set", s)]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -63,13 +81,15 @@ def main() -> None:
             print(f"solo {run.name}: {solo_s[-1]:.1f} s ({r.stdout.strip().splitlines()[-1]})")
 
         solo(solo_members[0])
+        torch_step()
         t0 = time.perf_counter()
         cmd = ["sweep", "run", "sw"] + (["--strategy", args.strategy] if args.strategy else [])
         r = _pdctl(*cmd, cwd=root)
         sweep_s = time.perf_counter() - t0
         if r.returncode:
             sys.exit(r.stderr[-2000:])
-        print(f"sweep of {args.seeds}: {sweep_s:.1f} s")
+        print(f"sweep of {args.seeds}: {sweep_s:.1f} s", flush=True)
+        torch_step()
         for line in solo_members[1:]:
             solo(line)
         status = json.loads(_pdctl("sweep", "status", "sw", "--json", cwd=root).stdout)
@@ -88,13 +108,18 @@ def main() -> None:
     print(f"ratio sweep / sequential (seeds per hour): {seq_s / sweep_s:.2f}x")
     print(f"sweep train step {train.get('step_ms')} ms for {args.seeds} members "
           f"({train.get('step_ms', 0) / args.seeds:.2f} ms per member-step)")  # fmt: skip
-    if args.template in TORCH_STEP_MS:
-        torch_s = TORCH_STEP_MS[args.template] / 1e3 * train["steps"] * args.seeds
-        print(f"torch reference (recorded {TORCH_STEP_MS[args.template]} ms/step, train only): "
-              f"{rate(torch_s):.1f} seeds/h; ratio {torch_s / sweep_s:.2f}x")  # fmt: skip
+    if torch_ms:
+        torch_s = min(torch_ms) / 1e3 * train["steps"] * args.seeds
+        print(f"torch reference (measured {', '.join(f'{t:.2f}' for t in torch_ms)} ms/step, "
+              f"train steps only): {rate(torch_s):.1f} seeds/h; ratio sweep / torch "
+              f"{torch_s / sweep_s:.2f}x")  # fmt: skip
+    else:
+        print("torch reference: not measured (--torch-python)")
     print(f"recovery: {ok}/{args.seeds} members with 0 CI errors")
     if args.json:
-        args.json.write_text(json.dumps({"sweep_s": sweep_s, "solo_s": solo_s, "ok": ok}))
+        args.json.write_text(
+            json.dumps({"sweep_s": sweep_s, "solo_s": solo_s, "ok": ok, "torch_ms": torch_ms})
+        )
 
 
 if __name__ == "__main__":

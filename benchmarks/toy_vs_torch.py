@@ -1,0 +1,91 @@
+"""pdctl's SPD train step against the torch reference's (goodfire-ai/spd) on the toys, interleaved.
+
+Each round runs, in fresh child processes and in this order, the torch reference
+(`torch_toy_step.py`, spd's own `optimize` loop, 2 threads) and then pdctl
+(`spd_step.py`, the train stage's program on pdctl's default devices) for every toy; `--rounds`
+rounds alternate the two sides so that a drift of this shared machine's speed shows up as the
+spread between rounds instead of as a ratio. Per toy it prints each side's best window and the
+ratio torch / pdctl per round and over the best of all rounds (> 1: pdctl is faster).
+
+    python benchmarks/toy_vs_torch.py [--toys tms resid-mlp] [--rounds 2]
+        [--torch-python /work/spd-bench/venv/bin/python] [--spd /work/spd-bench/spd]
+
+The torch side needs its own environment (setup in `torch_toy_step.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+TORCH_NAME = {"tms": "tms", "resid-mlp": "resid_mlp"}  # pdctl template -> torch_toy_step toy
+
+
+def torch_step(py: Path, spd: Path, template: str) -> float:
+    cmd = [str(py), str(HERE / "torch_toy_step.py"), "--child", TORCH_NAME[template]]
+    cmd += ["--spd", str(spd)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"torch side failed ({template}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["step_ms"]
+
+
+def pdctl_step(template: str, steps: int) -> float:
+    env = dict(os.environ)  # pdctl's default devices: no forced device count
+    env["XLA_FLAGS"] = " ".join(
+        f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
+    )
+    cmd = [sys.executable, str(HERE / "spd_step.py"), "--child", template, "--steps", str(steps)]
+    cmd += ["--child-devices", "default"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode:
+        sys.exit(f"pdctl side failed ({template}):\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return out["step_ms"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--toys", nargs="+", default=["tms", "resid-mlp"], choices=list(TORCH_NAME))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40, help="pdctl steps per timing window")
+    ap.add_argument("--torch-python", type=Path, default=Path("/work/spd-bench/venv/bin/python"))
+    ap.add_argument("--spd", type=Path, default=Path("/work/spd-bench/spd"))
+    a = ap.parse_args()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+    ).stdout.strip()
+    spd = subprocess.run(
+        ["git", "-C", str(a.spd), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"pdctl {commit}, goodfire-ai/spd {spd}, {os.cpu_count()} CPUs, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    got: dict[str, dict[str, list[float]]] = {t: {"torch": [], "pdctl": []} for t in a.toys}
+    for r in range(a.rounds):
+        for t in a.toys:
+            got[t]["torch"].append(torch_step(a.torch_python, a.spd, t))
+            got[t]["pdctl"].append(pdctl_step(t, a.steps))
+            tt, pp = got[t]["torch"][-1], got[t]["pdctl"][-1]
+            print(
+                f"round {r + 1}  {t:<10} torch {tt:8.2f} ms  pdctl {pp:8.2f} ms  "
+                f"ratio {tt / pp:5.2f}x",
+                flush=True,
+            )
+    print("best window of all rounds (ms per train step):")
+    for t in a.toys:
+        tt, pp = min(got[t]["torch"]), min(got[t]["pdctl"])
+        print(f"  {t:<10} torch {tt:8.2f}  pdctl {pp:8.2f}  torch / pdctl {tt / pp:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
