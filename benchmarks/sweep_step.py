@@ -7,6 +7,7 @@ Each configuration runs in a fresh child process (the device count is fixed when
 best of 3 windows of 30 steps.
 
     python benchmarks/sweep_step.py [--template tms] [--devices 2]
+    python benchmarks/sweep_step.py --members 2 4 8 16 32   # where throughput stops rising
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ CASES = [  # (members, devices used, batch, strategy)
 
 
 def child(template: str, n: int, d: int, batch: int, strategy: str) -> None:
+    from pdctl.engine import runtime
+
+    runtime.cpu_xla_flags()  # pdctl's XLA:CPU flags, as `pdctl sweep run` has them
     import jax
     import numpy as np
 
@@ -71,6 +75,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--template", default="tms")
     ap.add_argument("--devices", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--members",
+        type=int,
+        nargs="+",
+        help="instead of the fixed cases: these member counts, map, over --devices, at --batch",
+    )
+    ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--child", nargs=4)
     args = ap.parse_args()
     if args.child:
@@ -82,7 +93,10 @@ def main() -> None:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     print(f"{'members':>7} {'devices':>7} {'batch':>6} {'strategy':>8} {'step ms':>9} "
           f"{'ms/member':>11} {'ns/example':>10}")  # fmt: skip
-    for n, d, b, s in CASES:
+    cases = CASES
+    if args.members:
+        cases = [(n, args.devices, args.batch, "map") for n in args.members]
+    for n, d, b, s in cases:
         d = min(d, args.devices)
         r = subprocess.run(
             [sys.executable, __file__, "--template", args.template, "--child", str(n), str(d),

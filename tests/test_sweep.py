@@ -319,10 +319,14 @@ def test_members_with_other_coefficients_run_as_one_program_like_alone(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_stopped_sweep_continues_bit_exact(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize(
+    "axes", [["--seeds", "2"], ["--seeds", "1", "--grid", "train.optim.lr=0.001,0.003"]]
+)
+def test_a_stopped_sweep_continues_bit_exact(tmp_path: Path, monkeypatch, axes):
     """SIGTERM in the middle of train: every member saves a checkpoint at the same step and is
     `interrupted` (exit 3); `pdctl sweep run` continues them together to the very arrays of a
-    sweep that was never stopped."""
+    sweep that was never stopped. Members that differ in seed, and members that differ in a
+    traced value (their learning rate: one more argument of the stacked step)."""
     import os
     import signal
 
@@ -330,7 +334,7 @@ def test_a_stopped_sweep_continues_bit_exact(tmp_path: Path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     for name in ("whole", "stopped"):
-        cli_ok("sweep", "new", name, "--seeds", "2", *_sets())
+        cli_ok("sweep", "new", name, *axes, *_sets())
     cli_ok("sweep", "run", "whole")
     log = SweepLoop._log
 
