@@ -266,20 +266,26 @@ def test_a_sweep_end_to_end(tmp_path: Path, monkeypatch):
     assert before == [(sweep.run_dir(m) / "pdctl.toml").read_text() for m in sweep.members]
 
 
-@pytest.mark.slow
-def test_a_one_member_sweep_is_pdctl_run_bit_for_bit(tmp_path: Path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    sweep = _run_tiny(tmp_path, "--seeds", "1")
-    member = sweep.run_dir(sweep.members[0])
-    solo = tmp_path / "solo"
+def _member_and_solo(member: Path, tmp_path: Path):
+    """The member's exported arrays and those of `pdctl run` on a copy of its config alone
+    (in `solo-<member>`, its [state.*] tables left out)."""
+    solo = tmp_path / f"solo-{member.name}"
     solo.mkdir()
     text = (member / "pdctl.toml").read_text()
     (solo / "pdctl.toml").write_text(text[: text.index("\n[state.")] + "\n")
     cli_ok("-p", str(solo), "run")
     for run in (member, solo):
         cli_ok("-p", str(run), "export", "--out", str(tmp_path / f"{run.name}.npz"))
-    got, want = np.load(tmp_path / f"{member.name}.npz"), np.load(tmp_path / "solo.npz")
+    got, want = np.load(tmp_path / f"{member.name}.npz"), np.load(tmp_path / f"{solo.name}.npz")
     assert got.files == want.files
+    return got, want
+
+
+@pytest.mark.slow
+def test_a_one_member_sweep_is_pdctl_run_bit_for_bit(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sweep = _run_tiny(tmp_path, "--seeds", "1")
+    got, want = _member_and_solo(sweep.run_dir(sweep.members[0]), tmp_path)
     for k in want.files:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
@@ -300,18 +306,11 @@ def test_members_with_other_coefficients_run_as_one_program_like_alone(tmp_path,
     sweep = Sweep.load(tmp_path / "sw")
     for m in (sweep.members[0], sweep.members[3]):  # the term off / on, both probabilities
         member = sweep.run_dir(m)
-        solo = tmp_path / f"solo-{m.name}"
-        solo.mkdir()
-        text = (member / "pdctl.toml").read_text()
-        (solo / "pdctl.toml").write_text(text[: text.index("\n[state.")] + "\n")
-        cli_ok("-p", str(solo), "run")
-        for run in (member, solo):
-            cli_ok("-p", str(run), "export", "--out", str(tmp_path / f"{run.name}.npz"))
-        got, want = np.load(tmp_path / f"{member.name}.npz"), np.load(tmp_path / f"{solo.name}.npz")
-        assert got.files == want.files
+        got, want = _member_and_solo(member, tmp_path)
         for k in want.files:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
-        ev, ev_solo = state(member, "train")["eval"], state(solo, "train")["eval"]
+        ev = state(member, "train")["eval"]
+        ev_solo = state(tmp_path / f"solo-{m.name}", "train")["eval"]
         assert ev["ci_errors"] == ev_solo["ci_errors"]
         assert ev["mmcs"] == pytest.approx(ev_solo["mmcs"], abs=1e-5)
     names = [m.name for m in sweep.members]

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from pdctl.sweep.spec import get_dotted
+
 _TERMS = (
     "faithfulness",
     "importance_minimality",
@@ -49,15 +51,6 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _get(raw: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def signature(raw_cfg: dict[str, Any]) -> str:
     """What members must share to run as one program: the config without the seed and without
     the numeric values of the traced keys (a key that is not a number, e.g. `p_final = None`,
@@ -68,7 +61,7 @@ def signature(raw_cfg: dict[str, Any]) -> str:
     cfg.get("run", {}).pop("seed", None)
     for key in TRACED:
         *parents, last = key.split(".")
-        node = _get(cfg, ".".join(parents)) if parents else cfg
+        node = get_dotted(cfg, ".".join(parents)) if parents else cfg
         if isinstance(node, dict) and _number(node.get(last)):
             node[last] = "<traced>"
     return json.dumps(cfg, sort_keys=True, default=str)
@@ -80,7 +73,7 @@ def varied(raw_cfgs: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     raws = list(raw_cfgs)
     out = {}
     for key in TRACED:
-        vals = [_get(r, key) for r in raws]
+        vals = [get_dotted(r, key) for r in raws]
         if all(_number(v) for v in vals) and len(set(vals)) > 1:
             out[key] = np.asarray(vals, np.float32)
     return out
