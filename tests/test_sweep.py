@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import cli, cli_fails, cli_ok, state
@@ -152,6 +153,23 @@ def test_traced_values_share_a_program_and_structure_does_not(tmp_path, monkeypa
     assert spec.short_keys(["train.optim.lr", "warmup.lr", "train.loss.p"]) == {
         "train.optim.lr": "optim.lr", "warmup.lr": "warmup.lr", "train.loss.p": "p"
     }  # fmt: skip
+
+
+def test_a_traced_coefficient_of_0_gives_neither_value_nor_gradient():
+    """A member without a term (traced coefficient 0) gets exactly 0 and a zero gradient from
+    it, even where the term's gradient is not finite (sqrt at 0), one by one and vmapped."""
+    from pdctl.science.spd.losses import term_if_on
+
+    x = jnp.array([0.0, 1.0])
+
+    def part(c, x):
+        return term_if_on(c, lambda k: jnp.sum(jnp.sqrt(x)), jax.random.key(0))[1]
+
+    np.testing.assert_array_equal(jax.grad(part, argnums=1)(jnp.float32(0.0), x), [0.0, 0.0])
+    assert part(jnp.float32(0.0), x) == 0.0 and part(jnp.float32(2.0), x) == 2.0
+    g = jax.vmap(jax.grad(part, argnums=1), in_axes=(0, None))(jnp.float32([0.0, 2.0]), x)
+    np.testing.assert_array_equal(g[0], [0.0, 0.0])
+    assert g[1][1] == 1.0
 
 
 def test_stacked_pretrain_with_traced_values_is_each_members_own_step(tmp_path, monkeypatch):

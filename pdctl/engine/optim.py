@@ -24,9 +24,7 @@ def schedule(cfg: Any, steps: int) -> optax.Schedule:
     # (`steps = 2**40`) would not fit the int32 a Python int becomes there.
     warmup_f, span = float(warmup), float(max(decay - 1, 1))
     # a sweep may pass these as tracers (pdctl.sweep.hyper): keep those as they are
-    peak, final = (
-        v if isinstance(v, jax.core.Tracer) else float(v) for v in (cfg.lr, cfg.final_lr_frac)
-    )
+    peak, final = (v if isinstance(v, jax.Array) else float(v) for v in (cfg.lr, cfg.final_lr_frac))
     kind = cfg.schedule
     if kind not in ("constant", "linear", "cosine"):
         raise ValueError(f"unknown schedule {kind!r}")

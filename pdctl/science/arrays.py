@@ -12,8 +12,8 @@ def expand_left(a: jax.Array, ndim: int) -> jax.Array:
 
 
 def is_traced(x: object) -> bool:
-    """A config value that arrives as a tracer: a key a sweep varies inside one program
+    """A config value that arrives as an array (a tracer): a key a sweep varies inside one program
     (`pdctl.sweep.hyper`). Code that decides the program's structure from such a value (a term
     with coefficient 0 is not computed) treats a traced one as "on", and never calls `float`
     or `bool` on it."""
-    return isinstance(x, jax.core.Tracer)
+    return isinstance(x, jax.Array)  # a tracer, or a concrete array under jax.disable_jit

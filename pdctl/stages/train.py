@@ -28,6 +28,7 @@ from pdctl.science.spd.losses import (
     importance_sums,
     make_spd_fns,
     p_at,
+    weighted,
 )
 from pdctl.science.spd.stacked import Stacking, is_stacked, members, per_site
 from pdctl.science.targets import Target
@@ -122,7 +123,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         if imp_totals is not None:  # report the whole batch's value, not the surrogate's
             (loss, m), grads = out
             value = importance_minimality_from_sums(imp_totals[0], n_mb * k_accum, lcfg.beta)
-            loss = loss + lcfg.importance_minimality * (value - m["importance_minimality"])
+            loss = loss + weighted(lcfg.importance_minimality, value - m["importance_minimality"])
             out = (loss, {**m, "importance_minimality": value, "total": loss}), grads
         return out
 

@@ -338,7 +338,8 @@ class SweepLoop(Loop):
         extra = {"step_ms": dt * 1e3}
         if self.examples_per_step:
             extra["samples_per_s"] = self.examples_per_step / dt
-        if self.lr_fn:
+        own_lr = any(r.lr_fn for r in self.members)  # members with other lrs: no group lr
+        if self.lr_fn and not own_lr:
             extra.update(self.lr_fn(step))
         for i in self._alive():
             rec = {k: float(np.asarray(v)[i]) for k, v in host.items()}

@@ -209,11 +209,30 @@ def faithfulness_loss(
 
 
 def weighted(coeff: Array | float, value: Array) -> Array:
-    """coeff * value; a traced coefficient of 0 (a sweep member without this term, computed
-    for its group) contributes exactly 0, even where the term is not finite."""
+    """coeff * value; a traced coefficient of 0 (a sweep member without this term) contributes
+    exactly 0 to the value, even where the term is not finite (forward only: for a term
+    inside the differentiated loss use `term_if_on`)."""
     if is_traced(coeff):
         return jnp.where(coeff > 0, coeff * value, 0.0)
     return coeff * value
+
+
+def term_if_on(coeff: Array, fn: Callable[[Array], Array], key: Array) -> tuple[Array, Array]:
+    """(value, coeff * value) of a term whose coefficient is traced (a sweep varies it): the
+    term is computed only where coeff > 0 (`lax.cond`), else (0, 0), so a member without the
+    term gets neither its value nor its gradient, and a term that is not finite for it (e.g.
+    eps = 0 with p < 1) cannot reach it. Under `vmap` a cond becomes a select of both
+    branches: there the 0 is exact in the loss but a non-finite gradient can still pass."""
+
+    def on(k: Array) -> tuple[Array, Array]:
+        v = fn(k).astype(jnp.float32)
+        return v, coeff * v
+
+    def off(k: Array) -> tuple[Array, Array]:
+        z = jnp.zeros((), jnp.float32)
+        return z, z
+
+    return jax.lax.cond(coeff > 0, on, off, key)
 
 
 def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
@@ -568,11 +587,16 @@ def make_spd_fns(
         total = jnp.zeros((), jnp.float32)
         metrics: dict[str, Array] = {}
         for i, name in enumerate(TERMS):
-            coeff = getattr(lcfg, name)
-            if is_traced(coeff) or coeff > 0:
-                value = compute[name](jax.random.fold_in(key, i)).astype(jnp.float32)
-                metrics[name] = value
-                total = total + weighted(coeff, value)
+            coeff, k_i = getattr(lcfg, name), jax.random.fold_in(key, i)
+            if is_traced(coeff):  # a sweep's member may have it or not: computed where on
+                value, part = term_if_on(coeff, compute[name], k_i)
+            elif coeff > 0:
+                value = compute[name](k_i).astype(jnp.float32)
+                part = coeff * value
+            else:
+                continue
+            metrics[name] = value
+            total = total + part
         metrics["total"] = total
         l0 = l0_per_site(jax.lax.stop_gradient(ci_lower), dcfg.ci_threshold, grouped)
         for p, v in l0.items():
