@@ -14,6 +14,7 @@ reads one of these keys therefore works on a tracer as well as on a float
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -55,13 +56,11 @@ def signature(raw_cfg: dict[str, Any]) -> str:
     """What members must share to run as one program: the config without the seed and without
     the numeric values of the traced keys (a key that is not a number, e.g. `p_final = None`,
     stays in the signature: it changes the program's structure)."""
-    import json
-
     cfg = copy.deepcopy(raw_cfg)
     cfg.get("run", {}).pop("seed", None)
     for key in TRACED:
-        *parents, last = key.split(".")
-        node = get_dotted(cfg, ".".join(parents)) if parents else cfg
+        parent, last = key.rsplit(".", 1)
+        node = get_dotted(cfg, parent)
         if isinstance(node, dict) and _number(node.get(last)):
             node[last] = "<traced>"
     return json.dumps(cfg, sort_keys=True, default=str)

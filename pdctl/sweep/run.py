@@ -20,7 +20,6 @@ evaluation) ends `failed`; the others carry on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from pdctl.stages.common import (
     notify,
     peak_flops,
     resume_point,
+    target_from_config,
 )
 from pdctl.sweep import hyper
 from pdctl.sweep import stacked as st
@@ -143,18 +143,14 @@ def resume_steps(ms, stage: str) -> None:
 # ---- one stage of several members, as one program ---------------------------------------------
 
 
-def _member_step(spec, cfg0, mesh, target0) -> Callable[[dict[str, Any]], Callable[..., Any]]:
+def _member_step(spec, env0: StageEnv, mesh) -> Callable[[dict[str, Any]], Callable[..., Any]]:
     """values -> that member's step: the group's program built from the config with the
-    member's values (tracers inside the stacked step) of the varied keys in place."""
+    member's values (tracers inside the stacked step) of the varied keys in place, and its
+    target from that config as a stage builds it (the toy target draws its own data)."""
 
     def build(values: dict[str, Any]) -> Callable[..., Any]:
-        cfg = hyper.substitute(cfg0, values)
-        target = target0
-        if "data.feature_probability" in values:  # the toy target draws its own data
-            target = dataclasses.replace(
-                target0, feature_probability=values["data.feature_probability"]
-            )
-        return spec.program(cfg, mesh, target).step
+        cfg = hyper.substitute(env0.cfg, values)
+        return spec.program(cfg, mesh, target_from_config(cfg, env0.project.root)).step
 
     return build
 
@@ -188,11 +184,14 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
     mesh = st.member_mesh(n)
     member_prog = spec.program(cfg0, mesh, envs[0].target)
     varied = hyper.varied(env.cfg.model_dump(mode="json", by_alias=True) for env in envs)
-    build = _member_step(spec, cfg0, mesh, envs[0].target) if varied else None
+    build = _member_step(spec, envs[0], mesh) if varied else None
     prog = st.stacked_program(member_prog, n, strategy, tuple(varied), build)
     starts = [resume_point(env, resume=resume, fresh=not resume) for env in envs]
+    # each member's own program: its fresh state's random stream is its seed's, its logged
+    # learning rate its own
+    owns = [spec.program(env.cfg, mesh, env.target) for env in envs]
     frozen_m, states_m = [], []
-    for env, start in zip(envs, starts, strict=True):
+    for env, start, own in zip(envs, starts, owns, strict=True):
         if spec.frozen:
             fr = later(spec.frozen, env, member_prog, what="restoring the target")
             frozen_m.append(jax.device_get(fr))
@@ -206,8 +205,6 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
                 lambda env=env: jax.device_get(spec.fresh_inputs(env, member_prog)),
                 what="restoring the stage's inputs",
             )
-            # its own program's make_state: the state's random stream is the member's seed's
-            own = spec.program(env.cfg, mesh, env.target)
             state = own.jit_make_state()(*inputs)
         else:
             restore = spec.restore or (
@@ -227,7 +224,7 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
     for i, (name, env) in enumerate(zip(names, envs, strict=True)):
         run = MemberRun(name, env, env.checkpointer(), env.tracker(start))
         if varied:  # what its log reports as its learning rate is its own
-            run.lr_fn = spec.program(env.cfg, mesh, env.target).lr_fn
+            run.lr_fn = owns[i].lr_fn
         if spec.evaluation:
             fr = frozen_m[i] if frozen_m else ()
             run.eval_fn = later(spec.evaluation, env, fr, member_prog, what="preparing the eval")
