@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--trace", type=Path, help="keep the Perfetto trace here")
     a = ap.parse_args()
+    runtime.cpu_xla_flags()  # pdctl's XLA:CPU flags, as every pdctl command has them
     runtime.configure_devices()
     print(f"{a.template}: {jax.device_count()} devices (data parallel), train step ms per term")
     full = step_ms(a.template, {}, a.steps)

@@ -164,9 +164,10 @@ def main() -> None:
     ap.add_argument("--child-devices", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        if a.child_devices == "default":
-            from pdctl.engine import runtime
+        from pdctl.engine import runtime
 
+        runtime.cpu_xla_flags()  # pdctl's XLA:CPU flags, as every pdctl command has them
+        if a.child_devices == "default":
             runtime.configure_devices()
         print(json.dumps(child(a.child, a.steps, a.peak_tflops)))
         return

@@ -367,10 +367,13 @@ def _direct_site_fn(W, V, U, m, dm, route):
 
 @pytest.mark.parametrize("delta", [True, False])
 @pytest.mark.parametrize("routed", [True, False])
-def test_site_override_equals_the_direct_formula_with_its_gradients(delta, routed):
+@pytest.mark.parametrize("use", ["plain", "inner", "tail"])
+def test_site_override_equals_the_direct_formula_with_its_gradients(delta, routed, use):
     # The override never forms W - V U; it must give the direct formula's values and V / U /
-    # input gradients. float32 tolerance: the two reassociate the same sums (x (W - VU) vs
-    # x W - (x V) U), so they differ by rounding, a few ulps of the largest partial product.
+    # input gradients, also when it reuses x @ V computed outside ("inner") and when it
+    # returns its output times a tail matrix through U @ T and W @ T ("tail"). float32
+    # tolerance: they reassociate the same sums (x (W - VU) vs x W - (x V) U, (a U) T vs
+    # a (U T)), so they differ by rounding, a few ulps of the largest partial product.
     rng = np.random.default_rng(3)
     B, T, d_in, C, d_out = 3, 5, 7, 11, 6
     W = f32(rng.normal(size=(d_in, d_out)))
@@ -379,18 +382,85 @@ def test_site_override_equals_the_direct_formula_with_its_gradients(delta, route
     m = f32(rng.uniform(size=(B, T, C)))
     dm = f32(rng.uniform(size=(B, T))) if delta else None
     route = jnp.asarray(rng.uniform(size=(B, T)) < 0.5) if routed else None
-    probe = f32(rng.normal(size=(B, T, d_out)))
+    tail = f32(rng.normal(size=(d_out, 4))) if use == "tail" else None
+    probe = f32(rng.normal(size=(B, T, d_out if tail is None else 4)))
 
-    def objective(make):
-        def f(V, U, x):
-            return jnp.sum(make(W, V, U, m, dm, route)(x) * probe)
+    def ours_fn(V, U, x):
+        inner = x @ V if use == "inner" else None  # grads reach V through the shared product
+        fn = comp_mod.masked_site_fn(W, V, U, m, dm, route, inner=inner, tail=tail)
+        return jnp.sum(fn(x) * probe)
 
-        return f
+    def want_fn(V, U, x):
+        out = _direct_site_fn(W, V, U, m, dm, route)(x)
+        return jnp.sum((out if tail is None else out @ tail) * probe)
 
-    ours = jax.value_and_grad(objective(comp_mod.masked_site_fn), argnums=(0, 1, 2))(V, U, x)
-    want = jax.value_and_grad(objective(_direct_site_fn), argnums=(0, 1, 2))(V, U, x)
+    ours = jax.value_and_grad(ours_fn, argnums=(0, 1, 2))(V, U, x)
+    want = jax.value_and_grad(want_fn, argnums=(0, 1, 2))(V, U, x)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_layers,bias", [(1, False), (2, True)])
+def test_resid_mlp_folded_masked_forward_equals_the_plain_one(n_layers, bias):
+    # ResidMLP's masked forwards read the last mlp_out out through W_E.T folded into U and W
+    # (`ResidMLP.apply_sites`); values and component gradients must be those of the plain
+    # forward (`Target.apply_sites`, the generic closures), for every subset of masked sites.
+    # Tolerance: the fold reassociates (a U) W_E.T as a (U W_E.T), float32 rounding only.
+    from pdctl.science.targets.base import Target
+    from pdctl.science.targets.resid_mlp import ResidMLP
+
+    target = ResidMLP(n_features=5, d_embed=12, d_mlp=4, n_layers=n_layers, bias=bias)
+    params = target.init(jax.random.PRNGKey(1))
+    if bias:  # nonzero biases, so that their fold is checked too
+        params = jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, params)
+    weights = target.site_weights(params)
+    rng = np.random.default_rng(4)
+    comps = {
+        p: {"V": f32(rng.normal(size=(W.shape[0], 3))), "U": f32(rng.normal(size=(3, W.shape[1])))}
+        for p, W in weights.items()
+    }
+    x = f32(rng.normal(size=(6, 5)))
+    paths = target.site_paths()
+    for masked in [paths, paths[-1:], paths[:1], paths[1:2]]:
+        data = {p: (comps[p]["V"], comps[p]["U"], f32(rng.uniform(size=(6, 3))),
+                    f32(rng.uniform(size=(6,))), None, None) for p in masked}  # fmt: skip
+
+        def out(comps, apply, masked=masked, data=data):
+            data = {p: (comps[p]["V"], comps[p]["U"], *data[p][2:]) for p in masked}
+            y, _ = apply(target, params, x, L._masked_site, data)
+            return jnp.sum(jnp.sin(y)), y
+
+        folded = jax.value_and_grad(out, has_aux=True)(comps, ResidMLP.apply_sites)
+        plain = jax.value_and_grad(out, has_aux=True)(comps, Target.apply_sites)
+        for a, b in zip(jax.tree.leaves(folded), jax.tree.leaves(plain), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+    # forwards without overrides stay the plain forward, bit for bit
+    y, _ = target.apply_sites(params, x, capture=paths)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(target.apply(params, x)))
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_recon_sharing_the_clean_component_activations_equals_recon_without(delta):
+    # `Recon.inner`: the first masked site of each forward reuses the clean x @ V; values and
+    # gradients as without (float32 reassociation of V's gradient sum only).
+    target, params, weights, comps, x, clean, ci = _recon_setup()
+    key = jax.random.PRNGKey(7)
+    site_inputs = L.clean_forward(target, params, x, ("a", "b")).site_inputs
+
+    def terms(comps, share):
+        inner = {p: site_inputs[p] @ comps[p]["V"] for p in ci} if share else None
+        recon = L.Recon(target, params, weights, comps, x, clean, delta, "mse",
+                        order=("a", "b"), inner=inner)  # fmt: skip
+        return (
+            L.stochastic_recon_loss(recon, ci, key, 2, "continuous")
+            + L.stochastic_recon_layerwise_loss(recon, ci, key, 2, "continuous")
+            + L.ci_masked_recon_loss(recon, ci)
+        )
+
+    with_inner = jax.value_and_grad(terms)(comps, True)
+    without = jax.value_and_grad(terms)(comps, False)
+    for a, b in zip(jax.tree.leaves(with_inner), jax.tree.leaves(without), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_masked_forward_with_exact_components_and_no_delta_reproduces_target():

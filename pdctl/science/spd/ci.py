@@ -139,6 +139,7 @@ def compute_ci(
     key: Array | None = None,
     grouped: bool = False,
     order: Sequence[str] | None = None,
+    inner: Mapping[str, Array] | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """(ci_lower, ci_upper) per site in `site_inputs`, each (..., C) float32.
 
@@ -148,7 +149,9 @@ def compute_ci(
     `fold_in(key, i)`), as the reference's `_apply_sigmoid_to_ci_outputs`; the upper-leaky one
     always sees z. Keys may be stacked units (a group's arrays with a leading member axis: its
     CI function runs vmapped over the members) and `order` the per-site order that fixes the
-    draws; with `grouped`, same-shaped plain sites run as one vmap too (`grouped.map_sites`)."""
+    draws; with `grouped`, same-shaped plain sites run as one vmap too (`grouped.map_sites`).
+    `inner` {site: x @ V}, computed by the caller (which shares it with other uses), replaces
+    the site's own product."""
     apply = ci_fn_apply
     if remat != "none":  # recompute the CI MLP's (..., C, hidden) activations in the backward
         apply = jax.checkpoint(ci_fn_apply, policy=REMAT_POLICIES[remat], static_argnums=(0,))
@@ -157,8 +160,9 @@ def compute_ci(
     if sampling not in ("continuous", "binomial"):
         raise ValueError(f"unknown sampling {sampling!r}")
 
-    def one(i, x_in: Array, V: Array, params: Any) -> tuple[Array, Array]:
-        h = x_in.astype(V.dtype) @ V
+    def one(i, x_in: Array, V: Array, params: Any, h: Array | None) -> tuple[Array, Array]:
+        if h is None:
+            h = x_in.astype(V.dtype) @ V
         z = apply(kind, params, x_in, h)
         if sampling == "continuous":
             return squash(z, sigmoid)
@@ -167,5 +171,6 @@ def compute_ci(
 
     paths = list(site_inputs)
     V_of = {p: components[p]["V"] for p in paths}
-    out = map_sites(one, paths, site_inputs, V_of, ci_fns, grouped=grouped, order=order)
+    h_of = {p: (inner or {}).get(p) for p in paths}
+    out = map_sites(one, paths, site_inputs, V_of, ci_fns, h_of, grouped=grouped, order=order)
     return {p: out[p][0] for p in paths}, {p: out[p][1] for p in paths}

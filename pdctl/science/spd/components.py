@@ -168,6 +168,8 @@ def masked_site_fn(
     mask_C: Array,
     delta_mask: Array | None,
     route: Array | None = None,
+    inner: Array | None = None,
+    tail: Array | None = None,
 ) -> Callable[[Array], Array]:
     """The override for one site: `x -> ((x @ V) * m) @ U [+ m_delta * (x @ (W - V @ U))]`.
 
@@ -181,18 +183,28 @@ def masked_site_fn(
     matrix per site and per masked forward, and its backward (two more C x d_in x d_out
     products) - weight-space work that grew the step with every decomposed site. Only the
     faithfulness term forms `V @ U`, once per step. Equal to the direct formula up to float
-    reassociation (tests/test_spd_math.py); at m = m_delta = 1 it gives `x @ W` exactly."""
+    reassociation (tests/test_spd_math.py); at m = m_delta = 1 it gives `x @ W` exactly.
+
+    `inner`: `x @ V` already computed for this very input (the clean site input, which the
+    CI function also multiplies by V): the forward reuses it, so the backward sums the
+    cotangents of every use before one `x.T @ g` for V instead of one such product per use.
+    `tail` (d_out, n): the function returns the site's output times `tail`, through `U @ tail`
+    and `W @ tail` (a target whose output is `... + site_out @ tail`, `Target.output_tails`):
+    when n < d_out the (.., d_out) output and its backward are never formed."""
 
     def fn(x_in: Array) -> Array:
         x = x_in.astype(V.dtype)
-        inner = x @ V
-        m = expand_left(mask_C, inner.ndim).astype(V.dtype)
-        own = x @ W.astype(V.dtype) if delta_mask is not None or route is not None else None
+        h = x @ V if inner is None else inner
+        U_, W_ = U, W.astype(V.dtype)
+        if tail is not None:
+            U_, W_ = U @ tail.astype(V.dtype), W_ @ tail.astype(V.dtype)
+        m = expand_left(mask_C, h.ndim).astype(V.dtype)
+        own = x @ W_ if delta_mask is not None or route is not None else None
         if delta_mask is None:
-            out = (inner * m) @ U
+            out = (h * m) @ U_
         else:
-            dm = expand_left(jnp.asarray(delta_mask)[..., None], inner.ndim).astype(V.dtype)
-            out = (inner * (m - dm)) @ U + dm * own
+            dm = expand_left(jnp.asarray(delta_mask)[..., None], h.ndim).astype(V.dtype)
+            out = (h * (m - dm)) @ U_ + dm * own
         if route is not None:
             out = jnp.where(expand_left(route[..., None], out.ndim), out, own)
         return out

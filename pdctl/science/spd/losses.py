@@ -84,8 +84,8 @@ def clean_forward(target: Any, params: Any, x: Array, paths: tuple[str, ...] | l
     return Clean(jax.lax.stop_gradient(out), site_inputs)
 
 
-def _masked_site(x_in: Array, W: Array, data: tuple) -> Array:
-    return masked_site_fn(W, *data)(x_in)
+def _masked_site(x_in: Array, W: Array, data: tuple, tail: Array | None = None) -> Array:
+    return masked_site_fn(W, *data, tail=tail)(x_in)
 
 
 def masked_forward(
@@ -96,9 +96,12 @@ def masked_forward(
     masks: Dict,
     delta_masks: Dict | None,
     routes: Dict | None = None,
+    inner: Dict | None = None,
 ) -> Array:
     """Target forward with the sites in `masks` replaced by their masked components
-    (`components.masked_site_fn`, with each site's W as the target reads it from `params`)."""
+    (`components.masked_site_fn`, with each site's W as the target reads it from `params`);
+    `inner` {path: x @ V} for sites whose input in this forward is known (`Recon.inner`)."""
+    inner = inner or {}
     data = {
         path: (
             components[path]["V"],
@@ -106,6 +109,7 @@ def masked_forward(
             mask,
             None if delta_masks is None else delta_masks[path],
             None if routes is None else routes[path],
+            inner.get(path),
         )
         for path, mask in masks.items()
     }
@@ -151,16 +155,30 @@ class Recon:
     out_kind: str
     grouped: bool = False  # same-shaped sites' per-site work (mask draws) as one vmap
     order: tuple[str, ...] | None = None  # the step's sites, per site (see the module doc)
+    # {site: clean site input @ V} (the CI functions' own product) for plain sites: the first
+    # masked site of a forward (in `order`, the forward order) sees the clean input, so it
+    # reuses this product instead of forming its own, and the backward forms V's gradient
+    # from the summed cotangents once (`components.masked_site_fn`)
+    inner: Dict | None = None
 
     def __call__(self, masks: Dict, delta_masks: Dict | None, routes: Dict | None = None) -> Array:
+        shared = None
+        if self.inner and self.order:
+            first = next((p for p in self.order if p in masks), None)
+            if first is not None and first in self.inner:
+                shared = {first: self.inner[first]}
         out = masked_forward(
-            self.target, self.params, self.components, self.x, masks, delta_masks, routes
+            self.target, self.params, self.components, self.x, masks, delta_masks, routes, shared
         )
         return output_distance(self.out_kind, out, self.clean_out)
 
     def detached(self) -> "Recon":
         """The same with the components held constant (the adversary's objective)."""
-        return dataclasses.replace(self, components=jax.lax.stop_gradient(self.components))
+        return dataclasses.replace(
+            self,
+            components=jax.lax.stop_gradient(self.components),
+            inner=None if self.inner is None else jax.lax.stop_gradient(self.inner),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,18 +539,38 @@ def make_spd_fns(
     def clean(target_params: Any, x: Array) -> Clean:
         return clean_forward(target, target_params, x, units)
 
-    def ci(components: Components, ci_fns: Any, site_inputs: Dict, key: Array | None = None):
+    def ci(
+        components: Components,
+        ci_fns: Any,
+        site_inputs: Dict,
+        key: Array | None = None,
+        inner: Dict | None = None,
+    ):
         return compute_ci(
-            components, ci_fns, site_inputs, kind, sigmoid, remat, sampling, key, grouped, paths
-        )
+            components, ci_fns, site_inputs, kind, sigmoid, remat, sampling, key, grouped, paths,
+            inner,
+        )  # fmt: skip
+
+    def clean_inner(components: Components, site_inputs: Dict) -> Dict | None:
+        """{site: clean input @ V} for the plain sites, shared by the CI functions and the
+        recon forwards (`Recon.inner`); None for a grouped (scanned) target, whose forwards
+        take their sites' data stacked over the layers."""
+        if grouped:
+            return None
+        plain = [p for p in units if members(p) is None]
+        return {
+            p: site_inputs[p].astype(components[p]["V"].dtype) @ components[p]["V"] for p in plain
+        }
 
     def ci_key(key: Array) -> Array:
         return jax.random.fold_in(key, _CI_KEY)
 
-    def recon_of(components: Components, target_params: Any, c: Clean, x: Array) -> Recon:
+    def recon_of(
+        components: Components, target_params: Any, c: Clean, x: Array, inner: Dict | None = None
+    ) -> Recon:
         return Recon(
             target, target_params, site_weights(target_params), components, x, c.out, delta,
-            out_kind, grouped, paths,
+            out_kind, grouped, paths, inner,
         )  # fmt: skip
 
     def ppgd_term(recon: Recon, ci_lower: Dict, sources: Dict, key: Array) -> Array:
@@ -550,8 +588,9 @@ def make_spd_fns(
         imp_totals: tuple[Mapping[str, Array], int] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         comps, ci_fns = trainable["components"], trainable["ci_fns"]
-        recon = recon_of(comps, target_params, c, x)
-        ci_lower, ci_upper = ci(comps, ci_fns, c.site_inputs, ci_key(key))
+        inner = clean_inner(comps, c.site_inputs)
+        recon = recon_of(comps, target_params, c, x, inner)
+        ci_lower, ci_upper = ci(comps, ci_fns, c.site_inputs, ci_key(key), inner)
         n = dcfg.n_mask_samples
         # Each term draws from its own fold of the key, so switching one term on or off leaves
         # the others' draws unchanged.

@@ -3,7 +3,7 @@ layers that must compute `relu(x_i)` for more features than they have neurons, r
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pdctl.science.targets.base import (
     Overrides,
     Params,
+    SiteDataFn,
     Target,
     add_bias,
     mse,
@@ -101,6 +102,53 @@ class ResidMLP(Target):
                 out = add_bias(out, layer["mlp_out"]["b"])
             r = r + out
         return r @ W_E.T
+
+    def apply_sites(
+        self,
+        params: Params,
+        x: jax.Array,
+        site_fn: SiteDataFn | None = None,
+        site_data: Mapping[str, Any] | None = None,
+        capture: Sequence[str] = (),
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`Target.apply_sites`; a forward with overridden sites reads the last layer's
+        `mlp_out` out through `W_E.T` folded into it: the output is `r @ W_E.T + out @ W_E.T`
+        and `out` is linear in that site's weights, so `site_fn` gets `tail=W_E.T` and
+        computes `out @ W_E.T` through `U @ W_E.T` / `W @ W_E.T` (`masked_site_fn`); an
+        unmasked last `mlp_out` is `relu(h) @ (W @ W_E.T)`. The (batch, d_embed) output of
+        that site and its backward are never formed: with d_embed 1000 and 100 features (the
+        canonical ResidMLP-1) they were most of the SPD step's FLOPs. Equal to the plain
+        forward up to float reassociation. Forwards without overrides (the clean forward,
+        pretraining) are the plain ones."""
+        if not site_data or self.n_features >= self.d_embed:
+            return super().apply_sites(params, x, site_fn, site_data, capture)
+        assert site_fn is not None
+        W_E, dt, last = params["W_E"], self.param_dtype, self.n_layers - 1
+        captured: dict[str, jax.Array] = {}
+
+        def site(path: str, x_in: jax.Array, W: jax.Array, tail: jax.Array | None = None):
+            if path in capture:
+                captured[path] = x_in
+            if path in site_data:
+                kw = {} if tail is None else {"tail": tail}
+                return site_fn(x_in, W, site_data[path], **kw).astype(x_in.dtype)
+            return x_in @ W if tail is None else x_in @ (W @ tail)
+
+        r = x.astype(dt) @ W_E
+        for i in range(self.n_layers):
+            layer = params["layers"][str(i)]
+            h = site(f"layers.{i}.mlp_in", r, layer["mlp_in"]["W"])
+            if self.bias:
+                h = add_bias(h, layer["mlp_in"]["b"])
+            tail = W_E.T if i == last else None
+            out = site(f"layers.{i}.mlp_out", jax.nn.relu(h), layer["mlp_out"]["W"], tail)
+            if self.bias:
+                b = layer["mlp_out"]["b"]
+                out = add_bias(out, b if tail is None else b @ tail)
+            if i == last:
+                return r @ W_E.T + out, {p: captured[p] for p in capture}
+            r = r + out
+        raise AssertionError("unreachable")
 
     def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
         x_BxF = sparse_features(key, batch_size, self.n_features, self.feature_probability, -1, 1)
