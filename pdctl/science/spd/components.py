@@ -189,7 +189,7 @@ def masked_site_fn(
     CI function also multiplies by V): the forward reuses it, so the backward sums the
     cotangents of every use before one `x.T @ g` for V instead of one such product per use.
     `tail` (d_out, n): the function returns the site's output times `tail`, through `U @ tail`
-    and `W @ tail` (a target whose output is `... + site_out @ tail`, `Target.output_tails`):
+    and `W @ tail` (a target whose output is `... + site_out @ tail`: `ResidMLP.apply_sites`):
     when n < d_out the (.., d_out) output and its backward are never formed."""
 
     def fn(x_in: Array) -> Array:

@@ -163,7 +163,8 @@ class Recon:
 
     def __call__(self, masks: Dict, delta_masks: Dict | None, routes: Dict | None = None) -> Array:
         shared = None
-        if self.inner and self.order:
+        # (a stacked unit among the masks would hide where its members run: no sharing)
+        if self.inner and self.order and all(members(p) is None for p in masks):
             first = next((p for p in self.order if p in masks), None)
             if first is not None and first in self.inner:
                 shared = {first: self.inner[first]}

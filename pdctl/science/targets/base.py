@@ -19,8 +19,10 @@ Override = Callable[[jax.Array], jax.Array]
 Overrides = Mapping[str, Override]
 # A block's projection: (name within the layer, x_in, that projection's params) -> output.
 SiteFn = Callable[[str, jax.Array, Any], jax.Array]
-# A site computed from data: (x_in, W, that site's data) -> x_in @ W's replacement.
-SiteDataFn = Callable[[jax.Array, jax.Array, Any], jax.Array]
+# A site computed from data: (x_in, W, that site's data) -> x_in @ W's replacement. A target
+# may also pass `tail=T` for a site whose output only reaches the model's output as `out @ T`
+# (`ResidMLP.apply_sites`); the function then returns its replacement times T.
+SiteDataFn = Callable[..., jax.Array]
 
 
 class Target:
