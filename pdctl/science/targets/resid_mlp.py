@@ -88,20 +88,10 @@ class ResidMLP(Target):
         return weights
 
     def apply(self, params: Params, x: jax.Array, overrides: Overrides | None = None) -> jax.Array:
-        W_E = params["W_E"]
-        r = x.astype(self.param_dtype) @ W_E
-        for i in range(self.n_layers):
-            layer = params["layers"][str(i)]
-            h = self._site(f"layers.{i}.mlp_in", r, layer["mlp_in"]["W"], overrides)
-            if self.bias:
-                h = add_bias(h, layer["mlp_in"]["b"])
-            out = self._site(
-                f"layers.{i}.mlp_out", jax.nn.relu(h), layer["mlp_out"]["W"], overrides
-            )
-            if self.bias:
-                out = add_bias(out, layer["mlp_out"]["b"])
-            r = r + out
-        return r @ W_E.T
+        def site(path: str, x_in: jax.Array, W: jax.Array, tail: None) -> jax.Array:
+            return self._site(path, x_in, W, overrides)
+
+        return self._forward(params, x, site, fold=False)
 
     def apply_sites(
         self,
@@ -123,10 +113,9 @@ class ResidMLP(Target):
         if not site_data or self.n_features >= self.d_embed:
             return super().apply_sites(params, x, site_fn, site_data, capture)
         assert site_fn is not None
-        W_E, dt, last = params["W_E"], self.param_dtype, self.n_layers - 1
         captured: dict[str, jax.Array] = {}
 
-        def site(path: str, x_in: jax.Array, W: jax.Array, tail: jax.Array | None = None):
+        def site(path: str, x_in: jax.Array, W: jax.Array, tail: jax.Array | None):
             if path in capture:
                 captured[path] = x_in
             if path in site_data:
@@ -134,21 +123,28 @@ class ResidMLP(Target):
                 return site_fn(x_in, W, site_data[path], **kw).astype(x_in.dtype)
             return x_in @ W if tail is None else x_in @ (W @ tail)
 
-        r = x.astype(dt) @ W_E
+        out = self._forward(params, x, site, fold=True)
+        return out, {p: captured[p] for p in capture}
+
+    def _forward(self, params: Params, x: jax.Array, site, fold: bool) -> jax.Array:
+        """The forward with each site computed as `site(path, x_in, W, tail)`; with `fold`, the
+        last `mlp_out` gets `tail = W_E.T` and returns its output already read out."""
+        W_E = params["W_E"]
+        r = x.astype(self.param_dtype) @ W_E
         for i in range(self.n_layers):
             layer = params["layers"][str(i)]
-            h = site(f"layers.{i}.mlp_in", r, layer["mlp_in"]["W"])
+            h = site(f"layers.{i}.mlp_in", r, layer["mlp_in"]["W"], None)
             if self.bias:
                 h = add_bias(h, layer["mlp_in"]["b"])
-            tail = W_E.T if i == last else None
+            tail = W_E.T if fold and i == self.n_layers - 1 else None
             out = site(f"layers.{i}.mlp_out", jax.nn.relu(h), layer["mlp_out"]["W"], tail)
             if self.bias:
                 b = layer["mlp_out"]["b"]
                 out = add_bias(out, b if tail is None else b @ tail)
-            if i == last:
-                return r @ W_E.T + out, {p: captured[p] for p in capture}
+            if tail is not None:
+                return r @ W_E.T + out
             r = r + out
-        raise AssertionError("unreachable")
+        return r @ W_E.T
 
     def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
         x_BxF = sparse_features(key, batch_size, self.n_features, self.feature_probability, -1, 1)
