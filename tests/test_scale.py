@@ -203,3 +203,43 @@ def test_bfloat16_compute_changes_loss_little(name):
         assert np.isfinite(bf16)
         assert abs(bf16 - f32) <= BF16_RTOL * abs(f32) + 1e-6, losses
     assert losses["float32"] != losses["bfloat16"]  # the policy really changed the compute
+
+
+@pytest.mark.slow  # ~20-35 s: two tiny-LM train steps with two ascent steps each
+def test_ppgd_warmup_ascent_accumulates_per_batch_sources():
+    # Per-batch PPGD sources are sized by the micro-batch; the warm-up ascent must run on the
+    # micro-batches as the loss does (it used to take the whole batch and fail at trace time).
+    # Two identical halves accumulated over k = 2 must give what one half gives at k = 1.
+    # Deterministic terms only, and no importance minimality (its log term sees the batch sums).
+    losses = {
+        "ppgd_recon": 1.0,
+        "stochastic_recon": 0.0,
+        "stochastic_recon_layerwise": 0.0,
+        "importance_minimality": 0.0,
+    }
+    half = jax.random.randint(jax.random.PRNGKey(3), (4, TINY_LM["data"]["seq_len"] + 1), 0, 256)
+    out = {}
+    for k, tokens in ((1, half), (2, jnp.concatenate([half, half]))):
+        raw = template(
+            "llama-mlp",
+            **TINY_LM,
+            train={"batch_size": 4 * k, "grad_accum_steps": k},
+            **{"train.loss": losses, "train.ppgd": {"scope": "per_batch_per_position",
+                                                   "n_warmup_steps": 2}},
+        )  # fmt: skip
+        _, _, prog, tp, state = spd_setup(parse_config(raw))
+        out[k] = prog.jit(donate=False)(tp, state, {"tokens": tokens})
+    (s1, m1), (s2, m2) = out[1], out[2]
+    assert float(s2["src_opt"]["count"]) == float(s1["src_opt"]["count"]) == 3
+    # Tolerance: the micro-batch program computes the same rows in a batch of another size
+    # (XLA may tile the dots differently); the mean of two equal gradients is exact. Sources:
+    # three Adam ascent steps (lr 0.01) divide by sqrt(v), so where a gradient element is tiny
+    # a last-bit difference in it moves a source by more (seen: up to 2.2e-5 on one of 8256);
+    # a gradient routed to the wrong source would move it by ~lr.
+    np.testing.assert_allclose(m2["ppgd_recon"], m1["ppgd_recon"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s1["sources"]), jax.tree.leaves(s2["sources"]), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4)
+    for a, b in zip(
+        jax.tree.leaves(s1["trainable"]), jax.tree.leaves(s2["trainable"]), strict=True
+    ):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
