@@ -182,10 +182,11 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
     n = len(envs)
     cfg0 = envs[0].cfg
     mesh = st.member_mesh(n)
+    slots = st.member_slots(n, mesh)  # n, or more: padding so that every device has as many
     member_prog = spec.program(cfg0, mesh, envs[0].target)
     varied = hyper.varied(env.cfg.model_dump(mode="json", by_alias=True) for env in envs)
     build = _member_step(spec, envs[0], mesh) if varied else None
-    prog = st.stacked_program(member_prog, n, strategy, tuple(varied), build)
+    prog = st.stacked_program(member_prog, slots, strategy, tuple(varied), build)
     starts = [resume_point(env, resume=resume, fresh=not resume) for env in envs]
     # each member's own program: its fresh state's random stream is its seed's, its logged
     # learning rate its own
@@ -198,7 +199,7 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
         env.begin(
             fresh=start is None,
             steps=member_prog.total_steps,
-            sweep={"members": n, "devices": mesh.size, "strategy": strategy},
+            sweep={"members": n, "devices": mesh.size, "slots": slots, "strategy": strategy},
         )
         if start is None:
             inputs = later(
@@ -213,13 +214,14 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
             state, _ = later(restore, env, start, member_prog, what=f"restoring step {start}")
         states_m.append(jax.device_get(state))
     start = 0 if starts[0] is None else int(starts[0])
-    state = prog.put(states_m, prog.state_shardings)
+    state = prog.put(st.pad_members(states_m, slots), prog.state_shardings)
     frozen = tuple(
-        prog.put([f[i] for f in frozen_m], sh)
+        prog.put(st.pad_members([f[i] for f in frozen_m], slots), sh)
         for i, sh in enumerate(prog.frozen_shardings[: len(member_prog.frozen_shardings)])
     )
     if varied:  # the members' own values of the varied keys, one more frozen argument
-        frozen = (*frozen, jax.device_put(varied, prog.frozen_shardings[-1]))
+        values = {k: np.asarray(st.pad_members(list(v), slots)) for k, v in varied.items()}
+        frozen = (*frozen, jax.device_put(values, prog.frozen_shardings[-1]))
     runs = []
     for i, (name, env) in enumerate(zip(names, envs, strict=True)):
         run = MemberRun(name, env, env.checkpointer(), env.tracker(start))
@@ -330,7 +332,8 @@ class SweepLoop(Loop):
 
     # ---- what the loop reads -------------------------------------------------------------
     def _log(self, step: int, metrics: Any, t_log: float, n: int) -> dict[str, float]:
-        host = jax.device_get(metrics)
+        # the members' rows only (padding slots, if any, come after them)
+        host = jax.tree.map(lambda a: np.asarray(a)[: len(self.members)], jax.device_get(metrics))
         dt = (time.perf_counter() - t_log) / max(n, 1)
         extra = {"step_ms": dt * 1e3}
         if self.examples_per_step:

@@ -34,11 +34,28 @@ def default_strategy() -> str:
 
 
 def member_mesh(n_members: int, devices: list[Any] | None = None) -> Mesh:
-    """The mesh ('members', 'data', 'fsdp', 'tp') = (d, 1, 1, 1) over the most devices d that
-    divide the member count (every device gets as many members)."""
+    """The mesh ('members', 'data', 'fsdp', 'tp') = (d, 1, 1, 1) that steps `n_members` in the
+    least time: the fewest members per device, ceil(n / devices), on as few devices as that
+    needs. Every device holds as many members, so a count that does not fill them evenly gets
+    padding slots (`member_slots`): 3 members on 2 devices run as 2 + 2, not 3 on one device,
+    and 11 on 8 as 6 x 2, not 11 on one."""
     devices = list(jax.devices() if devices is None else devices)
-    d = max(k for k in range(1, len(devices) + 1) if n_members % k == 0)
+    per = -(-n_members // len(devices))
+    d = -(-n_members // per)
     return Mesh(np.array(devices[:d]).reshape(d, 1, 1, 1), (MEMBERS, "data", "fsdp", "tp"))
+
+
+def member_slots(n_members: int, mesh: Mesh) -> int:
+    """The stacked program's member count on `mesh`: `n_members` rounded up to a multiple of
+    its devices. The slots past the members are padding: they run a copy of the first member
+    and nothing reads their results."""
+    d = mesh.shape[MEMBERS]
+    return -(-n_members // d) * d
+
+
+def pad_members(items: list[Any], slots: int) -> list[Any]:
+    """`items` (one per member) filled up to `slots` with copies of the first."""
+    return [*items, *[items[0]] * (slots - len(items))]
 
 
 def _lead(tree: Any, mesh: Mesh) -> Any:
