@@ -8,6 +8,12 @@ best of 3 windows of 30 steps.
 
     python benchmarks/sweep_step.py [--template tms] [--devices 2]
     python benchmarks/sweep_step.py --members 2 4 8 16 32   # where throughput stops rising
+    python benchmarks/sweep_step.py --members 3 5 --compare-padding  # padded vs divisor mesh
+
+A member count that does not fill the devices evenly runs padded here (`stacked.member_mesh`
+with `pad`: the fewest members per device, padding slots copying the first member, what pdctl
+does on GPU/TPU); `--compare-padding` also runs each count on the most devices that divide it,
+without padding (what pdctl does on CPU).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ CASES = [  # (members, devices used, batch, strategy)
 ]
 
 
-def child(template: str, n: int, d: int, batch: int, strategy: str) -> None:
+def child(template: str, n: int, d: int, batch: int, strategy: str, pad: bool = True) -> None:
     from pdctl.engine import runtime
 
     runtime.cpu_xla_flags()  # pdctl's XLA:CPU flags, as `pdctl sweep run` has them
@@ -48,15 +54,16 @@ def child(template: str, n: int, d: int, batch: int, strategy: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Project.load(create_run("b", template, Path(tmp)) / "pdctl.toml").config
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"batch_size": batch})})
-    mesh = st.member_mesh(n, jax.devices()[:d])
+    mesh = st.member_mesh(n, jax.devices()[:d], pad=pad)
+    slots = st.member_slots(n, mesh)
     target = target_from_config(cfg)
     prog = train.program(cfg, mesh, target)
     params = jax.device_get(jax.jit(target.init)(stream_key(cfg, STREAM_TARGET)))
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
     one = jax.device_get(prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"]))
-    sp = st.stacked_program(prog, n, strategy)
-    state = sp.put([one] * n, sp.state_shardings)
-    frozen = sp.put([params] * n, sp.frozen_shardings[0])
+    sp = st.stacked_program(prog, slots, strategy)
+    state = sp.put([one] * slots, sp.state_shardings)
+    frozen = sp.put([params] * slots, sp.frozen_shardings[0])
     step = sp.jit().lower(frozen, state, None).compile()
     best = float("inf")
     for _ in range(4):  # the first window warms up
@@ -66,7 +73,7 @@ def child(template: str, n: int, d: int, batch: int, strategy: str) -> None:
             state, m = step(frozen, state, None)
         jax.block_until_ready(state)
         best = min(best, (time.perf_counter() - t0) / 30)
-    print(f"{n:>7} {mesh.size:>7} {batch:>6} {strategy:>8} {best * 1e3:>9.2f} "
+    print(f"{n:>7} {mesh.size:>7} {slots:>5} {batch:>6} {strategy:>8} {best * 1e3:>9.2f} "
           f"{best * 1e3 / n:>11.2f} {best * 1e9 / n / batch:>10.0f}")  # fmt: skip
     assert np.all(np.isfinite(np.asarray(m["loss"])))
 
@@ -82,25 +89,28 @@ def main() -> None:
         help="instead of the fixed cases: these member counts, map, over --devices, at --batch",
     )
     ap.add_argument("--batch", type=int, default=4096)
-    ap.add_argument("--child", nargs=4)
+    ap.add_argument("--compare-padding", action="store_true")
+    ap.add_argument("--child", nargs=5)
     args = ap.parse_args()
     if args.child:
-        n, d, b, s = args.child
-        child(args.template, int(n), int(d), int(b), s)
+        n, d, b, s, pad = args.child
+        child(args.template, int(n), int(d), int(b), s, pad == "pad")
         return
     env = dict(os.environ)
     # (no JAX_PLATFORMS: JAX takes the accelerator where there is one, gpu_check.sh)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    print(f"{'members':>7} {'devices':>7} {'batch':>6} {'strategy':>8} {'step ms':>9} "
+    print(f"{'members':>7} {'devices':>7} {'slots':>5} {'batch':>6} {'strategy':>8} {'step ms':>9} "
           f"{'ms/member':>11} {'ns/example':>10}")  # fmt: skip
-    cases = CASES
+    cases = [(*c, "pad") for c in CASES]
     if args.members:
-        cases = [(n, args.devices, args.batch, "map") for n in args.members]
-    for n, d, b, s in cases:
+        layouts = ("pad", "divide") if args.compare_padding else ("pad",)
+        # alternated, so that a drift of the machine's speed hits both layouts alike
+        cases = [(n, args.devices, args.batch, "map", lay) for n in args.members for lay in layouts]
+    for n, d, b, s, lay in cases:
         d = min(d, args.devices)
         r = subprocess.run(
             [sys.executable, __file__, "--template", args.template, "--child", str(n), str(d),
-             str(b), s], env=env, capture_output=True, text=True,
+             str(b), s, lay], env=env, capture_output=True, text=True,
         )  # fmt: skip
         print(
             r.stdout.strip() if r.returncode == 0 else f"{n} {d} {b} {s}: failed {r.stderr[-300:]}"

@@ -4,6 +4,7 @@ own, a sweep end to end (status, report, a member on its own), a diverging membe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tomllib
 from pathlib import Path
@@ -130,12 +131,21 @@ def test_stacked_pretrain_is_each_members_own_step(tmp_path, monkeypatch, strate
     [(1, 4, 1, 1), (2, 4, 2, 2), (3, 4, 3, 3), (4, 4, 4, 4), (5, 4, 3, 6), (6, 4, 3, 6),
      (7, 4, 4, 8), (9, 4, 3, 9), (3, 2, 2, 4), (4, 2, 2, 4), (5, 1, 1, 5)],
 )  # fmt: skip
-def test_member_mesh_gives_the_fewest_members_per_device(n, devices, used, slots):
-    # ceil(n / devices) members per device on as few devices as that needs; a count that does
-    # not fill them evenly is padded (3 on 2 devices: 2 + 2, not 3 on one)
-    mesh = st.member_mesh(n, jax.devices()[:devices])
+def test_padded_member_mesh_gives_the_fewest_members_per_device(n, devices, used, slots):
+    # (GPU/TPU) ceil(n / devices) members per device on as few devices as that needs; a count
+    # that does not fill them evenly is padded (3 on 2 devices: 2 + 2, not 3 on one)
+    mesh = st.member_mesh(n, jax.devices()[:devices], pad=True)
     assert (mesh.shape[st.MEMBERS], st.member_slots(n, mesh)) == (used, slots)
     assert st.pad_members(list(range(n)), slots) == [*range(n), *[0] * (slots - n)]
+
+
+@pytest.mark.parametrize(
+    ("n", "devices", "used"), [(1, 4, 1), (3, 4, 3), (4, 4, 4), (5, 4, 1), (6, 4, 3), (3, 2, 1)]
+)
+def test_cpu_member_mesh_is_the_most_devices_that_divide_the_count(n, devices, used):
+    # (CPU: the default here) host devices share one thread pool, so no padding
+    mesh = st.member_mesh(n, jax.devices()[:devices])
+    assert (mesh.shape[st.MEMBERS], st.member_slots(n, mesh)) == (used, n)
 
 
 def test_padded_members_each_run_their_own_step(tmp_path, monkeypatch):
@@ -144,7 +154,7 @@ def test_padded_members_each_run_their_own_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfgs = _member_cfgs(tmp_path, 3)
     target = target_from_config(cfgs[0])
-    mesh = st.member_mesh(3, jax.devices()[:2])
+    mesh = st.member_mesh(3, jax.devices()[:2], pad=True)
     slots = st.member_slots(3, mesh)
     assert (mesh.size, slots) == (2, 4)
     progs = [pretrain.program(c, mesh, target) for c in cfgs]
@@ -346,11 +356,13 @@ def test_a_one_member_sweep_is_pdctl_run_bit_for_bit(tmp_path: Path, monkeypatch
 
 @pytest.mark.slow
 def test_a_sweep_that_does_not_fill_the_devices_evenly_is_padded(tmp_path, monkeypatch):
-    """5 members on the 4 test devices run as 3 devices x 2 slots (one padding slot, a copy of
-    the first member whose results nobody reads): every member ends as its own run, and the
-    one beside the padding equals its own `pdctl run` (within float32 rounding, as for any
-    stacked member: XLA fuses the step inside the member loop differently)."""
+    """With padding (GPU/TPU's layout, forced here) 5 members on the 4 test devices run as 3
+    devices x 2 slots (one padding slot, a copy of the first member whose results nobody
+    reads): every member ends as its own run, and the one beside the padding equals its own
+    `pdctl run` (within float32 rounding, as for any stacked member: XLA fuses the step inside
+    the member loop differently)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(st, "member_mesh", functools.partial(st.member_mesh, pad=True))
     sweep = _run_tiny(tmp_path, "--seeds", "5")
     for m in sweep.members:
         tr = state(sweep.run_dir(m), "train")

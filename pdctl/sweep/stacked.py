@@ -33,22 +33,32 @@ def default_strategy() -> str:
     return "map" if jax.default_backend() == "cpu" else "vmap"
 
 
-def member_mesh(n_members: int, devices: list[Any] | None = None) -> Mesh:
+def member_mesh(n_members: int, devices: list[Any] | None = None, pad: bool | None = None) -> Mesh:
     """The mesh ('members', 'data', 'fsdp', 'tp') = (d, 1, 1, 1) that steps `n_members` in the
-    least time: the fewest members per device, ceil(n / devices), on as few devices as that
-    needs. Every device holds as many members, so a count that does not fill them evenly gets
-    padding slots (`member_slots`): 3 members on 2 devices run as 2 + 2, not 3 on one device,
-    and 11 on 8 as 6 x 2, not 11 on one."""
+    least time. Every device holds as many members, so:
+
+    - with `pad` (the default on GPU/TPU, whose devices compute independently): the fewest
+      members per device, ceil(n / devices), on as few devices as that needs, the count padded
+      up (`member_slots`): 3 members on 2 devices run as 2 + 2, 11 on 8 as 6 x 2;
+    - without (the default on CPU): the most devices that divide the member count, no padding.
+      XLA:CPU runs every host device on one thread pool over the same cores, so a padding slot
+      costs a member's step while a second device adds little (benchmarks/sweep_step.py
+      --compare-padding measures it)."""
     devices = list(jax.devices() if devices is None else devices)
-    per = -(-n_members // len(devices))
-    d = -(-n_members // per)
+    if pad is None:
+        pad = devices[0].platform != "cpu"
+    if pad:
+        per = -(-n_members // len(devices))
+        d = -(-n_members // per)
+    else:
+        d = max(k for k in range(1, len(devices) + 1) if n_members % k == 0)
     return Mesh(np.array(devices[:d]).reshape(d, 1, 1, 1), (MEMBERS, "data", "fsdp", "tp"))
 
 
 def member_slots(n_members: int, mesh: Mesh) -> int:
     """The stacked program's member count on `mesh`: `n_members` rounded up to a multiple of
-    its devices. The slots past the members are padding: they run a copy of the first member
-    and nothing reads their results."""
+    its devices (`n_members` itself on a mesh that divides it). The slots past the members are
+    padding: they run a copy of the first member and nothing reads their results."""
     d = mesh.shape[MEMBERS]
     return -(-n_members // d) * d
 
