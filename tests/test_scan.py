@@ -277,3 +277,41 @@ def test_train_step_program_does_not_grow_with_depth(tmp_path):
     scan and the per-site L0 metrics. Compile times are in benchmarks/scan_compile.py."""
     small, deep = _hlo_ops(2, tmp_path), _hlo_ops(8, tmp_path)
     assert deep < 1.1 * small, (small, deep)
+
+
+@pytest.mark.slow  # two 2-layer train steps with 2 micro-batches each (compiles dominate)
+def test_grad_accumulation_with_stacked_units_equals_unrolled(tmp_path):
+    """`grad_accum_steps` > 1 splits a stacked unit's captured inputs on their batch axis,
+    behind the layers: (L, B, ...) -> (k, L, B/k, ...). (It split the layer axis and failed at
+    trace time.) The scanned step equals the unrolled one, the PPGD warm-up ascent on
+    per-batch sources included."""
+    from pdctl.engine import sharding
+    from pdctl.science.spd.components import init_decomposition_reference
+    from pdctl.stages.init_weights import decomposed_sites, source_shape
+
+    unrolled, _ = _targets(tmp_path, "llama", n_layers=2)
+    params = jax.jit(unrolled.init)(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(2), (4, SEQ + 1), 0, 64)
+    mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
+    out = {}
+    for scan in (False, True):
+        cfg = _cfg(scan_layers=scan, grad_accum_steps=2)
+        tc = cfg.train
+        ppgd = tc.ppgd.model_copy(update={"scope": "per_batch_per_position", "n_warmup_steps": 1})
+        cfg = cfg.model_copy(
+            update={"train": tc.model_copy(update={"batch_size": 4, "ppgd": ppgd})}
+        )
+        comps, ci_fns, sources = init_decomposition_reference(
+            jax.random.key(1), decomposed_sites(cfg, unrolled), "shared_mlp", [8],
+            lambda C, cfg=cfg: source_shape(cfg, C),
+        )  # fmt: skip
+        prog = train.program(cfg, mesh, unrolled)
+        state = prog.jit_make_state()(comps, ci_fns, sources)
+        new, m = prog.jit(donate=False)(params, state, {"tokens": tokens})
+        out[scan] = (train.unstack_state(new), m)
+    (s_u, m_u), (s_s, m_s) = out[False], out[True]
+    assert not np.array_equal(s_u["sources"]["model.layers.0.mlp.up_proj"],
+                              sources["model.layers.0.mlp.up_proj"])  # fmt: skip
+    _close(m_s, m_u)
+    _close(s_s["trainable"], s_u["trainable"])
+    _close(s_s["sources"], s_u["sources"])

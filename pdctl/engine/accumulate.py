@@ -8,6 +8,7 @@ is no intermediate state to observe). Memory is that of one micro-batch's activa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,15 +20,23 @@ from jax.sharding import PartitionSpec as P
 from pdctl.engine.sharding import BATCH_AXES
 
 
-def split_micro(tree: Any, k: int, mesh) -> Any:
-    """(B, ...) -> (k, B/k, ...), each micro-batch still sharded over the batch axes."""
+def split_micro(tree: Any, k: int, mesh, batch_axes: Any = 0) -> Any:
+    """(B, ...) -> (k, B/k, ...), each micro-batch still sharded over the batch axes.
 
-    def one(x):
-        y = x.reshape(k, x.shape[0] // k, *x.shape[1:])
-        spec = P(None, BATCH_AXES, *([None] * (x.ndim - 1)))
+    `batch_axes`: where each leaf's batch axis is, one int for all or a tree of ints like
+    `tree` (a stacked site's inputs have its layers ahead of the batch: (L, B, ...) ->
+    (k, L, B/k, ...)). The micro-batch index always comes first."""
+
+    def one(axis, x):
+        n = x.shape[axis]
+        y = x.reshape(*x.shape[:axis], k, n // k, *x.shape[axis + 1 :])
+        y = jnp.moveaxis(y, axis, 0)
+        spec = P(None, *([None] * axis), BATCH_AXES, *([None] * (x.ndim - axis - 1)))
         return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, tree)
+    if isinstance(batch_axes, int):
+        return jax.tree.map(functools.partial(one, batch_axes), tree)
+    return jax.tree.map(one, batch_axes, tree)
 
 
 def accumulate(

@@ -90,10 +90,16 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
+    def split_step(x, clean):
+        # a stacked unit's captured inputs have its layers ahead of the batch: (L, B, ...)
+        axes = {p: int(members(p) is not None) for p in clean.site_inputs}
+        batch_axes = {"x": 0, "clean": clean._replace(out=0, site_inputs=axes)}
+        return split_micro({"x": x, "clean": clean}, k_accum, mesh, batch_axes)
+
     def value_and_grads(trainable, sources, target_params, clean, x, key, step_frac):
         if k_accum == 1:
             return grad_fn(trainable, sources, target_params, clean, x, key, step_frac)
-        micro = split_micro({"x": x, "clean": clean}, k_accum, mesh)
+        micro = split_step(x, clean)
         imp_totals, p = None, p_at(lcfg, step_frac)
         if is_traced(lcfg.importance_minimality) or lcfg.importance_minimality > 0:
             # Importance minimality sums over the whole accumulated batch: a forward-only first
@@ -171,8 +177,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
                     )(srcs)
                     return (jnp.zeros((), jnp.float32), {}), g
 
-                micro = split_micro({"x": x, "clean": clean}, k_accum, mesh)
-                return accumulate(on_micro, micro, k_accum)[1]
+                return accumulate(on_micro, split_step(x, clean), k_accum)[1]
 
             def ascend(carry, i):
                 srcs, opt = carry
