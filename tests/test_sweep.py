@@ -358,12 +358,13 @@ def test_a_one_member_sweep_is_pdctl_run_bit_for_bit(tmp_path: Path, monkeypatch
 def test_a_sweep_that_does_not_fill_the_devices_evenly_is_padded(tmp_path, monkeypatch):
     """With padding (GPU/TPU's layout, forced here) 5 members on the 4 test devices run as 3
     devices x 2 slots (one padding slot, a copy of the first member whose results nobody
-    reads): every member ends as its own run, and the one beside the padding equals its own
-    `pdctl run` (within float32 rounding, as for any stacked member: XLA fuses the step inside
-    the member loop differently)."""
+    reads; its traced value too): every member ends as its own run, and the one beside the
+    padding equals its own `pdctl run` (within float32 rounding, as for any stacked member with
+    traced values)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(st, "member_mesh", functools.partial(st.member_mesh, pad=True))
-    sweep = _run_tiny(tmp_path, "--seeds", "5")
+    grid = "train.loss.importance_minimality=0.001,0.002,0.003,0.004,0.005"
+    sweep = _run_tiny(tmp_path, "--seeds", "1", "--grid", grid)
     for m in sweep.members:
         tr = state(sweep.run_dir(m), "train")
         assert tr["status"] == "done" and tr["step"] == 20, m.name
