@@ -151,33 +151,34 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         if use_ppgd and pcfg.n_warmup_steps:
             const = jax.lax.stop_gradient(policy.to_compute(trainable))
             comps = const["components"]
-            if k_accum == 1:  # the loss's CI, computed once for every ascent step
+            if k_accum == 1:
+                # the loss's CI, computed once for every ascent step
                 ci_lower, _ = fns.ci(comps, const["ci_fns"], clean.site_inputs, fns.ci_key(k_loss))
 
-            def source_grad(srcs, key):
-                if k_accum == 1:
+                def source_grad(srcs, key):
                     return jax.grad(
                         lambda s: fns.ppgd_loss(comps, ci_lower, params, s, clean, x, key)
                     )(srcs)
 
+            else:
                 # Accumulated like the loss below: micro-batch j sees the CI the loss computes
                 # for it (key folded by j) and the sources' gradient is the mean over micro-
                 # batches, so per-batch sources (sized by the micro-batch) fit and no more than
-                # one micro-batch's activations are live.
-                def on_micro(mb, j):
-                    ci_mb, _ = fns.ci(
-                        comps,
-                        const["ci_fns"],
-                        mb["clean"].site_inputs,
-                        fns.ci_key(jax.random.fold_in(k_loss, j)),
-                    )
+                # one micro-batch's activations are live. Split once, outside the ascent loop.
+                micro = split_step(x, clean)
+
+                def on_micro(srcs, key, mb, j):
+                    k_ci = fns.ci_key(jax.random.fold_in(k_loss, j))
+                    ci_mb, _ = fns.ci(comps, const["ci_fns"], mb["clean"].site_inputs, k_ci)
                     k_mb = jax.random.fold_in(key, j)
                     g = jax.grad(
                         lambda s: fns.ppgd_loss(comps, ci_mb, params, s, mb["clean"], mb["x"], k_mb)
                     )(srcs)
                     return (jnp.zeros((), jnp.float32), {}), g
 
-                return accumulate(on_micro, split_step(x, clean), k_accum)[1]
+                def source_grad(srcs, key):
+                    one = functools.partial(on_micro, srcs, key)
+                    return accumulate(one, micro, k_accum)[1]
 
             def ascend(carry, i):
                 srcs, opt = carry
