@@ -53,7 +53,7 @@ class StepProgram:
     def jit(self, donate: bool = True) -> Any:
         """The step under `jax.jit` with its shardings and donation (the one jit of it)."""
         return jax.jit(
-            self.step,
+            self.policy.scoped(self.step),
             in_shardings=(*self.frozen_shardings, self.state_shardings, self.batch_shardings),
             out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
             donate_argnums=self.donate_argnums if donate else (),

@@ -17,3 +17,13 @@ def is_traced(x: object) -> bool:
     with coefficient 0 is not computed) treats a traced one as "on", and never calls `float`
     or `bool` on it."""
     return isinstance(x, jax.Array)  # a tracer, or a concrete array under jax.disable_jit
+
+
+def exact_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b in float32 at full float32 precision on every platform (`Precision.HIGHEST`: six
+    bf16 passes on a TPU, plain float32 on a CPU), whatever the process's default matmul
+    precision. For products whose rounding is the quantity being measured (the faithfulness
+    term's V @ U: see `pdctl.engine.precision`)."""
+    return jnp.matmul(
+        a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )

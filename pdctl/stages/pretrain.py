@@ -35,7 +35,7 @@ def make_step(
     target, tx, batch_size: int, batch_sharding, policy: Policy | None = None, accum: int = 1
 ):
     """The pure pretrain step: (state, batch) -> (state, metrics)."""
-    policy = policy or Policy(jnp.float32, jnp.float32, jnp.float32)
+    policy = policy or Policy(jnp.float32, jnp.float32)
 
     def loss_fn(params, batch):
         return target.loss(policy.to_compute(params), policy.to_compute(batch))

@@ -83,9 +83,11 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     source_lr = schedule(pcfg, total)
 
     def loss_fn(trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None):
+        # `target_params` as stored: the terms see their compute-dtype cast, faithfulness the
+        # stored values (`pdctl.engine.precision`)
         return fns.loss(
-            policy.to_compute(trainable), target_params, sources, clean, x, key, step_frac,
-            imp_totals,
+            policy.to_compute(trainable), policy.to_compute(target_params), sources, clean, x,
+            key, step_frac, imp_totals, exact=(trainable["components"], target_params),
         )  # fmt: skip
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
@@ -190,7 +192,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             )
         step_frac = loop["step"].astype(jnp.float32) / float(total)
         (loss, m), (g_tr, g_src) = value_and_grads(
-            trainable, sources, params, clean, x, k_loss, step_frac
+            trainable, sources, target_params, clean, x, k_loss, step_frac
         )
         metrics = {**m, "loss": loss, "grad_norm": optax.global_norm(g_tr)}
         if use_ppgd:
@@ -450,7 +452,13 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
         eval_batch = jax.jit(lambda k: target.make_batch(k, cfg.train.eval_batch_size))(eval_key)
     expand = jax.jit(fns.expand)
 
+    policy = Policy.from_config(cfg.precision)
+
     def eval_fn(state) -> dict[str, Any]:
+        with policy.eval_scope():  # traced (and cached) at the evaluations' matmul precision
+            return evaluations(state)
+
+    def evaluations(state) -> dict[str, Any]:
         # (a stacked state is evaluated as it is: the evaluation's programs take its groups
         # and report per site)
         trainable = state["trainable"]

@@ -163,7 +163,7 @@ class Stacked:
         (a member's metrics are read with the others at the logging cadence; no collective)."""
         nf = len(self.frozen_shardings)  # the traced values too, when there are any
         return jax.jit(
-            self.step,
+            self.member.policy.scoped(self.step),
             in_shardings=(*self.frozen_shardings, self.state_shardings, None),
             out_shardings=(self.state_shardings, self.by_member),
             donate_argnums=(nf,),

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from pdctl.config import Config, LossConfig
-from pdctl.science.arrays import is_traced
+from pdctl.science.arrays import exact_matmul, is_traced
 from pdctl.science.spd import sources as src_mod
 from pdctl.science.spd.ci import compute_ci
 from pdctl.science.spd.components import (
@@ -186,6 +186,7 @@ class Recon:
 # loss terms
 
 
+@jax.named_scope("faithfulness")
 def faithfulness_loss(
     weights: Dict, components: Components, layout: Any = None, grouped: bool = False
 ) -> Array:
@@ -195,7 +196,12 @@ def faithfulness_loss(
     its members'). `layout` (`engine.sharding.WeightSpace`, for components sharded over the
     mesh): the same value computed on gathered V / U, each device forming its rows of the
     residual. `grouped`: same-shaped sites as one vmap (`grouped.map_sites`; sums in another
-    order)."""
+    order).
+
+    V @ U is formed at full float32 precision from float32 values on every platform
+    (`arrays.exact_matmul`): at a TPU's default (one bf16 pass) its rounding alone is ~1e-7,
+    larger than the term it measures (`pdctl.engine.precision`). The term runs under the
+    named scope "faithfulness", so a test can find its dots in the lowered program."""
 
     def site(i, W: Array, comp: Mapping[str, Array], role: str | None = None) -> Array:
         V, U = comp["V"].astype(jnp.float32), comp["U"].astype(jnp.float32)
@@ -203,7 +209,7 @@ def faithfulness_loss(
         if layout is not None:
             V, U = layout.gathered(V, role, "V"), layout.gathered(U, role, "U")
             W, V = layout.rows(W, role, "W"), layout.rows(V, role, "V")
-        diff = W - V @ U
+        diff = W - exact_matmul(V, U)
         return jnp.sum(diff * diff)
 
     paths = list(components)
@@ -483,6 +489,8 @@ class SpdFns:
     - `loss(trainable, target_params, sources, clean, x, key, step_frac, imp_totals=None) ->
       (total, metrics)` with `trainable = {"components": expanded, "ci_fns": ...}` and the raw
       persistent sources. d total / d sources = ppgd_recon coeff * dL_ppgd / d sources.
+      `exact=(components, target_params)` as stored (before any compute-dtype cast): what the
+      faithfulness term compares (`pdctl.engine.precision`); default: the ones given.
     - `ppgd_loss(components, ci_lower, target_params, sources, clean, x, key)`: the PPGD term
       alone (the adversary's objective; the step holds components and CI constant for it).
     - `source_step(sources, grads, opt_state, lr) -> (sources, opt_state)`: one ascent step.
@@ -587,8 +595,13 @@ def make_spd_fns(
         key: Array,
         step_frac: Array | float,
         imp_totals: tuple[Mapping[str, Array], int] | None = None,
+        exact: tuple[Components, Any] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         comps, ci_fns = trainable["components"], trainable["ci_fns"]
+        # faithfulness compares the stored values, not their compute-dtype casts
+        f_comps, f_weights = comps, None
+        if exact is not None:
+            f_comps, f_weights = exact[0], site_weights(exact[1])
         inner = clean_inner(comps, c.site_inputs)
         recon = recon_of(comps, target_params, c, x, inner)
         ci_lower, ci_upper = ci(comps, ci_fns, c.site_inputs, ci_key(key), inner)
@@ -597,7 +610,7 @@ def make_spd_fns(
         # the others' draws unchanged.
         compute: dict[str, Callable[[Array], Array]] = {
             "faithfulness": lambda k: faithfulness_loss(
-                recon.weights, comps, weight_space, grouped
+                recon.weights if f_weights is None else f_weights, f_comps, weight_space, grouped
             ),
             "importance_minimality": lambda k: importance_minimality_loss(
                 ci_upper, p_at(lcfg, step_frac), lcfg.eps, lcfg.beta, imp_totals, grouped
