@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--eval-batch", type=int, default=16)
     ap.add_argument("--peak-tflops", type=float, default=197.0)
     ap.add_argument("--json", default="")
+    ap.add_argument("--warmup-only", action="store_true", help="the warmup floor alone")
     args = ap.parse_args()
     if not args.gguf:
         sys.exit("--gguf PATH (or PDCTL_SMOLLM2_GGUF) is required")
@@ -133,6 +134,9 @@ def main() -> None:
                 wstate, wm = wstep(params, wstate, None)
             floor = float(jax.device_get(wm["faithfulness"]))
             warm_s = time.perf_counter() - t
+            if args.warmup_only:
+                print(f"# {arm}: warmup floor {floor:.3g} in {warm_s:.1f} s", flush=True)
+                continue
             prog = train.program(cfg, mesh, target)
             state = prog.jit_make_state()(wstate["components"], dec["ci_fns"], dec["sources"])
             b = jax.device_put({"tokens": batch}, prog.batch_shardings)
@@ -167,6 +171,9 @@ def main() -> None:
         }
         print(f"# {arm}: warmup floor {floor:.3g} in {warm_s:.1f} s, compile {compile_s:.1f} s",
               flush=True)  # fmt: skip
+
+    if args.warmup_only:
+        return
 
     def window(arm: str) -> float:
         fn, b = steps[arm], progs[arm]
