@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from pdctl.science.spd import ci as ci_mod
 from pdctl.science.spd import components as comp_mod
@@ -61,3 +62,193 @@ def test_lower_leaky_hard_matches_the_torch_reference(sign, which):
     np.testing.assert_array_equal(out, np.float32(SPD_LOWER_LEAKY["out"]))
     # float32 0.01 * g against the reference printed to 6 decimals
     np.testing.assert_allclose(grad, SPD_LOWER_LEAKY[sign], rtol=0, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# the transformer CI function
+
+
+def transformer_case(n_blocks: int = 1) -> tuple[dict, np.ndarray]:
+    """Fixed weights (pdctl's layout) and inputs: d_in 6, d_model 8, 2 heads, ffn 12, C 3,
+    batch 2 x 5 positions. Biases non-zero so that every parameter matters."""
+    rng = np.random.default_rng(0)
+    d_in, d, H, ffn, C = 6, 8, 2, 12, 3
+
+    def w(*shape, scale=0.5):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    params = {
+        "in": {"W": w(d_in, d), "b": w(d, scale=0.1)},
+        "blocks": {
+            "wq": w(n_blocks, d, H, d // H),
+            "wk": w(n_blocks, d, H, d // H),
+            "wv": w(n_blocks, d, H, d // H),
+            "wo": w(n_blocks, H, d // H, d),
+            "w1": w(n_blocks, d, ffn),
+            "b1": w(n_blocks, ffn, scale=0.1),
+            "w2": w(n_blocks, ffn, d),
+            "b2": w(n_blocks, d, scale=0.1),
+        },
+        "out": {"W": w(d, C), "b": w(C, scale=0.1)},
+    }
+    x = w(2, 5, d_in, scale=2.0)
+    return params, x
+
+
+def _rms(a):
+    return a / np.sqrt(np.mean(a * a, -1, keepdims=True) + np.finfo(np.float32).eps)
+
+
+def test_transformer_without_blocks_is_an_affine_map_of_the_normalised_input():
+    # n_blocks = 0: z = rms(x) W_in + b_in, then W_out + b_out (SPEC §4.6 steps 1, 2, 4)
+    params, x = transformer_case(n_blocks=0)
+    z = np.asarray(ci_mod.ci_fn_apply("transformer", params, jnp.asarray(x), None))
+    x64 = x.astype(np.float64)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    want = (_rms(x64) @ p["in"]["W"] + p["in"]["b"]) @ p["out"]["W"] + p["out"]["b"]
+    # float32 against float64
+    np.testing.assert_allclose(z, want, rtol=1e-5, atol=1e-5)
+    # the weightless norm: scaling a position's input changes nothing
+    z3 = np.asarray(ci_mod.ci_fn_apply("transformer", params, jnp.asarray(3 * x), None))
+    np.testing.assert_allclose(z3, z, rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_attends_both_ways_and_per_sequence():
+    params, x = transformer_case()
+    z = np.asarray(ci_mod.ci_fn_apply("transformer", params, jnp.asarray(x), None))
+    assert z.shape == (2, 5, 3)
+    x2 = x.copy()
+    x2[0, -1] += 1.0  # the LAST position of sequence 0
+    z2 = np.asarray(ci_mod.ci_fn_apply("transformer", params, jnp.asarray(x2), None))
+    assert np.abs(z2[0, 0] - z[0, 0]).max() > 1e-4  # reaches the first position: bidirectional
+    np.testing.assert_array_equal(z2[1], z[1])  # never another sequence
+
+
+# goodfire-ai/spd (branch dev, 2ab728c0) `GlobalSharedTransformerCiFn` with one site, n_layers
+# 1, n_heads 2, mlp_hidden_dims [12], loaded with `transformer_case()`'s weights, on its x
+# (benchmarks/spd_ci_reference.py). One site makes the reference's "global" CI function the
+# per-site one pdctl builds; positions (0, 0), (0, 4), (1, 2).
+SPD_TRANSFORMER = [
+    [-5.827786, -2.152784, 2.301609],
+    [0.162548, -0.90892, 5.08486],
+    [-8.36966, -0.909028, -6.202990],
+]
+
+
+def test_transformer_matches_the_torch_reference():
+    params, x = transformer_case()
+    z = np.asarray(ci_mod.ci_fn_apply("transformer", params, jnp.asarray(x), None))
+    got = [z[0, 0], z[0, 4], z[1, 2]]
+    # float32 on both sides, different summation orders (sdpa, einsum)
+    np.testing.assert_allclose(got, SPD_TRANSFORMER, rtol=1e-4, atol=1e-5)
+
+
+def test_transformer_init_shapes_statistics_and_bits_under_vmap():
+    arch = (32, 4, 2, 64)
+
+    def init(k):
+        return comp_mod.init_ci_fn(k, "transformer", 48, 7, arch)
+
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+    stacked = jax.jit(jax.vmap(init))(keys)
+    # the same bits under vmap (what init-weights' grouped init relies on)
+    one = jax.jit(init)(keys[1])
+    jax.tree.map(lambda s, o: np.testing.assert_array_equal(s[1], o), stacked, one)
+    p = one
+    b = jax.tree.map(lambda a: a[1], p["blocks"])  # the second block
+    assert p["in"]["W"].shape == (48, 32) and p["out"]["W"].shape == (32, 7)
+    assert p["blocks"]["wq"].shape == (2, 32, 4, 8) and b["wo"].shape == (4, 8, 32)
+    assert b["w1"].shape == (32, 64) and b["w2"].shape == (64, 32)
+    # SPEC §4.6 init: N(0, 2/fan_in) in-proj and FFN-in, N(0, 1/fan_in) FFN-out and head,
+    # U(+-1/sqrt(d)) attention (variance 1/(3d)), biases zero. Loose: few samples.
+    for a, var in [
+        (p["in"]["W"], 2 / 48), (b["w1"], 2 / 32), (b["w2"], 1 / 64), (p["out"]["W"], 1 / 32),
+        (b["wq"], 1 / 96),
+    ]:  # fmt: skip
+        assert abs(float(jnp.var(a)) / var - 1) < 0.25
+    assert float(jnp.abs(b["wk"]).max()) <= 32**-0.5
+    assert all(float(jnp.abs(v).max()) == 0 for v in (p["in"]["b"], b["b1"], b["b2"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# nonlinearity_aligned init
+
+
+def _w(d_in: int, d_out: int, seed: int = 0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((d_in, d_out)), jnp.float32)
+
+
+@pytest.mark.parametrize("side", ["in", "out"])
+def test_aligned_init_with_C_equal_to_the_neurons_is_exactly_W(side):
+    W = _w(6, 10)  # side "out": 10 neurons (up: columns); side "in": 6 (down: rows)
+    n = 10 if side == "out" else 6
+    c = comp_mod.aligned_site_components(jax.random.PRNGKey(0), W, n, side)
+    V, U = np.asarray(c["V"]), np.asarray(c["U"])
+    # exact, not within a tolerance: every entry of V U is one product w * 1 plus exact zeros
+    np.testing.assert_array_equal(V @ U, np.asarray(W))
+    one_neuron = U if side == "out" else V.T  # (C, neurons): component c is neuron c
+    np.testing.assert_array_equal(one_neuron, np.eye(n, dtype=np.float32))
+
+
+@pytest.mark.parametrize("side", ["in", "out"])
+def test_aligned_init_above_the_neurons_splits_them_exactly(side):
+    W = _w(4, 5)
+    n, resid = (5, 4) if side == "out" else (4, 5)
+    C = 2 * n + 1  # every neuron twice, one of them three times
+    c = comp_mod.aligned_site_components(jax.random.PRNGKey(1), W, C, side)
+    V, U = np.asarray(c["V"]), np.asarray(c["U"])
+    np.testing.assert_array_equal(V @ U, np.asarray(W))  # the parts sum to W exactly
+    unit = U if side == "out" else V.T  # (C, neurons) one-hot: each component's neuron
+    assert set(unit.sum(1)) == {1.0}
+    per_neuron = unit.sum(0)
+    assert sorted(per_neuron) == [2.0] * (n - 1) + [3.0]
+    part = V.T if side == "out" else U  # (C, resid): each component's slice of its neuron
+    assert ((part != 0).sum(1) >= 1).all()  # none empty
+    # a neuron's parts are disjoint: its coordinates are owned once each
+    for j in range(n):
+        owned = (part[unit[:, j] == 1] != 0).sum(0)
+        np.testing.assert_array_equal(owned, np.ones(resid))
+
+
+@pytest.mark.parametrize("side", ["in", "out"])
+def test_aligned_init_below_the_neurons_samples_distinct_ones(side):
+    W = _w(6, 9)
+    c = comp_mod.aligned_site_components(jax.random.PRNGKey(2), W, 4, side)
+    V, U = np.asarray(c["V"]), np.asarray(c["U"])
+    unit = U if side == "out" else V.T
+    chosen = np.flatnonzero(unit.sum(0))
+    assert len(chosen) == 4  # distinct
+    W_np = np.asarray(W)
+    want = np.zeros_like(W_np)
+    if side == "out":
+        want[:, chosen] = W_np[:, chosen]
+    else:
+        want[chosen] = W_np[chosen]
+    np.testing.assert_array_equal(V @ U, want)
+
+
+def test_aligned_grouped_init_is_bit_identical_to_the_per_site_one():
+    # engine.init.grouped_init with per-item arrays (the target weights): a real group of 3 up
+    # sites and 3 down sites, at 4 simulated devices with fsdp = 4 (V/U sharded), against
+    # calling aligned_site_components site by site with the same keys.
+    from pdctl.engine import init as engine_init
+    from pdctl.engine import sharding
+
+    mesh = sharding.make_mesh(1, 4, jax.devices()[:4])
+    spec = lambda path, shape: sharding.spec_for(path, shape, fsdp=4, min_size=16)  # noqa: E731
+    names = [f"layers.{i}.mlp.{s}" for i in range(3) for s in ("up", "down")]
+    Ws = [_w(8, 16, i) if n.endswith("up") else _w(16, 8, i) for i, n in enumerate(names)]
+    Cs = [20 if n.endswith("up") else 12 for n in names]  # up: split, down: sampled
+    sides = ["out" if n.endswith("up") else "in" for n in names]
+    keys = jax.random.split(jax.random.PRNGKey(5), len(names))
+
+    def one(key, W, C, side, shape):
+        return comp_mod.aligned_site_components(key, W, C, side)
+
+    sigs = [(C, s, tuple(W.shape)) for C, s, W in zip(Cs, sides, Ws, strict=True)]
+    out, _ = engine_init.grouped_init(one, names, sigs, keys, mesh, spec, arrays=Ws)
+    for i, n in enumerate(names):
+        ref = jax.jit(one, static_argnums=(2, 3, 4))(keys[i], Ws[i], *sigs[i])
+        for k in ("V", "U"):
+            np.testing.assert_array_equal(np.asarray(out[n][k]), np.asarray(ref[k]), err_msg=n)
+        assert out[n]["V"].sharding.spec == P(None, "fsdp")

@@ -154,10 +154,11 @@ def transformer_ci(params: Mapping[str, Any], x_in: Array) -> Array:
         z = a @ W_out + b_out
 
     attn is bidirectional (every position sees every position of its sequence) multi-head
-    attention with RoPE on q and k and no biases; pre-norm blocks, all norms weightless."""
+    attention with RoPE on q and k and no biases; pre-norm blocks, all norms weightless. The
+    blocks run as a scan over their stacked parameters."""
     a = _rms(x_in.astype(jnp.float32)) @ params["in"]["W"] + params["in"]["b"]
-    for i in range(len(params["blocks"])):
-        blk = params["blocks"][str(i)]
+
+    def block(a: Array, blk: Mapping[str, Array]) -> tuple[Array, None]:
         h = _rms(a)
         q, k, v = (jnp.einsum("...td,dnh->...tnh", h, blk[w]) for w in ("wq", "wk", "wv"))
         q, k = _rope(q), _rope(k)
@@ -165,7 +166,10 @@ def transformer_ci(params: Mapping[str, Any], x_in: Array) -> Array:
         o = jnp.einsum("...nts,...snh->...tnh", jax.nn.softmax(scores, axis=-1), v)
         a = a + jnp.einsum("...tnh,nhd->...td", o, blk["wo"])
         h = _rms(a)
-        a = a + _gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"]
+        return a + _gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"], None
+
+    if params["blocks"]["wq"].shape[0]:
+        a, _ = jax.lax.scan(block, a, params["blocks"])
     return a @ params["out"]["W"] + params["out"]["b"]
 
 
