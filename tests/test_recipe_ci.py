@@ -252,3 +252,130 @@ def test_aligned_grouped_init_is_bit_identical_to_the_per_site_one():
         for k in ("V", "U"):
             np.testing.assert_array_equal(np.asarray(out[n][k]), np.asarray(ref[k]), err_msg=n)
         assert out[n]["V"].sharding.spec == P(None, "fsdp")
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: a tiny LM with every new option on
+
+
+@pytest.mark.slow  # the whole pipeline on a tiny LM (compiles): ~30-60 s on 2 cores
+def test_pdctl_run_with_aligned_init_no_warmup_transformer_ci_and_clamp(tmp_path, monkeypatch):
+    """`pdctl run` on a tiny llama-mlp (GLU) with init = nonlinearity_aligned at C = d_mlp on
+    gate/up/down, [warmup] steps = 0, the transformer CI function, sigmoid lower_leaky_hard and
+    separate clips (components 0.01, CI functions 1.0): every stage finishes, train's losses
+    are finite, and the components train starts from are exactly the target's weights."""
+    import json
+
+    from helpers import cli, make_run
+
+    from pdctl.project import Project
+    from pdctl.stages.common import StageEnv
+
+    d_mlp = 64
+    run = make_run(
+        tmp_path,
+        "llama-mlp",
+        target={"glu": True},
+        decomp={
+            "init": "nonlinearity_aligned",
+            "sigmoid": "lower_leaky_hard",
+            "sites": [{"pattern": "layers.*.mlp.*", "C": d_mlp}],
+            "ci_fn": {
+                "type": "transformer",
+                "d_model": 16,
+                "n_heads": 2,
+                "n_blocks": 1,
+                "ffn_hidden": 32,
+            },
+        },
+        warmup={"steps": 0},
+        train={
+            "steps": 4,
+            "batch_size": 8,
+            "log_every": 2,
+            "eval_every": 4,
+            "eval_batch_size": 8,
+            "optim": {"grad_clip": 0.01},
+            "ci_optim": {"lr": 1e-3, "grad_clip": 1.0},
+        },
+    )
+    monkeypatch.chdir(run)
+    result = cli("run")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "nonlinearity-aligned (3 with C = their neurons" in result.output
+    for stage in ("init_weights", "pretrain", "warmup", "train"):
+        assert Project.load(run / "pdctl.toml").stage(stage)["status"] == "done", stage
+    lines = [json.loads(x) for x in (run / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert any("total" in m for m in lines)
+    assert all(np.isfinite(m["total"]) for m in lines if "total" in m)
+    # warmup (0 steps) saved the aligned components: V U = W bit for bit, from the TRAINED
+    # target (pretrain ran after init-weights)
+    from pdctl.stages import warmup as warmup_stage
+    from pdctl.stages.common import pretrained_target
+
+    with StageEnv.open(Project.load(run / "pdctl.toml"), "report") as env:
+        dec = warmup_stage.abstract_decomposition(env.cfg, env.target)
+        items, _ = env.restore_items("warmup", {"components": dec["components"]})
+        weights = env.target.site_weights(pretrained_target(env))
+    for p, c in items["components"].items():
+        np.testing.assert_array_equal(
+            np.asarray(c["V"]) @ np.asarray(c["U"]), np.asarray(weights[p]), err_msg=p
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the CI functions' own gradient clip
+
+
+def test_ci_optim_clips_the_ci_functions_apart_from_the_components():
+    """With [train.ci_optim], `train.optimizer` is two AdamW chains, each with its own global-
+    norm clip over its own subtree: components at train.optim.grad_clip (0.01, SPEC S19's
+    value), CI functions at train.ci_optim.grad_clip (1.0). Two steps of it equal those two
+    chains run separately, and differ from one clip over everything (so the test can fail)."""
+    import optax
+
+    from pdctl.config import parse_config
+    from pdctl.stages import train
+
+    over = {"lr": 1e-2, "schedule": "constant"}
+    cfg = parse_config({
+        "schema": 1,
+        "decomp": {"sites": [{"pattern": "linear1", "C": 2}]},
+        "train": {"optim": {**over, "grad_clip": 0.01}, "ci_optim": {**over, "grad_clip": 1.0}},
+    })  # fmt: skip
+    params = {"components": {"s": {"V": jnp.ones((3, 2))}}, "ci_fns": {"s": {"W": jnp.ones(4)}}}
+    rng = np.random.default_rng(0)
+    # gradient norms: components 1 then 10 (both clipped), CI 0.3 then 0.6 (neither)
+    grads = [
+        {
+            "components": {"s": {"V": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)}},
+            "ci_fns": {"s": {"W": jnp.asarray(rng.standard_normal(4), jnp.float32)}},
+        }
+        for _ in range(2)
+    ]
+    for g, (nc, nf) in zip(grads, [(1.0, 0.3), (10.0, 0.6)], strict=True):
+        g["components"] = jax.tree.map(
+            lambda a, n=nc: a * n / optax.global_norm(a), g["components"]
+        )
+        g["ci_fns"] = jax.tree.map(lambda a, n=nf: a * n / optax.global_norm(a), g["ci_fns"])
+
+    def run(tx, part=None):
+        p = params if part is None else params[part]
+        state = tx.init(p)
+        out = []
+        for g in grads:
+            u, state = tx.update(g if part is None else g[part], state, p)
+            out.append(u)
+        return out
+
+    got = run(train.optimizer(cfg, 10))
+
+    def chain(clip):
+        return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-2, weight_decay=0.0))
+
+    comps, ci = run(chain(0.01), "components"), run(chain(1.0), "ci_fns")
+    for step in range(2):
+        jax.tree.map(np.testing.assert_array_equal, got[step]["components"], comps[step])
+        jax.tree.map(np.testing.assert_array_equal, got[step]["ci_fns"], ci[step])
+    joint = run(chain(0.01))  # one clip over both: the CI functions' step changes
+    assert not np.allclose(joint[1]["ci_fns"]["s"]["W"], got[1]["ci_fns"]["s"]["W"])
