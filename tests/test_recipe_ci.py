@@ -379,3 +379,39 @@ def test_ci_optim_clips_the_ci_functions_apart_from_the_components():
         jax.tree.map(np.testing.assert_array_equal, got[step]["ci_fns"], ci[step])
     joint = run(chain(0.01))  # one clip over both: the CI functions' step changes
     assert not np.allclose(joint[1]["ci_fns"]["s"]["W"], got[1]["ci_fns"]["s"]["W"])
+
+
+def test_transformer_ci_runs_on_stacked_units_and_sharded_parameters():
+    """compute_ci with the transformer: a stacked unit (`scan_layers`' layout: two layers'
+    parameters and inputs along a leading axis, vmapped by map_sites) gives each member's
+    per-site values, and parameters laid out by the sharding RULES over 4 devices (fsdp = 4)
+    give the same again."""
+    from pdctl.engine import sharding
+
+    unit = "model.layers.0-1.mlp.down_proj"
+    sites = ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    params, _ = transformer_case()  # fixed weights (an init would cost its RNG compiles)
+    two = jax.tree.map(lambda a: np.stack([a, -0.5 * a]), params)  # layer 1: other weights
+    stacked = {
+        "ci": {unit: two},
+        "comps": {unit: {"V": jnp.zeros((2, 6, 3)), "U": jnp.zeros((2, 3, 5))}},
+        "x": {unit: jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 4, 6)))},
+    }
+    per_site = {  # the same arrays, one entry per layer
+        k: {p: jax.tree.map(lambda a, j=j: a[j], v[unit]) for j, p in enumerate(sites)}
+        for k, v in stacked.items()
+    }
+
+    def lower(t):
+        return ci_mod.compute_ci(t["comps"], t["ci"], t["x"], "transformer", "leaky_hard")[0]
+
+    lo = jax.jit(lower)(per_site)
+    lo_s = jax.jit(lower)(stacked)
+    for j, p in enumerate(sites):  # the same function vmapped: float reassociation at most
+        np.testing.assert_allclose(lo_s[unit][j], lo[p], rtol=1e-5, atol=1e-6)
+    mesh = sharding.make_mesh(1, 4, jax.devices()[:4])
+    sh = sharding.tree_shardings(per_site["ci"], mesh, min_size=16)
+    assert any(s.spec != P() for s in jax.tree.leaves(sh))  # something really is sharded
+    lo_sh = jax.jit(lower)({**per_site, "ci": jax.device_put(per_site["ci"], sh)})
+    for p in sites:  # sharded contractions sum in another order
+        np.testing.assert_allclose(lo_sh[p], lo[p], rtol=1e-5, atol=1e-6)
