@@ -415,3 +415,56 @@ def test_transformer_ci_runs_on_stacked_units_and_sharded_parameters():
     lo_sh = jax.jit(lower)({**per_site, "ci": jax.device_put(per_site["ci"], sh)})
     for p in sites:  # sharded contractions sum in another order
         np.testing.assert_allclose(lo_sh[p], lo[p], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# config errors name their key
+
+
+@pytest.mark.parametrize(
+    ("over", "key"),
+    [
+        ({"decomp": {"ci_fn": {"type": "transformer"}}}, "decomp.ci_fn.type:"),
+        (
+            {
+                "target": {"kind": "llama_mlp"},
+                "decomp": {"ci_fn": {"type": "transformer", "d_model": 12, "n_heads": 4}},
+            },
+            "decomp.ci_fn.n_heads:",
+        ),
+        ({"decomp": {"init": "aligned"}}, "decomp.init:"),
+        ({"decomp": {"sigmoid": "lower_leaky"}}, "decomp.sigmoid:"),
+    ],
+)
+def test_bad_recipe_keys_are_one_line_errors_naming_the_key(over, key):
+    from helpers import merge
+
+    from pdctl.config import parse_config
+    from pdctl.errors import PdctlError
+
+    raw = merge({"schema": 1, "decomp": {"sites": [{"pattern": "linear1", "C": 4}]}}, over)
+    with pytest.raises(PdctlError) as e:
+        parse_config(raw)
+    assert str(e.value).startswith(key) and "\n" not in str(e.value)
+
+
+def test_aligned_init_without_mlp_sites_is_refused_before_anything_is_written():
+    from pdctl.config import parse_config
+    from pdctl.errors import PdctlError
+    from pdctl.stages.common import target_from_config
+    from pdctl.stages.init_weights import decomposed_sites
+
+    cfg = parse_config({
+        "schema": 1, "decomp": {"init": "nonlinearity_aligned",
+                                "sites": [{"pattern": "linear1", "C": 4}]},
+    })  # fmt: skip
+    with pytest.raises(PdctlError, match=r"^decomp.init: 'nonlinearity_aligned'.*MLP"):
+        decomposed_sites(cfg, target_from_config(cfg))
+    llama = parse_config({
+        "schema": 1, "target": {"kind": "llama_mlp", "d_model": 8, "d_mlp": 16, "n_layers": 1,
+                                "n_heads": 2},
+        "decomp": {"init": "nonlinearity_aligned",
+                   "sites": [{"pattern": "layers.*.attn.q", "C": 4},
+                             {"pattern": "layers.*.mlp.down", "C": 16}]},
+    })  # fmt: skip
+    assert decomposed_sites(llama, target_from_config(llama))  # one MLP site is enough
