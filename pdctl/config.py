@@ -347,12 +347,26 @@ class SiteConfig(Section):
 
 class CiFnConfig(Section):
     """mlp: one MLP per component on (x @ V)_c; vector_mlp: one MLP per component on x;
-    shared_mlp: one MLP from x to all C logits."""
+    shared_mlp: one MLP from x to all C logits; transformer (language models): a small
+    bidirectional transformer over each site's RMS-normalised inputs along the sequence."""
 
-    type: Literal["mlp", "vector_mlp", "shared_mlp"] = Field(
-        "mlp", description="mlp | vector_mlp | shared_mlp"
+    type: Literal["mlp", "vector_mlp", "shared_mlp", "transformer"] = Field(
+        "mlp", description="mlp | vector_mlp | shared_mlp | transformer"
     )
-    hidden: list[Pos] = Field([16], description="hidden layer widths")
+    hidden: list[Pos] = Field([16], description="hidden layer widths (the MLP types)")
+    d_model: Pos = Field(64, description="transformer: width of its residual stream")
+    n_heads: Pos = Field(
+        4, description="transformer: attention heads (d_model / n_heads must be even: RoPE)"
+    )
+    n_blocks: NonNeg = Field(2, description="transformer: attention + MLP blocks")
+    ffn_hidden: Pos = Field(256, description="transformer: hidden width of each block's MLP")
+
+    def arch(self) -> tuple[int, ...]:
+        """The static shape argument of `components.init_ci_fn` for this type: the MLP types'
+        hidden widths, or the transformer's (d_model, n_heads, n_blocks, ffn_hidden)."""
+        if self.type == "transformer":
+            return (self.d_model, self.n_heads, self.n_blocks, self.ffn_hidden)
+        return tuple(self.hidden)
 
 
 class DecompConfig(Section):
@@ -367,9 +381,19 @@ class DecompConfig(Section):
     delta_component: bool = Field(
         True, description="add W - V U as one more maskable component per site"
     )
-    sigmoid: Literal["leaky_hard", "hard"] = Field(
+    init: Literal["random", "nonlinearity_aligned"] = Field(
+        "random",
+        description="components' init: random (V ~ N(0, 1/d_in), U ~ N(0, 1/C)) | "
+        "nonlinearity_aligned (MLP sites: each component one MLP neuron's slice of W, so with "
+        "C = neurons V U = W exactly and no warmup is needed; C above: neurons split, below: "
+        "neurons sampled; other sites stay random). Applied when warmup starts, from the "
+        "trained target",
+    )
+    sigmoid: Literal["leaky_hard", "lower_leaky_hard", "hard"] = Field(
         "leaky_hard",
-        description="CI squashing: leaky_hard (sign-gated leaky gradient) | hard (plain clip)",
+        description="CI squashing: leaky_hard (masks: clamp with a sign-gated leak in the "
+        "backward; importance minimality: upper-leaky) | lower_leaky_hard (that clamp for "
+        "both) | hard (plain clip for both)",
     )
     sampling: Literal["continuous", "binomial"] = Field(
         "continuous",
@@ -780,6 +804,18 @@ def _check_cross_fields(cfg: Config) -> None:
             f"train.grad_accum_steps: {tc.grad_accum_steps} does not divide train.batch_size "
             f"{tc.batch_size} (per-batch PPGD sources are sized by the micro-batch)"
         )
+    ci = cfg.decomp.ci_fn
+    if ci.type == "transformer":
+        if not is_sequence_model(cfg):
+            raise PdctlError(
+                "decomp.ci_fn.type: 'transformer' attends over a sequence and needs a "
+                "language-model target; use mlp, vector_mlp or shared_mlp"
+            )
+        if ci.d_model % ci.n_heads or (ci.d_model // ci.n_heads) % 2:
+            raise PdctlError(
+                f"decomp.ci_fn.n_heads: d_model {ci.d_model} must split into {ci.n_heads} heads "
+                "of even size (RoPE rotates pairs of dimensions)"
+            )
     if not cfg.decomp.sites:
         raise PdctlError(
             "decomp.sites: empty; list the weight matrices to decompose, e.g. "

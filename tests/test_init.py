@@ -84,6 +84,7 @@ CASES = {
     "llama-mlp": _llama("mlp"),
     "tms-hidden-vector_mlp": _tms_hidden("vector_mlp"),
     "llama-shared_mlp": _llama("shared_mlp", sigmoid=True),
+    "llama-transformer": _llama("transformer"),
 }
 KEY = jax.random.PRNGKey(7)
 
@@ -107,7 +108,7 @@ def _reference(case: str, cfg: Config, target) -> tuple[Any, Any, Any]:
                 KEY,
                 decomposed_sites(cfg, target),
                 cfg.decomp.ci_fn.type,
-                tuple(cfg.decomp.ci_fn.hidden),
+                cfg.decomp.ci_fn.arch(),
                 lambda C: source_shape(cfg, C),
                 jax.numpy.dtype(cfg.precision.param_dtype),
                 cfg.train.ppgd.sigmoid,
@@ -164,6 +165,7 @@ def _check_shardings(out: dict[str, Any], cfg: Config, target, mesh) -> None:
         ("llama-mlp", 4),
         pytest.param("tms-hidden-vector_mlp", 4, marks=pytest.mark.slow),
         pytest.param("llama-shared_mlp", 1, marks=pytest.mark.slow),
+        pytest.param("llama-transformer", 4, marks=pytest.mark.slow),
     ],
 )
 def test_stacked_init_is_bit_identical_to_the_per_site_reference(case: str, n_devices: int):

@@ -279,7 +279,7 @@ def test_init_ci_fn_without_hidden_layers_and_unknown_kind():
     params = comp_mod.init_ci_fn(jax.random.PRNGKey(0), "vector_mlp", 4, 3, [])
     assert params["0"]["W"].shape == (3, 4, 1)
     with pytest.raises(ValueError):
-        comp_mod.init_ci_fn(jax.random.PRNGKey(0), "transformer", 4, 3, [2])
+        comp_mod.init_ci_fn(jax.random.PRNGKey(0), "attention", 4, 3, [2])
 
 
 def test_site_keys_rule():

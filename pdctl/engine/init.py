@@ -8,7 +8,8 @@ traced argument) fan the stacks out to per-item arrays with their own shardings,
 compiles stay flat in the number of items. The fan-out does not donate: one stacked buffer can
 never alias several per-item outputs, so donation would only warn.
 
-The values equal, bit for bit, calling `init_one(keys[i], *sig_i)` item by item.
+The values equal, bit for bit, calling `init_one(keys[i], *sig_i)` item by item (with `arrays`:
+`init_one(keys[i], arrays[i], *sig_i)`, the items' arrays stacked like their keys).
 """
 
 from __future__ import annotations
@@ -44,10 +45,18 @@ def grouped_init(
     keys: jax.Array,
     mesh: Mesh,
     spec_fn: Callable[[str, tuple[int, ...]], P],
+    arrays: Sequence[Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """{name: init_one(keys[i], *sigs[i])}, sharded by `spec_fn(path, shape)` per leaf.
 
+    `arrays` (optional, one pytree of arrays per item, e.g. the target weight a site's init
+    is computed from): then `init_one(keys[i], arrays[i], *sigs[i])`; items with the same
+    signature must have arrays of the same shapes (make the shapes part of the signature).
+    A group's arrays are stacked (one copy, outside the jit) like its keys.
+
     Returns the per-item trees and the compile seconds of the stacked and the fan-out jits."""
+    if arrays is not None:
+        return _grouped_with_arrays(init_one, names, sigs, keys, mesh, spec_fn, arrays)
     groups = _groups(sigs)
     order = list(groups)
     stacked_specs = []
@@ -97,6 +106,30 @@ def grouped_init(
                 timings["fanout"] += time.perf_counter() - t0
             out[names[i]] = takes[k](stack, jax.numpy.int32(j))
     return {n: out[n] for n in names}, timings
+
+
+def _grouped_with_arrays(init_one, names, sigs, keys, mesh, spec_fn, arrays):
+    # The keys and the arrays travel together as one "key" per item: grouped_init's vmap
+    # then hands each item its own slice of both.
+    packed = [(keys[i], arrays[i]) for i in range(len(names))]
+
+    def init_packed(pair, *sig):
+        return init_one(pair[0], pair[1], *sig)
+
+    return grouped_init(init_packed, names, sigs, _Packed(packed), mesh, spec_fn)
+
+
+class _Packed:
+    """Per-item (key, arrays) pairs indexed like a key stack: `p[i]` one pair, `p[idx]` (an
+    index array) the pairs of a group stacked leaf by leaf."""
+
+    def __init__(self, items: list[Any]):
+        self.items = items
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, int):
+            return self.items[i]
+        return jax.tree.map(lambda *xs: jax.numpy.stack(xs), *(self.items[int(j)] for j in list(i)))
 
 
 def per_item_init(

@@ -27,6 +27,8 @@ from pdctl.stages.common import (
     STREAM_TARGET,
     StageEnv,
     decomp_layout,
+    notify,
+    pretrained_target,
     stream_key,
 )
 
@@ -44,6 +46,8 @@ def decomposed_sites(cfg: Config, target: Target) -> dict[str, tuple[int, int, i
     need the same C."""
     shapes = target.site_shapes()
     sites = {p: (*shapes[p], C) for p, C in match_sites(cfg, target.site_paths()).items()}
+    if cfg.decomp.init == "nonlinearity_aligned":
+        aligned_sites(cfg, target, sites)
     for tied, src in comps.component_ties(target.tied_sites(), sites).items():
         if sites[tied][2] != sites[src][2]:
             raise PdctlError(
@@ -54,20 +58,85 @@ def decomposed_sites(cfg: Config, target: Target) -> dict[str, tuple[int, int, i
     return sites
 
 
-def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str, Any], dict]:
-    """{"components", "ci_fns", "sources"} and the compile seconds of each init jit."""
+def aligned_sites(
+    cfg: Config, target: Target, sites: dict[str, tuple[int, int, int]]
+) -> dict[str, str]:
+    """{site: side of W its MLP neurons index} of the decomposed sites that `decomp.init =
+    "nonlinearity_aligned"` aligns (the MLP projections; other sites keep the random init).
+    A config with none of them, or with more components than a site has entries, is an error."""
+    sides = target.mlp_neuron_sides()
+    out = {p: sides[p] for p in sites if p in sides}
+    if not out:
+        mlp = ", ".join(list(sides)[:4]) or "none"
+        raise PdctlError(
+            "decomp.init: 'nonlinearity_aligned' aligns components with MLP neurons, but no "
+            f"decomposed site of this {target.kind} target is an MLP projection (its MLP "
+            f"sites: {mlp})"
+        )
+    for p in out:
+        d_in, d_out, C = sites[p]
+        if d_in * d_out < C:
+            raise PdctlError(
+                f"decomp.sites: {p} has C = {C}, more components than its {d_in} x {d_out} "
+                "matrix has entries; nonlinearity_aligned init gives every component some"
+            )
+    return out
+
+
+def nonlinearity_aligned(env: Any, components: dict[str, Any]) -> dict[str, Any]:
+    """`components` (init-weights' random ones) with the MLP sites' replaced by the
+    `nonlinearity_aligned` init of the TRAINED target's weights: called when warmup starts,
+    because init-weights runs before pretrain (a self-trained target's weights are not yet the
+    ones decomposed then). Seeded with the sites' component keys (`site_keys`), grouped and
+    vmapped as the random init (`engine.init.grouped_init`), bit-identical to calling
+    `components.aligned_site_components` site by site."""
+    cfg, target, mesh = env.cfg, env.target, env.mesh
     sites = decomposed_sites(cfg, target)
-    names = list(sites)
-    comp_keys, ci_keys, src_keys = comps.site_keys(key, len(names))
-    spec_fn = partial(
+    aligned = aligned_sites(cfg, target, sites)
+    order = list(sites)
+    comp_keys, _, _ = comps.site_keys(stream_key(cfg, STREAM_DECOMP), len(order))
+    weights = target.site_weights(pretrained_target(env))
+    names = [p for p in order if p in aligned]
+    dtype = jax.numpy.dtype(cfg.precision.param_dtype)
+    out, _ = grouped_init(
+        _aligned,
+        names,
+        [(sites[p][2], aligned[p], tuple(weights[p].shape), dtype) for p in names],
+        comp_keys[jax.numpy.asarray([order.index(p) for p in names])],
+        mesh,
+        _spec_fn(cfg, target, mesh),
+        arrays=[weights[p] for p in names],
+    )
+    n_exact = sum(sites[p][2] == sites[p][0 if aligned[p] == "in" else 1] for p in names)
+    notify(
+        f"warmup: {len(names)} MLP site(s) start nonlinearity-aligned ({n_exact} with C = "
+        "their neurons: V U = W exactly)"
+    )
+    return {**components, **out}
+
+
+def _aligned(key, W, C, side, shape, dtype):
+    return comps.aligned_site_components(key, W, C, side, dtype)
+
+
+def _spec_fn(cfg: Config, target: Target, mesh):
+    return partial(
         sharding.spec_for,
         fsdp=sharding.axis_size(mesh, "fsdp"),
         tp=sharding.axis_size(mesh, "tp"),
         min_size=cfg.mesh.fsdp_min_param_size,
         decomp=decomp_layout(cfg, mesh, target),
     )
+
+
+def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str, Any], dict]:
+    """{"components", "ci_fns", "sources"} and the compile seconds of each init jit."""
+    sites = decomposed_sites(cfg, target)
+    names = list(sites)
+    comp_keys, ci_keys, src_keys = comps.site_keys(key, len(names))
+    spec_fn = _spec_fn(cfg, target, mesh)
     dtype = jax.numpy.dtype(cfg.precision.param_dtype)
-    hidden = tuple(cfg.decomp.ci_fn.hidden)
+    hidden = cfg.decomp.ci_fn.arch()
     kind = cfg.decomp.ci_fn.type
     out, compile_s = {}, {}
     # Every site's components are drawn (so the keys, and the values of untied sites, do not
@@ -192,7 +261,7 @@ def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:
     """Shapes and dtypes of what `init_decomposition` returns, without computing anything."""
     sites = decomposed_sites(cfg, target)
     dtype = jax.numpy.dtype(cfg.precision.param_dtype)
-    hidden = tuple(cfg.decomp.ci_fn.hidden)
+    hidden = cfg.decomp.ci_fn.arch()
     key = jax.random.PRNGKey(0)
 
     ties = comps.component_ties(target.tied_sites(), sites)

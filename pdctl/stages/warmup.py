@@ -129,6 +129,10 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
     """What a fresh warmup starts from: init-weights' components."""
     abstract = prog.abstract_state["components"]
     items, _ = env.restore_items("init_weights", {"components": abstract})
+    if env.cfg.decomp.init == "nonlinearity_aligned":  # from the trained target's weights
+        from pdctl.stages.init_weights import nonlinearity_aligned
+
+        return (nonlinearity_aligned(env, items["components"]),)
     return (items["components"],)
 
 

@@ -56,9 +56,21 @@ def hard(z: Array) -> Array:
 
 
 def squash(z: Array, sigmoid: str) -> tuple[Array, Array]:
-    """(ci_lower, ci_upper) from logits."""
+    """(ci_lower, ci_upper) from logits.
+
+    - `leaky_hard`: lower-leaky for the masks, upper-leaky for importance minimality (the SPEC's
+      pair, goodfire-ai/param-decomp `core/SPEC.md` §4.2 / S6). Its lower squashing already is
+      the forward clamp with the sign-gated leak only in the backward.
+    - `lower_leaky_hard`: that same forward clamp (`lower_leaky`) for BOTH, as goodfire-ai/spd's
+      `sigmoid_type = "lower_leaky_hard"` (`spd/models/sigmoids.py`): no value above 1 or below
+      0 anywhere, so importance minimality sees the clamped CI and gets no gradient from z > 1
+      (nor, since its gradient is >= 0, from z <= 0).
+    - `hard`: plain clip for both, ordinary autodiff."""
     if sigmoid == "leaky_hard":
         return lower_leaky(z), upper_leaky(z)
+    if sigmoid == "lower_leaky_hard":
+        lo = lower_leaky(z)
+        return lo, lo
     if sigmoid == "hard":
         return hard(z), hard(z)
     raise ValueError(f"unknown sigmoid {sigmoid!r}")
@@ -82,6 +94,8 @@ def ci_fn_apply(
 
     `x_in` (..., d_in) is the site input, `h` (..., C) = x_in @ V the component activations
     (only `mlp` uses h, the others only x_in)."""
+    if kind == "transformer":
+        return transformer_ci(params, x_in)
     n_layers = len(params)
     if kind == "shared_mlp":
         a = x_in.astype(jnp.float32)
@@ -109,6 +123,54 @@ def ci_fn_apply(
         if i < n_layers - 1:
             a = _gelu(a)
     return a[..., 0]
+
+
+# The transformer CI function (goodfire-ai/param-decomp `core/SPEC.md` §4.6, one chunk per
+# site): weightless RMSNorm with eps = float32 machine epsilon, RoPE base 10000 (rotate-half,
+# the inverse frequencies a constant, never a parameter: S27), exact-erf GELU.
+RMS_EPS = float(jnp.finfo(jnp.float32).eps)
+ROPE_BASE = 10000.0
+
+
+def _rms(a: Array) -> Array:
+    return a * jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + RMS_EPS)
+
+
+def _rope(x: Array) -> Array:
+    """Rotate-half RoPE of x (..., T, heads, head_dim) at positions 0..T-1."""
+    T, hd = x.shape[-3], x.shape[-1]
+    inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    angle = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]  # (T, 1, hd/2)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def transformer_ci(params: Mapping[str, Any], x_in: Array) -> Array:
+    """CI logits (..., T, C) of one site from its inputs x_in (..., T, d_in):
+
+        a = rms(x) @ W_in + b_in                                   (no nonlinearity)
+        per block: a += attn(rms(a));  a += W2 gelu(rms(a) W1 + b1) + b2
+        z = a @ W_out + b_out
+
+    attn is bidirectional (every position sees every position of its sequence) multi-head
+    attention with RoPE on q and k and no biases; pre-norm blocks, all norms weightless. The
+    blocks run as a scan over their stacked parameters."""
+    a = _rms(x_in.astype(jnp.float32)) @ params["in"]["W"] + params["in"]["b"]
+
+    def block(a: Array, blk: Mapping[str, Array]) -> tuple[Array, None]:
+        h = _rms(a)
+        q, k, v = (jnp.einsum("...td,dnh->...tnh", h, blk[w]) for w in ("wq", "wk", "wv"))
+        q, k = _rope(q), _rope(k)
+        scores = jnp.einsum("...tnh,...snh->...nts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+        o = jnp.einsum("...nts,...snh->...tnh", jax.nn.softmax(scores, axis=-1), v)
+        a = a + jnp.einsum("...tnh,nhd->...td", o, blk["wo"])
+        h = _rms(a)
+        return a + _gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"], None
+
+    if params["blocks"]["wq"].shape[0]:
+        a, _ = jax.lax.scan(block, a, params["blocks"])
+    return a @ params["out"]["W"] + params["out"]["b"]
 
 
 def _per_component(a: Array, W: Array) -> Array:

@@ -3,6 +3,7 @@
 Layout (plain nested dicts keyed by the target's dotted site path):
   components = {path: {"V": (d_in, C), "U": (C, d_out)}}
   ci_fns     = {path: {"0": {"W": ..., "b": ...}, "1": {...}, ...}}   (layers in order)
+               or, for the transformer CI function, {path: {"in", "blocks", "out"}}
   sources    = {path: (C + 1,) or (seq_len, C + 1)}                   (last entry: delta)
 
 Every per-site init function is a pure function of one raw uint32 key with no Python branching
@@ -10,6 +11,8 @@ on key values, so the engine can `vmap` it over a stack of same-shaped sites and
 bits as `init_decomposition_reference`, the per-site loop below.
 """
 
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -22,7 +25,7 @@ from pdctl.science.arrays import expand_left
 Array = jax.Array
 Components = dict[str, dict[str, Array]]
 CiParams = dict[str, dict[str, Array]]
-CI_KINDS = ("mlp", "vector_mlp", "shared_mlp")
+CI_KINDS = ("mlp", "vector_mlp", "shared_mlp", "transformer")
 
 
 def init_site_components(
@@ -32,6 +35,54 @@ def init_site_components(
     k_v, k_u = jax.random.split(key)
     V = _scaled_normal(k_v, (d_in, C), 1.0 / d_in**0.5)
     U = _scaled_normal(k_u, (C, d_out), 1.0 / C**0.5)
+    return {"V": V.astype(dtype), "U": U.astype(dtype)}
+
+
+def aligned_site_components(
+    key: Array, W: Array, C: int, side: str, dtype: jnp.dtype = jnp.float32
+) -> dict[str, Array]:
+    """`nonlinearity_aligned` init of one MLP site W (d_in, d_out) whose MLP neurons index
+    `side` of W: "out" (gate/up/c_fc: a neuron is a column) or "in" (down: a row). Each
+    component is one neuron: V U's only non-zero rows (side "in") or columns ("out") are that
+    neuron's, copied from W. As goodfire-ai/param-decomp's `nonlinearity_aligned_factors`:
+
+    - C = neurons: component c is neuron c; V U = W exactly (each entry of V U is one product
+      w * 1 plus exact zeros, so bit-equal in float32, and within one rounding of W when the
+      components are stored in a narrower dtype than W).
+    - C < neurons: C distinct neurons, drawn without replacement; the others are left out
+      (V U != W: the faithfulness warmup must still fill them in).
+    - C > neurons: every neuron is used, neuron j by q or q + 1 components (C = q neurons + r;
+      the r neurons with one more are random); a neuron's vector over the other side of W is
+      split among its components by a random partition of its coordinates into contiguous
+      runs of a random permutation. The parts sum to W exactly again. Needs C <= d_in d_out.
+
+    No float arithmetic but `w * 1` and `w * 0`, so the values are the same bits eagerly, under
+    jit and under vmap."""
+    Wn = W.astype(jnp.float32)
+    rows = Wn if side == "in" else Wn.T  # (neurons, residual)
+    n, resid = rows.shape
+    if side not in ("in", "out"):
+        raise ValueError(f"side must be 'in' or 'out', got {side!r}")
+    k_units, k_coords = jax.random.split(key)
+    if n >= C:
+        units = jnp.arange(n) if n == C else jax.random.permutation(k_units, n)[:C]
+        parts = rows[units]
+    else:
+        q, r = divmod(C, n)
+        order = jax.random.permutation(k_units, n)
+        counts = q + (jnp.arange(n) < r)  # components of the neuron order[j]
+        units = jnp.repeat(order, counts, total_repeat_length=C)
+        first = jnp.cumsum(counts) - counts  # its first component
+        perm = jax.vmap(lambda k: jax.random.permutation(k, resid))(jax.random.split(k_coords, n))
+        shard = jnp.arange(resid)[None, :] * counts[:, None] // resid  # (n, resid) in [0, count)
+        owner = jnp.zeros((C, resid), jnp.float32)
+        owner = owner.at[first[:, None] + shard, perm].set(1.0)
+        parts = rows[units] * owner
+    one_hot = jax.nn.one_hot(units, n, dtype=jnp.float32)  # (C, neurons)
+    if side == "in":
+        V, U = one_hot.T, parts  # (d_in = neurons, C), (C, d_out)
+    else:
+        V, U = parts.T, one_hot  # (d_in, C), (C, d_out = neurons)
     return {"V": V.astype(dtype), "U": U.astype(dtype)}
 
 
@@ -45,7 +96,10 @@ def _scaled_normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
 
 
 def ci_layer_dims(kind: str, d_in: int, C: int, hidden: Sequence[int]) -> list[int]:
-    """Widths from input to output of one CI MLP (per component for mlp / vector_mlp)."""
+    """Widths from input to output of one CI MLP (per component for mlp / vector_mlp); for
+    the transformer, of its input projection, residual stream and output head."""
+    if kind == "transformer":
+        return [d_in, hidden[0], C]
     if kind == "mlp":
         return [1, *hidden, 1]
     if kind == "vector_mlp":
@@ -56,13 +110,16 @@ def ci_layer_dims(kind: str, d_in: int, C: int, hidden: Sequence[int]) -> list[i
 
 
 def init_ci_fn(key: Array, kind: str, d_in: int, C: int, hidden: Sequence[int]) -> CiParams:
-    """Weights of one site's CI function, float32.
+    """Weights of one site's CI function, float32. For `transformer`, `hidden` is the
+    architecture `(d_model, n_heads, n_blocks, ffn_hidden)` (`init_transformer_ci_fn`).
 
     Hidden layers: N(0, 2/fan_in) (Kaiming, ReLU gain, as the references do even though the
     nonlinearity is GELU); the output layer: N(0, 1/fan_in); biases zero. `mlp` and
     `vector_mlp` stack C independent MLPs along a leading axis: W (C, fan_in, fan_out),
     b (C, fan_out). `shared_mlp` is one MLP: W (fan_in, fan_out), b (fan_out,).
     """
+    if kind == "transformer":
+        return init_transformer_ci_fn(key, d_in, C, *hidden)
     dims = ci_layer_dims(kind, d_in, C, hidden)
     n_layers = len(dims) - 1
     stacked = (C,) if kind in ("mlp", "vector_mlp") else ()
@@ -75,6 +132,55 @@ def init_ci_fn(key: Array, kind: str, d_in: int, C: int, hidden: Sequence[int]) 
         W = _scaled_normal(keys[i], (*stacked, fan_in, fan_out), std)
         params[str(i)] = {"W": W, "b": jnp.zeros((*stacked, fan_out), jnp.float32)}
     return params
+
+
+def init_transformer_ci_fn(
+    key: Array, d_in: int, C: int, d_model: int, n_heads: int, n_blocks: int, ffn_hidden: int
+) -> CiParams:
+    """The transformer CI function of one site (one chunk of one site: the layerwise chunking
+    of goodfire-ai/param-decomp `core/SPEC.md` §4.6), float32, initialised as §4.6 says:
+    input projection and FFN-in N(0, 2/fan_in) (Kaiming, ReLU gain), FFN-out and output head
+    N(0, 1/fan_in), the bias-free attention projections U(-1/sqrt(d_model), 1/sqrt(d_model))
+    (torch's Linear default), biases zero.
+
+    Layout (the blocks stacked along a leading axis of n_blocks, run as a scan):
+      {"in": {"W": (d_in, d), "b": (d,)},
+       "blocks": {"wq", "wk", "wv": (n, d, n_heads, head_dim), "wo": (n, n_heads, head_dim, d),
+                  "w1": (n, d, ffn), "b1": (n, ffn), "w2": (n, ffn, d), "b2": (n, d)},
+       "out": {"W": (d, C), "b": (C,)}}
+    The head count is an axis of wq, so the parameters alone say how to apply them. All
+    normal weights come from ONE draw and all uniform ones from another, split afterwards:
+    each RNG body costs a long compile on CPU, so their number must not grow with the blocks."""
+    d, hd, n, f = d_model, d_model // n_heads, n_blocks, ffn_hidden
+    k_normal, k_uniform = jax.random.split(key)
+    normal_parts = [((d_in, d), 2.0 / d_in), ((n, d, f), 2.0 / d), ((n, f, d), 1.0 / f),
+                    ((d, C), 1.0 / d)]  # fmt: skip
+    sizes = [math.prod(shape) for shape, _ in normal_parts]
+    z = jax.lax.optimization_barrier(jax.random.normal(k_normal, (sum(sizes),), jnp.float32))
+    w_in, w1, w2, w_out = (
+        part.reshape(shape) * var**0.5
+        for part, (shape, var) in zip(
+            jnp.split(z, list(itertools.accumulate(sizes[:-1]))), normal_parts, strict=True
+        )
+    )
+    u = jax.random.uniform(k_uniform, (4, n, d, d), jnp.float32, -1.0, 1.0)
+    u = jax.lax.optimization_barrier(u) * (1.0 / d**0.5)
+    heads = u.reshape(4, n, d, n_heads, hd)
+    zeros = partial(jnp.zeros, dtype=jnp.float32)
+    return {
+        "in": {"W": w_in, "b": zeros((d,))},
+        "blocks": {
+            "wq": heads[0],
+            "wk": heads[1],
+            "wv": heads[2],
+            "wo": u[3].reshape(n, n_heads, hd, d),
+            "w1": w1,
+            "b1": zeros((n, f)),
+            "w2": w2,
+            "b2": zeros((n, d)),
+        },
+        "out": {"W": w_out, "b": zeros((C,))},
+    }
 
 
 def init_source(key: Array, shape: tuple[int, ...], sigmoid: bool = False) -> Array:

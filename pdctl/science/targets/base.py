@@ -51,6 +51,12 @@ class Target:
         parameter, used twice). A decomposition of both ties their components the same way."""
         return {}
 
+    def mlp_neuron_sides(self) -> dict[str, str]:
+        """{site: "out" | "in"} for the sites that are MLP projections: "out" where W's columns
+        are the MLP's neurons (up, gate), "in" where its rows are (down). What the
+        `nonlinearity_aligned` init aligns components with; {} for a target without MLPs."""
+        return {}
+
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
         """path -> W (d_in, d_out), in forward order.
 

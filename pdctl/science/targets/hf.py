@@ -437,6 +437,16 @@ class HFCausalLM(Target):
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
         return {path: _node(params, path)["weight"] for path in self.site_shapes()}
 
+    def mlp_neuron_sides(self) -> dict[str, str]:
+        side = {"mlp.gate_proj": "out", "mlp.up_proj": "out", "mlp.down_proj": "in",
+                "mlp.c_fc": "out", "mlp.c_proj": "in"}  # fmt: skip
+        return {
+            f"{self._prefix()}.{i}.{name}": side[name]
+            for i in range(self.spec.n_layers)
+            for name, _, _ in self._layer_sites()
+            if name in side
+        }
+
     def tp_divisors(self) -> dict[str, int]:
         """Column-parallel q/k/v (or c_attn) split heads, gate/up (c_fc) the MLP width, over
         tp devices (`engine.sharding.COLUMN_SITES`)."""

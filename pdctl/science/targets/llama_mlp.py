@@ -68,6 +68,14 @@ class LlamaMLP(Target):
     def tp_divisors(self) -> dict[str, int]:
         return {"target.n_heads": self.n_heads, "target.d_mlp": self.d_mlp}
 
+    def mlp_neuron_sides(self) -> dict[str, str]:
+        side = {"gate": "out", "up": "out", "down": "in"}
+        return {
+            f"layers.{i}.mlp.{name}": side[name]
+            for i in range(self.n_layers)
+            for name in self._mlp_names()
+        }
+
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
         weights: dict[str, jax.Array] = {}
         for path in self.site_shapes():

@@ -1,0 +1,69 @@
+"""Numbers from goodfire-ai/spd's torch code for tests/test_recipe_ci.py (run by hand, never a
+test: it needs a copy of that repository and its deps, einops and jaxtyping).
+
+    git --git-dir=<spd mirror> archive dev spd | tar -x -C /tmp/spd-dev
+    PYTHONPATH=/tmp/spd-dev python benchmarks/spd_ci_reference.py
+
+Prints the lower-leaky hard sigmoid's values and gradients, and the one-site
+`GlobalSharedTransformerCiFn`'s output on `transformer_case()`."""
+
+from __future__ import annotations
+
+import sys
+import typing
+from pathlib import Path
+
+import numpy as np
+import torch
+import typing_extensions
+
+typing.override = typing_extensions.override  # the reference needs Python 3.12's typing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from spd.models import sigmoids  # noqa: E402
+from spd.models.components import GlobalSharedTransformerCiFn, TargetLayerConfig  # noqa: E402
+from test_recipe_ci import G, Z, transformer_case  # noqa: E402
+
+
+def sigmoid_numbers() -> None:
+    f = sigmoids.SIGMOID_TYPES["lower_leaky_hard"]
+    for sign in (1.0, -1.0):
+        z = torch.tensor(Z, requires_grad=True)
+        y = f(z)
+        (y * sign * torch.tensor(G)).sum().backward()
+        print("lower_leaky_hard", sign, np.round(y.tolist(), 6), np.round(z.grad.tolist(), 6))
+
+
+def transformer_numbers() -> None:
+    params, x = transformer_case()
+    d_in, d = params["in"]["W"].shape
+    C = params["out"]["W"].shape[1]
+    H = params["blocks"]["wq"].shape[2]
+    ffn = params["blocks"]["w1"].shape[2]
+    ref = GlobalSharedTransformerCiFn(
+        {"s": TargetLayerConfig(input_dim=d_in, C=C)}, d_model=d, n_layers=1, n_heads=H,
+        mlp_hidden_dims=[ffn],
+    )  # fmt: skip
+    t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
+    b = {k: v[0] for k, v in params["blocks"].items()}
+    with torch.no_grad():
+        ref._input_projector.W.copy_(t(params["in"]["W"]))
+        ref._input_projector.b.copy_(t(params["in"]["b"]))
+        ref._output_head.W.copy_(t(params["out"]["W"]))
+        ref._output_head.b.copy_(t(params["out"]["b"]))
+        blk = ref._blocks[0]
+        # torch Linear: y = x @ weight.T; pdctl: (d, heads, head_dim) / (heads, head_dim, d)
+        for name, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")):
+            getattr(blk.attn, name).weight.copy_(t(b[key].reshape(d, d).T))
+        blk.attn.out_proj.weight.copy_(t(b["wo"].reshape(d, d).T))
+        blk.mlp[0].W.copy_(t(b["w1"]))
+        blk.mlp[0].b.copy_(t(b["b1"]))
+        blk.mlp[2].W.copy_(t(b["w2"]))
+        blk.mlp[2].b.copy_(t(b["b2"]))
+        z = ref({"s": t(x)})["s"].numpy()
+    print("transformer", np.round([z[0, 0], z[0, 4], z[1, 2]], 6).tolist())
+
+
+if __name__ == "__main__":
+    sigmoid_numbers()
+    transformer_numbers()
