@@ -117,3 +117,18 @@ def test_faithfulness_compares_stored_values_under_bf16_compute() -> None:
     rounded = jax.tree.map(lambda a: a.astype("bfloat16"), comps)
     w16 = {p: weights[p].astype("bfloat16") for p in comps}
     assert abs(float(faithfulness_loss(w16, rounded)) - expected) > 1e-4 * expected
+
+
+@pytest.mark.parametrize(
+    ("platforms", "accelerator"), [("cpu", False), ("tpu,cpu", True), ("cuda", True), ("", False)]
+)
+def test_cpu_devices_only_where_the_cpu_is_the_backend(
+    monkeypatch: pytest.MonkeyPatch, platforms: str, accelerator: bool
+) -> None:
+    """`runtime.configure_devices` makes one CPU device per core only where the CPU is JAX's
+    backend: on a TPU VM it had added 13 CPU devices beside the chip."""
+    from pdctl.engine import runtime
+
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    # this machine has no TPU runtime or GPU plugin: with JAX_PLATFORMS unset, the CPU
+    assert runtime.accelerator_host() is accelerator

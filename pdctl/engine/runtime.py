@@ -103,11 +103,26 @@ def cpu_xla_flags() -> None:
         os.environ["XLA_FLAGS"] = " ".join([flags, *add]).strip()
 
 
+def accelerator_host() -> bool:
+    """Whether JAX's default backend here is not the CPU, told without starting JAX: the
+    first platform of JAX_PLATFORMS, else an installed TPU runtime or a GPU plugin."""
+    import importlib.util
+
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() != "cpu"
+    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
+    return any(importlib.util.find_spec(name) is not None for name in plugins)
+
+
 def configure_devices() -> None:
     """One JAX CPU device per core, unless XLA_FLAGS already sets a device count (the user's
     choice, e.g. `--xla_force_host_platform_device_count=1`) or JAX has started its backends.
-    GPUs and TPUs are not affected (they are the default backend where present)."""
+    On a host with an accelerator (JAX_PLATFORMS naming another platform first, or a TPU / GPU
+    plugin installed) nothing changes: the CPU devices would only hold threads and memory."""
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    if accelerator_host():
         return
     import jax
 
