@@ -1,0 +1,105 @@
+"""Issue 37, faults round 3: `[train] init_from` lineage (items 7, 8, 9), Qwen2's
+`max_window_layers = null` (12), a lost peer (14), a NaN checkpoint (15), a run directory
+renamed mid-stage (16), `export` after a failed train (17), SIGTERM while pdctl starts (18),
+and `sweep new --seeds` huge / a GGUF with mistyped metadata (11)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import cli_ok, make_run, pdctl_argv, pdctl_env, state
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {
+    "checkpoint": {"every": 5},
+    "pretrain": {"steps": 20, "batch_size": 64, "log_every": 5},
+    "warmup": {"steps": 5, "log_every": 5},
+    "train": {"steps": 10, "batch_size": 64, "log_every": 5, "eval_every": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def initialized_tms(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny TMS run with init-weights done."""
+    run = make_run(tmp_path_factory.mktemp("faults37"), "tms", "r", **SMALL)
+    cli_ok("--project", run, "init-weights")
+    return run
+
+
+# ---- item 18: SIGTERM while pdctl starts up ---------------------------------------------------
+
+_SLOW_CHILD_START = """\
+import os, time
+if "PDCTL_SUPERVISED" in os.environ:  # the supervised child, before any pdctl code runs
+    open({mark!r}, "w").close()
+    time.sleep(1.5)
+"""
+
+
+@pytest.mark.slow  # a stage in a subprocess: several seconds
+def test_18_sigterm_to_the_group_while_the_child_starts_is_a_stop(
+    tmp_path: Path, initialized_tms: Path
+) -> None:
+    """A SIGTERM to the whole process group (`timeout`, a terminal) while the supervised child
+    is still starting Python used to kill the child (the default disposition) and the parent
+    said `died by SIGTERM`, exit 1. The child now starts with the signal ignored and the parent
+    forwards it once the child can stop cleanly: exit 3, `interrupted`."""
+    import shutil
+
+    run = tmp_path / "r"
+    shutil.copytree(initialized_tms, run)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    mark = tmp_path / "child-starting"
+    (hooks / "sitecustomize.py").write_text(_SLOW_CHILD_START.format(mark=str(mark)))
+    env = pdctl_env(1, PYTHONPATH=os.pathsep.join([str(hooks), str(ROOT)]))
+    proc = subprocess.Popen(
+        pdctl_argv("pretrain", project=run),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    t0 = time.monotonic()
+    while not mark.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < 60, "the child never started"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, (proc.returncode, err[-3000:])
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and "stopped by SIGTERM" in lines[0], err[-3000:]
+    assert state(run, "pretrain")["status"] == "interrupted"
+
+
+def test_18_a_signal_while_the_cli_loads_is_held_then_handed_on() -> None:
+    """`hold_signals` (the first thing `python -m pdctl` does) keeps a SIGTERM from killing the
+    process while it imports; a command that is not a stage gets it back as it was
+    (`release_signals`), a stage takes it as a stop request (`take_held`)."""
+    code = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from pdctl import supervisor\n"
+        "supervisor.hold_signals()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('alive', supervisor._held, flush=True)\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\n"
+        "print('taken', supervisor.take_held(), flush=True)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+        "supervisor.hold_signals()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "supervisor.release_signals()\n"
+        "print('unreachable', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.splitlines() == ["alive [15]", "taken [15]"], r
+    assert r.returncode == -signal.SIGTERM, r  # released: the default handling, as before
