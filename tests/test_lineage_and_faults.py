@@ -103,3 +103,34 @@ def test_18_a_signal_while_the_cli_loads_is_held_then_handed_on() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.splitlines() == ["alive [15]", "taken [15]"], r
     assert r.returncode == -signal.SIGTERM, r  # released: the default handling, as before
+
+
+# ---- item 17: `export` with no --stage after a failed train -----------------------------------
+
+
+def _set_status(run: Path, **statuses: str) -> None:
+    from pdctl.project import Project
+
+    proj = Project.load(run / "pdctl.toml")
+    for stage, status in statuses.items():
+        proj.update_stage(stage, status=status, step=1)
+
+
+@pytest.mark.parametrize("status", ["failed", "interrupted"])
+def test_17_plain_export_after_a_failed_train_names_the_stage_to_pass(
+    tmp_path: Path, status: str
+) -> None:
+    """The line leads with the flag and the stage that is done, then how to finish train."""
+    from helpers import cli_fails
+
+    run = make_run(tmp_path, "tms", "r")
+    _set_status(run, init_weights="done", pretrain="done", warmup="done", train=status)
+    line = cli_fails(2, "--project", run, "export", "--out", tmp_path / "x.npz")
+    assert line.startswith(
+        f"error: --stage: not given, and train, the last stage run, is {status}: pass "
+        "`--stage warmup` to export the last stage that is done, or finish train first ("
+    ), line
+    assert not (tmp_path / "x.npz").exists()
+    _set_status(run, init_weights="failed", pretrain="pending", warmup="pending", train="pending")
+    line = cli_fails(2, "--project", run, "export", "--out", tmp_path / "x.npz")
+    assert line.startswith("error: export: no stage is done yet (init_weights"), line

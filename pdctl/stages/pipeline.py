@@ -302,9 +302,17 @@ def _default_export_stage(project: Project) -> str:
 
     status = project.stage(stage).get("status")
     done = [s for s in ran if project.is_done(s)]
-    other = f", or export {done[-1]} with `--stage {done[-1]}`" if done else ""
+    if not done:
+        raise PdctlError(
+            f"export: no stage is done yet ({stage}, the last stage run, is {status}); "
+            f"{how_to_finish(project, stage)}"
+        )
+    # Which stage to name is the user's choice (warmup's arrays are not train's result), so
+    # the line leads with the flag that exports the last finished one.
     raise PdctlError(
-        f"export: {stage}, the last stage run, is {status}; {how_to_finish(project, stage)}{other}"
+        f"--stage: not given, and {stage}, the last stage run, is {status}: pass `--stage "
+        f"{done[-1]}` to export the last stage that is done, or finish {stage} first "
+        f"({how_to_finish(project, stage)})"
     )
 
 
