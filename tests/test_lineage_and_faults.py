@@ -134,3 +134,48 @@ def test_17_plain_export_after_a_failed_train_names_the_stage_to_pass(
     _set_status(run, init_weights="failed", pretrain="pending", warmup="pending", train="pending")
     line = cli_fails(2, "--project", run, "export", "--out", tmp_path / "x.npz")
     assert line.startswith("error: export: no stage is done yet (init_weights"), line
+
+
+# ---- item 12: a Qwen2 config.json with max_window_layers = null -------------------------------
+
+_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"max_window_layers": None}, "'max_window_layers' must be an integer, got null"),
+        ({"use_sliding_window": None}, "'use_sliding_window' must be true or false, got null"),
+        # with layer_types given too: Qwen2Config checks the field's type all the same
+        ({"max_window_layers": None, "layer_types": ["full_attention"] * 2},
+         "'max_window_layers' must be an integer, got null"),
+    ],
+)  # fmt: skip
+def test_12_qwen2_null_window_keys_are_refused_as_transformers_does(
+    tmp_path: Path, change: dict, needle: str
+) -> None:
+    """transformers' Qwen2Config (a strict dataclass) refuses null for these two fields; pdctl
+    read null as "absent" (the default, 28) and went on."""
+    import json
+
+    from pdctl.errors import PdctlError
+    from pdctl.science.targets.hf import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**_QWEN2, **change}))
+    (tmp_path / "model.safetensors").touch()
+    with pytest.raises(PdctlError) as err:
+        read_hf_config(tmp_path)
+    msg = str(err.value)
+    assert msg.startswith("target.path: ") and "\n" not in msg and needle in msg, msg
+    # absent is the default, as before
+    (tmp_path / "config.json").write_text(json.dumps(_QWEN2))
+    assert read_hf_config(tmp_path).n_layers == 2
