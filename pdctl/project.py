@@ -212,6 +212,7 @@ class Project:
         self._user_text, _ = split_state(text)
         self._lock_fd: int | None = None
         self._dir_fd: int | None = None
+        self._lock_made = False  # this hold created `.pdctl.lock` (it goes again on release)
         self._lock_depth = 0
         # {stage: {"before": its state before this process began it, "ckpt": wrote one}}
         self.attempts: dict[str, dict[str, Any]] = {}
@@ -389,6 +390,7 @@ class Project:
             if not _flock(dir_fd, self.root, self._holder):
                 os.close(dir_fd)  # no flock on directories here: the lock file alone
                 dir_fd = None
+            made = not os.path.lexists(self.root / LOCK_FILE)
             try:
                 fd = open_nofollow(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
@@ -409,6 +411,7 @@ class Project:
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
         self._dir_fd = dir_fd
+        self._lock_made = made
         self._lock_depth = 1
 
     def _holder(self) -> str:
@@ -427,11 +430,25 @@ class Project:
             return
         self._lock_depth -= 1
         if self._lock_depth == 0 and self._lock_fd is not None:
+            self._remove_lock_file()
             for fd in (self._lock_fd, self._dir_fd):
                 if fd is not None:
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     os.close(fd)
             self._lock_fd = self._dir_fd = None
+
+    def _remove_lock_file(self) -> None:
+        """A `.pdctl.lock` this hold created goes again (a command that wrote nothing, such as
+        one refused for a mistake in the input, leaves nothing behind), unlinked while both
+        locks are still held. Only when the directory itself is locked (another pdctl is
+        refused there first, so none can be holding the file's inode) and the name is still
+        this file (it may have been replaced meanwhile)."""
+        if not self._lock_made or self._dir_fd is None or self._lock_fd is None:
+            return
+        with contextlib.suppress(OSError):
+            mine, now = os.fstat(self._lock_fd), os.lstat(self.root / LOCK_FILE)
+            if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(self.root / LOCK_FILE)
 
     def lock_is_free(self) -> bool:
         """True when no process holds the lock (a `running` stage then means a crash)."""

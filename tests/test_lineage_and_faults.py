@@ -179,3 +179,71 @@ def test_12_qwen2_null_window_keys_are_refused_as_transformers_does(
     # absent is the default, as before
     (tmp_path / "config.json").write_text(json.dumps(_QWEN2))
     assert read_hf_config(tmp_path).n_layers == 2
+
+
+# ---- item 11: a GGUF whose metadata has the wrong types ---------------------------------------
+
+
+def _gguf(path: Path, **bad) -> Path:
+    """A metadata-only Llama GGUF (and its embedding) with `bad` keys written as given."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    good = {"block_count": 1, "context_length": 64, "embedding_length": 32,
+            "feed_forward_length": 64, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "vocab_size": 32}  # fmt: skip
+    for key, value in {**good, **bad}.items():
+        name = f"llama.{key}"
+        if isinstance(value, str):
+            w.add_string(name, value)
+        elif isinstance(value, list):
+            w.add_array(name, value)
+        elif isinstance(value, float):
+            w.add_float32(name, value)
+        else:
+            w.add_uint32(name, value)
+    w.add_tensor("token_embd.weight", np.zeros((32, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        ({"rope.freq_base": "big"}, "'llama.rope.freq_base' must be a number, got 'big'"),
+        ({"embedding_length": [32, 32]}, "'llama.embedding_length' must be an integer, got [32,"),
+        ({"attention.head_count": "4"}, "'llama.attention.head_count' must be an integer, got '4'"),
+        ({"rope.dimension_count": 2.5}, "'llama.rope.dimension_count' must be an integer, got 2.5"),
+        ({"rope.scaling.type": [1]}, "'llama.rope.scaling.type' must be a string, got [1]"),
+    ],
+)  # fmt: skip
+def test_11_gguf_metadata_of_the_wrong_type_is_one_line_naming_the_key(
+    tmp_path: Path, bad: dict, needle: str
+) -> None:
+    from pdctl.errors import PdctlError
+    from pdctl.science.targets.gguf import gguf_spec
+
+    path = _gguf(tmp_path / "m.gguf", **bad)
+    with pytest.raises(PdctlError) as err:
+        gguf_spec(path)
+    msg = str(err.value)
+    assert msg.startswith(f"target.path: {path}: ") and needle in msg, msg
+
+
+def test_11_init_weights_on_a_mistyped_gguf_writes_nothing(tmp_path: Path) -> None:
+    """Exit 2 naming target.path, and the run directory exactly as it was: no `.pdctl.lock`
+    left behind by the lock the stage took before it read the file."""
+    from helpers import cli_fails, edit_config
+
+    model = _gguf(tmp_path / "m.gguf", **{"rope.freq_base": "big"})
+    run = make_run(tmp_path, "hf-lm", "r", tiny=False)
+    edit_config(run, {"target": {"path": str(model)}})
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for cmd in ("init-weights", "run"):
+        line = cli_fails(2, "--project", run, cmd)
+        assert line.startswith("error: target.path: ") and "llama.rope.freq_base" in line, line
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before
