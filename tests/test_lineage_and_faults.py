@@ -247,3 +247,29 @@ def test_11_init_weights_on_a_mistyped_gguf_writes_nothing(tmp_path: Path) -> No
         line = cli_fails(2, "--project", run, cmd)
         assert line.startswith("error: target.path: ") and "llama.rope.freq_base" in line, line
         assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+# ---- item 11: `sweep new --seeds` with a huge count -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--seeds", "100000000000"], "--seeds: 100000000000 seeds x 1 grid points is "),
+        (["--seeds", "5000", "--grid", "train.optim.lr=1e-3,2e-3,3e-3"],
+         "--seeds/--grid: 5000 seeds x 3 grid points is 15000 members; a sweep holds at most "
+         "10000"),
+    ],
+)  # fmt: skip
+def test_11_sweep_new_with_more_members_than_a_sweep_holds_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], says: str
+) -> None:
+    """It used to expand (and validate) every member first: 1e11 seeds hung for minutes."""
+    from helpers import cli_fails
+
+    monkeypatch.chdir(tmp_path)
+    t0 = time.monotonic()
+    line = cli_fails(2, "sweep", "new", "sw", *args)
+    assert time.monotonic() - t0 < 5
+    assert line.startswith(f"error: {says}"), line
+    assert not any(tmp_path.iterdir())
