@@ -273,3 +273,50 @@ def test_11_sweep_new_with_more_members_than_a_sweep_holds_is_refused_at_once(
     assert time.monotonic() - t0 < 5
     assert line.startswith(f"error: {says}"), line
     assert not any(tmp_path.iterdir())
+
+
+# ---- item 15: a checkpoint whose arrays hold NaN ----------------------------------------------
+
+
+def _poison(run: Path, stage: str, step: int) -> None:
+    """Rewrite checkpoint `step` of `stage` with one NaN in its first float array, its meta
+    and everything else as they were: a well-formed checkpoint, crafted."""
+    import shutil
+
+    import jax
+    import numpy as np
+
+    from pdctl.engine.checkpoint import Checkpointer, read_host, read_meta
+
+    directory = run / "checkpoints" / stage
+    names = [p.name for p in (directory / str(step)).iterdir() if p.is_dir() and p.name != "meta"]
+    items = {n: read_host(directory, step, n) for n in names}
+    meta = read_meta(directory, step)
+    leaves, tree = jax.tree.flatten(items)
+    first = next(i for i, x in enumerate(leaves) if np.issubdtype(x.dtype, np.floating))
+    leaves[first] = np.array(leaves[first], copy=True)
+    leaves[first].flat[0] = np.nan
+    shutil.rmtree(directory / str(step))
+    ckpt = Checkpointer(directory, keep=100, async_save=False)
+    ckpt.save(step, jax.tree.unflatten(tree, leaves), meta)
+    ckpt.close()
+
+
+def test_15_a_nan_checkpoint_is_not_resumed_from(initialized_tms: Path, tmp_path: Path) -> None:
+    """The README: every checkpoint is checked finite before it is saved. One crafted to hold
+    NaN restored, and the stage went on from it to `done`; now it is treated as unreadable:
+    the newest finite checkpoint is used and the NaN one goes to `.corrupt`."""
+    import shutil
+
+    from helpers import cli_ok
+
+    run = tmp_path / "r"
+    shutil.copytree(initialized_tms, run)
+    cli_ok("--project", run, "pretrain", "--until", "10")
+    _poison(run, "pretrain", 10)
+    result = cli_ok("--project", run, "pretrain", "--resume")
+    assert "checkpoint pretrain/10 does not restore" in result.stderr, result.stderr
+    assert "not finite" in result.stderr and "resuming from checkpoint 5" in result.stderr
+    st = state(run, "pretrain")
+    assert st["status"] == "done" and st["step"] == 20, st
+    assert (run / "checkpoints" / "pretrain.corrupt" / "10").is_dir()

@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pdctl.files import refuse_links
 
@@ -277,6 +279,8 @@ class Checkpointer:
             raise CheckpointMismatch(f"its meta is a {type(meta).__name__}, not an object")
         meta = dict(meta)
         self.check_meta(step, meta, restored)
+        if not tree_is_finite(restored):  # pdctl saves only finite states: forged, or bit rot
+            raise CheckpointMismatch("its arrays are not finite (NaN or inf)")
         return restored, meta
 
     def check_meta(self, step: int, meta: dict[str, Any], restored: dict[str, Any]) -> None:
@@ -386,6 +390,21 @@ def _one_line(e: BaseException, limit: int = 160) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     text = f"{type(e).__name__}: {text}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def tree_is_finite(tree: Any) -> bool:
+    """Every floating-point array of `tree` (sharded `jax.Array`s, as restored) is finite;
+    computed on the devices, the answer replicated so that every process can read it."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return True
+    mesh = next((x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)), None)
+    out = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+
+    def finite(xs: list[jax.Array]) -> jax.Array:
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+    return bool(jax.device_get(jax.jit(finite, out_shardings=out)(leaves)))
 
 
 def rematerialize(tree: Any, shardings: Any) -> Any:
