@@ -30,7 +30,7 @@ from typing import Any
 import tomli_w
 
 from pdctl.config import STAGES, Config, fingerprint, parse_config
-from pdctl.errors import PdctlError
+from pdctl.errors import PdctlError, StageFailed
 from pdctl.files import (
     atomic_write,
     open_nofollow,
@@ -201,12 +201,26 @@ def _flock(fd: int, root: Path, holder: Callable[[], str], *, required: bool = F
     return True
 
 
+def _dir_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class RunDirMoved(StageFailed):
+    """The run directory was renamed or removed while pdctl worked in it (exit 1): its files
+    are no longer where pdctl writes them."""
+
+
 class Project:
     """One run directory: its validated config, its state, its lock and its paths."""
 
     def __init__(self, path: Path, text: str, config: Config, state: dict[str, dict[str, Any]]):
         self.path = path
         self.root = path.parent
+        self._root_id = _dir_id(self.root)  # to tell when the directory moves (`moved`)
         self.config = config
         self.state = state
         self._user_text, _ = split_state(text)
@@ -312,6 +326,9 @@ class Project:
             try:
                 atomic_write(self.path, text.encode("utf-8"))
             except OSError as e:
+                moved = self.moved()
+                if moved:
+                    raise RunDirMoved(moved) from None
                 raise PdctlError(
                     f"{self.path.parent}: cannot write {self.path.name} ({e.strerror}); "
                     "pdctl needs write access to the run directory"
@@ -319,6 +336,17 @@ class Project:
 
     def stage(self, name: str) -> dict[str, Any]:
         return self.state.get(name, {})
+
+    def moved(self) -> str | None:
+        """Why the run directory is no longer at `root` (renamed or removed since it was
+        loaded), or None while it is."""
+        if self._root_id is None or _dir_id(self.root) == self._root_id:
+            return None
+        return (
+            f"the run directory {self.root} was moved or removed while pdctl worked in it, so "
+            "its state could not be written; in its new place `pdctl status` shows the stage "
+            "as it was last written and `pdctl resume` continues it from its last checkpoint"
+        )
 
     def update_stage(self, name: str, **fields: Any) -> dict[str, Any]:
         st = self.state.setdefault(name, {})

@@ -320,3 +320,41 @@ def test_15_a_nan_checkpoint_is_not_resumed_from(initialized_tms: Path, tmp_path
     st = state(run, "pretrain")
     assert st["status"] == "done" and st["step"] == 20, st
     assert (run / "checkpoints" / "pretrain.corrupt" / "10").is_dir()
+
+
+# ---- item 16: the run directory renamed while a stage runs ------------------------------------
+
+
+def test_16_a_run_directory_moved_mid_stage_ends_with_one_line_saying_so(
+    initialized_tms: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renamed just before the first periodic checkpoint: that save (or the next state write)
+    fails for want of the directory. It used to end with `FileNotFoundError` text (or `cannot
+    write pdctl.toml`, exit 2); now one line says the directory moved, exit 1, and in its new
+    place the stage is `running` with no lock held: `pdctl resume` continues it."""
+    import shutil
+
+    from helpers import cli_fails
+
+    from pdctl.engine import checkpoint
+
+    run = tmp_path / "r"
+    shutil.copytree(initialized_tms, run)
+    moved = tmp_path / "elsewhere"
+    save = checkpoint.Checkpointer.save
+
+    def save_after_a_move(self, step, *args, **kwargs):
+        if step > 0 and run.exists():
+            run.rename(moved)
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", save_after_a_move)
+    line = cli_fails(1, "--project", run, "pretrain")
+    assert line.startswith(f"error: pretrain: the run directory {run} was moved or removed"), line
+    assert "`pdctl resume` continues it" in line, line
+    assert not run.exists()  # nothing was written where the directory had been
+    monkeypatch.undo()
+    from pdctl.project import Project
+
+    proj = Project.load(moved / "pdctl.toml")
+    assert proj.stage("pretrain")["status"] == "running" and proj.lock_is_free()

@@ -19,6 +19,7 @@ where they were, so a fresh run that fails or is killed early loses nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -203,6 +204,8 @@ class Checkpointer:
         """Each top-level key of `state` is its own item, so a later stage can restore just one
         (warmup reads pretrain's `params` without its optimizer state); a train state is split
         in `decomposition` and `training` (`split_items`)."""
+        if not self.directory.is_dir():  # the run directory moved: orbax would make it anew
+            raise FileNotFoundError(errno.ENOENT, "checkpoint directory gone", str(self.directory))
         if self._fresh_pending:
             self._move_previous_aside()
         else:
