@@ -40,6 +40,7 @@ from pdctl.files import (
 
 PROJECT_FILE = "pdctl.toml"
 LOCK_FILE = ".pdctl.lock"
+INIT_FROM = "init_from"  # in [state.train] upstream: the run id of the init_from run's train
 STATE_MARKER = "# ---- pdctl state: written by pdctl, do not edit below this line ----"
 # What pdctl writes in a run directory, each with how many levels below it are checked for
 # symlinks too (checkpoints/<stage>/<step>, cache/tokens/<file>, ...). wandb/ is wandb's: it
@@ -372,7 +373,24 @@ class Project:
     def rerun_upstream(self, stage: str) -> list[str]:
         """The stages `stage` read from that have started over (a new run id) since it began."""
         upstream = self.stage(stage).get("upstream") or {}
-        return [s for s, rid in upstream.items() if self.stage(s).get("run_id") != rid]
+        rerun = [
+            s for s, rid in upstream.items() if s in STAGES and self.stage(s).get("run_id") != rid
+        ]
+        parent = upstream.get(INIT_FROM)  # `[train] init_from`: another run's train
+        if parent is not None and self.config.train.init_from:
+            now = self._init_from_run_id()
+            if now is not None and now != parent:  # unreadable: nobody can tell
+                rerun.append("the train of train.init_from's run")
+        return rerun
+
+    def _init_from_run_id(self) -> str | None:
+        """The run id of the `[train] init_from` run's train now, or None when unreadable."""
+        p = Path(self.config.train.init_from).expanduser()
+        try:
+            parent = Project.load((p if p.is_absolute() else self.root / p) / PROJECT_FILE)
+        except (PdctlError, OSError):
+            return None
+        return parent.stage("train").get("run_id")
 
     # ---- stage attempts (for rolling back what a failed command wrote) ----------------------
     def begin_attempt(self, stage: str) -> None:

@@ -120,10 +120,12 @@ def check_configs(project: Project) -> None:
             raise PdctlError(f"data.path: nothing at {path}")
     if target.kind == "hf" and cfg.data.eos_id is not None:
         _check_eos_id(cfg.data.eos_id, target)
-    if cfg.train.init_from:
-        from pdctl.stages.init_from import parent_checkpoint
+    if cfg.train.init_from:  # the parent as train will read it (its metadata: no arrays)
+        from pdctl.stages.init_from import check_parent
+        from pdctl.stages.warmup import abstract_decomposition
 
-        parent_checkpoint(project.root, cfg.train.init_from)
+        dec = abstract_decomposition(cfg, target)
+        check_parent(project.root, cfg, {"components": dec["components"], "ci_fns": dec["ci_fns"]})
 
 
 def _check_eos_id(eos_id: int, target: Any) -> None:
