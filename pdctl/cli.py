@@ -39,11 +39,21 @@ class Globals:
     dist = None
 
 
+# The commands that turn SIGTERM/SIGINT into a clean stop (`_stopping_cleanly`): a signal that
+# came while `main` started is theirs to act on. Every other command gets it back as it begins.
+_STOPS_CLEANLY = {"init_weights", "pretrain", "warmup", "train", "run_pipeline", "resume",
+                  "sweep_run"}  # fmt: skip
+
+
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a PdctlError into one line on stderr and its exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if fn.__name__ not in _STOPS_CLEANLY:
+            from pdctl import supervisor
+
+            supervisor.release_signals()
         try:
             return fn(*args, **kwargs)
         except PdctlError as e:
@@ -338,6 +348,8 @@ def _stopping_cleanly():
     from pdctl.engine import runtime
 
     with runtime.stop_signals():
+        for s in supervisor.take_held():  # a stop that came while the process started
+            os.kill(os.getpid(), s)
         supervisor.tell(ready=True)
         runtime.on_stop(supervisor.tell_stopping)
         yield
@@ -757,6 +769,8 @@ def main() -> None:
     import sys
 
     from pdctl import supervisor
+
+    supervisor.hold_signals()  # a stop while Python starts up is acted on, not fatal
     from pdctl.engine import runtime
 
     runtime.cpu_xla_flags()  # before JAX starts (any command)

@@ -597,7 +597,18 @@ class TrainConfig(Section):
         description=(
             "another run's directory (relative to this one): start from its train stage's "
             "final decomposition (V, U, CI functions; structure checked) with a fresh "
-            "optimizer, PPGD sources and step counter, instead of warmup's components"
+            "optimizer, PPGD sources and step counter, instead of warmup's components. The "
+            "parent's train must be done (unless init_from_step names a checkpoint); a rerun of "
+            "it (a new run id) makes this train stale"
+        ),
+    )
+    init_from_step: NonNeg | None = Field(
+        None,
+        examples=[5000],
+        description=(
+            "with init_from: start from the parent's train checkpoint at this step instead of "
+            "its final one; the parent's train then need not be done (an interrupted or failed "
+            "one), and the step is recorded in [state.train] init_from"
         ),
     )
     optim: OptimConfig = Field(
@@ -799,6 +810,8 @@ def _check_cross_fields(cfg: Config) -> None:
             "data.path to a .txt, .jsonl or .parquet file or a directory of them"
         )
     tc = cfg.train
+    if tc.init_from_step is not None and not tc.init_from:
+        raise PdctlError("train.init_from_step: names a step of the init_from run; set init_from")
     if tc.ppgd.scope == "per_batch_per_position" and tc.batch_size % tc.grad_accum_steps:
         raise PdctlError(
             f"train.grad_accum_steps: {tc.grad_accum_steps} does not divide train.batch_size "

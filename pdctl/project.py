@@ -30,7 +30,7 @@ from typing import Any
 import tomli_w
 
 from pdctl.config import STAGES, Config, fingerprint, parse_config
-from pdctl.errors import PdctlError
+from pdctl.errors import PdctlError, StageFailed
 from pdctl.files import (
     atomic_write,
     open_nofollow,
@@ -40,6 +40,7 @@ from pdctl.files import (
 
 PROJECT_FILE = "pdctl.toml"
 LOCK_FILE = ".pdctl.lock"
+INIT_FROM = "init_from"  # in [state.train] upstream: the run id of the init_from run's train
 STATE_MARKER = "# ---- pdctl state: written by pdctl, do not edit below this line ----"
 # What pdctl writes in a run directory, each with how many levels below it are checked for
 # symlinks too (checkpoints/<stage>/<step>, cache/tokens/<file>, ...). wandb/ is wandb's: it
@@ -201,17 +202,32 @@ def _flock(fd: int, root: Path, holder: Callable[[], str], *, required: bool = F
     return True
 
 
+def _dir_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class RunDirMoved(StageFailed):
+    """The run directory was renamed or removed while pdctl worked in it (exit 1): its files
+    are no longer where pdctl writes them."""
+
+
 class Project:
     """One run directory: its validated config, its state, its lock and its paths."""
 
     def __init__(self, path: Path, text: str, config: Config, state: dict[str, dict[str, Any]]):
         self.path = path
         self.root = path.parent
+        self._root_id = _dir_id(self.root)  # to tell when the directory moves (`moved`)
         self.config = config
         self.state = state
         self._user_text, _ = split_state(text)
         self._lock_fd: int | None = None
         self._dir_fd: int | None = None
+        self._lock_made = False  # this hold created `.pdctl.lock` (it goes again on release)
         self._lock_depth = 0
         # {stage: {"before": its state before this process began it, "ckpt": wrote one}}
         self.attempts: dict[str, dict[str, Any]] = {}
@@ -311,6 +327,9 @@ class Project:
             try:
                 atomic_write(self.path, text.encode("utf-8"))
             except OSError as e:
+                moved = self.moved()
+                if moved:
+                    raise RunDirMoved(moved) from None
                 raise PdctlError(
                     f"{self.path.parent}: cannot write {self.path.name} ({e.strerror}); "
                     "pdctl needs write access to the run directory"
@@ -318,6 +337,17 @@ class Project:
 
     def stage(self, name: str) -> dict[str, Any]:
         return self.state.get(name, {})
+
+    def moved(self) -> str | None:
+        """Why the run directory is no longer at `root` (renamed or removed since it was
+        loaded), or None while it is."""
+        if self._root_id is None or _dir_id(self.root) == self._root_id:
+            return None
+        return (
+            f"the run directory {self.root} was moved or removed while pdctl worked in it, so "
+            "its state could not be written; in its new place `pdctl status` shows the stage "
+            "as it was last written and `pdctl resume` continues it from its last checkpoint"
+        )
 
     def update_stage(self, name: str, **fields: Any) -> dict[str, Any]:
         st = self.state.setdefault(name, {})
@@ -343,7 +373,24 @@ class Project:
     def rerun_upstream(self, stage: str) -> list[str]:
         """The stages `stage` read from that have started over (a new run id) since it began."""
         upstream = self.stage(stage).get("upstream") or {}
-        return [s for s, rid in upstream.items() if self.stage(s).get("run_id") != rid]
+        rerun = [
+            s for s, rid in upstream.items() if s in STAGES and self.stage(s).get("run_id") != rid
+        ]
+        parent = upstream.get(INIT_FROM)  # `[train] init_from`: another run's train
+        if parent is not None and self.config.train.init_from:
+            now = self._init_from_run_id()
+            if now is not None and now != parent:  # unreadable: nobody can tell
+                rerun.append("the train of train.init_from's run")
+        return rerun
+
+    def _init_from_run_id(self) -> str | None:
+        """The run id of the `[train] init_from` run's train now, or None when unreadable."""
+        p = Path(self.config.train.init_from).expanduser()
+        try:
+            parent = Project.load((p if p.is_absolute() else self.root / p) / PROJECT_FILE)
+        except (PdctlError, OSError):
+            return None
+        return parent.stage("train").get("run_id")
 
     # ---- stage attempts (for rolling back what a failed command wrote) ----------------------
     def begin_attempt(self, stage: str) -> None:
@@ -389,6 +436,7 @@ class Project:
             if not _flock(dir_fd, self.root, self._holder):
                 os.close(dir_fd)  # no flock on directories here: the lock file alone
                 dir_fd = None
+            made = not os.path.lexists(self.root / LOCK_FILE)
             try:
                 fd = open_nofollow(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
@@ -409,6 +457,7 @@ class Project:
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
         self._dir_fd = dir_fd
+        self._lock_made = made
         self._lock_depth = 1
 
     def _holder(self) -> str:
@@ -427,11 +476,25 @@ class Project:
             return
         self._lock_depth -= 1
         if self._lock_depth == 0 and self._lock_fd is not None:
+            self._remove_lock_file()
             for fd in (self._lock_fd, self._dir_fd):
                 if fd is not None:
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     os.close(fd)
             self._lock_fd = self._dir_fd = None
+
+    def _remove_lock_file(self) -> None:
+        """A `.pdctl.lock` this hold created goes again (a command that wrote nothing, such as
+        one refused for a mistake in the input, leaves nothing behind), unlinked while both
+        locks are still held. Only when the directory itself is locked (another pdctl is
+        refused there first, so none can be holding the file's inode) and the name is still
+        this file (it may have been replaced meanwhile)."""
+        if not self._lock_made or self._dir_fd is None or self._lock_fd is None:
+            return
+        with contextlib.suppress(OSError):
+            mine, now = os.fstat(self._lock_fd), os.lstat(self.root / LOCK_FILE)
+            if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(self.root / LOCK_FILE)
 
     def lock_is_free(self) -> bool:
         """True when no process holds the lock (a `running` stage then means a crash)."""

@@ -53,6 +53,45 @@ _WHY = {
 
 # ---- the entry point -------------------------------------------------------------------------
 
+_held: list[int] = []  # SIGTERM/SIGINT received before the command could act on them
+_before: dict[int, Any] = {}  # the handlers `hold_signals` replaced
+
+
+def _hold(signum: int, frame: Any) -> None:
+    _held.append(signum)
+
+
+def hold_signals() -> None:
+    """From the first line of `cli.main`: a SIGTERM/SIGINT that comes while Python is still
+    importing and parsing the command is held, not fatal. A stage command then acts on it as
+    on any stop request (exit 3: the parent forwards it to its child, which stops before it
+    writes anything); any other command gets it back, under its default handling, as soon as
+    it starts (`release_signals`)."""
+    if _before:
+        return
+    with contextlib.suppress(ValueError):  # not the main thread: nothing to hold
+        for s in (signal.SIGTERM, signal.SIGINT):
+            _before[s] = signal.signal(s, _hold)
+
+
+def take_held() -> list[int]:
+    """Stop holding (the caller has installed its own handlers, which stay): the signals held
+    so far, oldest first."""
+    _before.clear()
+    out = list(_held)
+    _held.clear()
+    return out
+
+
+def release_signals() -> None:
+    """Stop holding and put the handlers back as they were; a signal held meanwhile is then
+    raised again, so it does what it would have done without the hold."""
+    before = dict(_before)
+    for s, h in before.items():
+        signal.signal(s, h)
+    for s in take_held():
+        os.kill(os.getpid(), s)
+
 
 def enable() -> None:
     """Called by `cli.main` only: stage commands run supervised (unless this is the child, or
@@ -243,10 +282,20 @@ def run_child(args: list[str]) -> int:
     code = f"import sys; sys.path.insert(0, {where!r}); from pdctl.cli import main; main()"
     child = _Child()
     old = {s: signal.signal(s, child.forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    old.update(_before)  # what `hold_signals` replaced comes back at the end
+    for s in take_held():  # a stop that came while this process started: the child's first
+        child.forward(s, None)
     try:
         try:
+            # The child starts with SIGTERM/SIGINT ignored (until `hold_signals`, then its
+            # stage's handlers): what this process receives, it forwards once the child can
+            # stop cleanly, so a signal to the whole process group (`timeout`, a terminal's
+            # Ctrl-C) does not kill the child while Python starts it up.
             child.proc = subprocess.Popen(
-                [sys.executable, "-c", code, *args], env=env, pass_fds=(theirs.fileno(),)
+                [sys.executable, "-c", code, *args],
+                env=env,
+                pass_fds=(theirs.fileno(),),
+                preexec_fn=_ignore_stop_signals,
             )
         finally:
             theirs.close()
@@ -266,6 +315,11 @@ def run_child(args: list[str]) -> int:
                 child.holder.release_lock()
 
 
+def _ignore_stop_signals() -> None:
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+
+
 def _import_project() -> None:
     with contextlib.suppress(Exception):
         import pdctl.project  # noqa: F401
@@ -279,6 +333,9 @@ def _outcome(child: _Child, rc: int) -> int:
     if info is None:
         if died is None:
             return rc
+        if stop is not None and died in ("SIGTERM", "SIGINT"):  # a stop it could not act on
+            _say(f"pdctl: stopped by {died} before the stage began; nothing was written")
+            return 3
         _say(f"pdctl: the process died by {died} ({_WHY.get(died, 'a fatal signal')})")
         return 1
     if died is None and rc in (0, 2, 3):  # it ended the way pdctl ends: its state is written

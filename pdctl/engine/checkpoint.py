@@ -19,6 +19,7 @@ where they were, so a fresh run that fails or is killed early loses nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -27,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pdctl.files import refuse_links
 
@@ -201,6 +204,8 @@ class Checkpointer:
         """Each top-level key of `state` is its own item, so a later stage can restore just one
         (warmup reads pretrain's `params` without its optimizer state); a train state is split
         in `decomposition` and `training` (`split_items`)."""
+        if not self.directory.is_dir():  # the run directory moved: orbax would make it anew
+            raise FileNotFoundError(errno.ENOENT, "checkpoint directory gone", str(self.directory))
         if self._fresh_pending:
             self._move_previous_aside()
         else:
@@ -277,6 +282,8 @@ class Checkpointer:
             raise CheckpointMismatch(f"its meta is a {type(meta).__name__}, not an object")
         meta = dict(meta)
         self.check_meta(step, meta, restored)
+        if not tree_is_finite(restored):  # pdctl saves only finite states: forged, or bit rot
+            raise CheckpointMismatch("its arrays are not finite (NaN or inf)")
         return restored, meta
 
     def check_meta(self, step: int, meta: dict[str, Any], restored: dict[str, Any]) -> None:
@@ -386,6 +393,21 @@ def _one_line(e: BaseException, limit: int = 160) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     text = f"{type(e).__name__}: {text}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def tree_is_finite(tree: Any) -> bool:
+    """Every floating-point array of `tree` (sharded `jax.Array`s, as restored) is finite;
+    computed on the devices, the answer replicated so that every process can read it."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return True
+    mesh = next((x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)), None)
+    out = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+
+    def finite(xs: list[jax.Array]) -> jax.Array:
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+    return bool(jax.device_get(jax.jit(finite, out_shardings=out)(leaves)))
 
 
 def rematerialize(tree: Any, shardings: Any) -> Any:

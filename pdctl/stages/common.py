@@ -28,7 +28,7 @@ from pdctl.engine.checkpoint import (
 from pdctl.engine.loop import Interrupted, describe_exception
 from pdctl.engine.tracking import JsonlTracker, Tracker, make_tracker
 from pdctl.errors import PdctlError, StageFailed
-from pdctl.project import Project, now
+from pdctl.project import Project, RunDirMoved, now
 from pdctl.science.targets import Target, build_target
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -533,9 +533,17 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
             stage=stage, cli=CLI_NAME[stage], toml=str(project.path), writer=runtime.is_writer()
         )
         try:
-            yield
+            try:
+                yield
+            except Exception:
+                moved = project.moved()
+                if moved:  # whatever failed first (a checkpoint, a state write) failed for that
+                    raise RunDirMoved(f"{stage}: {moved}") from None
+                raise
         except runtime.StopNow as e:  # a long call before the step loop was left running
             raise Interrupted(_left_running(project, stage, e)) from None
+        except RunDirMoved:
+            raise  # nothing can be written where the run directory was
         except (Interrupted, StageFailed):
             _mark_failed(project, stage, None)
             raise

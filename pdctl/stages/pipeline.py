@@ -120,10 +120,12 @@ def check_configs(project: Project) -> None:
             raise PdctlError(f"data.path: nothing at {path}")
     if target.kind == "hf" and cfg.data.eos_id is not None:
         _check_eos_id(cfg.data.eos_id, target)
-    if cfg.train.init_from:
-        from pdctl.stages.init_from import parent_checkpoint
+    if cfg.train.init_from:  # the parent as train will read it (its metadata: no arrays)
+        from pdctl.stages.init_from import check_parent
+        from pdctl.stages.warmup import abstract_decomposition
 
-        parent_checkpoint(project.root, cfg.train.init_from)
+        dec = abstract_decomposition(cfg, target)
+        check_parent(project.root, cfg, {"components": dec["components"], "ci_fns": dec["ci_fns"]})
 
 
 def _check_eos_id(eos_id: int, target: Any) -> None:
@@ -302,9 +304,17 @@ def _default_export_stage(project: Project) -> str:
 
     status = project.stage(stage).get("status")
     done = [s for s in ran if project.is_done(s)]
-    other = f", or export {done[-1]} with `--stage {done[-1]}`" if done else ""
+    if not done:
+        raise PdctlError(
+            f"export: no stage is done yet ({stage}, the last stage run, is {status}); "
+            f"{how_to_finish(project, stage)}"
+        )
+    # Which stage to name is the user's choice (warmup's arrays are not train's result), so
+    # the line leads with the flag that exports the last finished one.
     raise PdctlError(
-        f"export: {stage}, the last stage run, is {status}; {how_to_finish(project, stage)}{other}"
+        f"--stage: not given, and {stage}, the last stage run, is {status}: pass `--stage "
+        f"{done[-1]}` to export the last stage that is done, or finish {stage} first "
+        f"({how_to_finish(project, stage)})"
     )
 
 

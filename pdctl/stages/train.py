@@ -388,19 +388,20 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
     dec = abstract_decomposition(env.cfg, env.target)  # per site, as upstream stages save it
     trainable = {"components": dec["components"], "ci_fns": dec["ci_fns"]}
     if env.cfg.train.init_from:
-        from pdctl.stages.init_from import parent_decomposition
+        from pdctl.stages.init_from import UPSTREAM_KEY, parent_decomposition
 
-        parent, origin = parent_decomposition(
-            env.project.root,
-            env.cfg.train.init_from,
-            trainable,
-            env.shardings(trainable),
+        arrays, parent = parent_decomposition(
+            env.project.root, env.cfg, trainable, env.shardings(trainable)
         )
         init, _ = env.restore_items("init_weights", {"sources": dec["sources"]})
-        env.on_state(init_from=origin)
-        notify(f"train: starting from the decomposition of {origin['run']} at step "
-               f"{origin['step']} (fresh optimizer, sources and step)")  # fmt: skip
-        return parent["components"], parent["ci_fns"], init["sources"]
+        # the parent's train is read as an upstream stage is: its rerun makes this one stale
+        upstream = dict(env.project.stage("train").get("upstream") or {})
+        if parent.run_id:
+            upstream[UPSTREAM_KEY] = parent.run_id
+        env.on_state(init_from=parent.origin(), upstream=upstream)
+        notify(f"train: starting from the decomposition of {parent.run} at step "
+               f"{parent.step} (fresh optimizer, sources and step)")  # fmt: skip
+        return arrays["components"], arrays["ci_fns"], init["sources"]
     init, _ = env.restore_items(
         "init_weights", {"ci_fns": trainable["ci_fns"], "sources": dec["sources"]}
     )

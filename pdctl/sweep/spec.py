@@ -10,6 +10,7 @@ commands. The sweep file is read only to know which members there are and what v
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pdctl.project import PROJECT_FILE, Project
 SWEEP_FILE = "sweep.toml"
 SWEEP_SCHEMA = 1
 SEED_KEY = "run.seed"
+MAX_MEMBERS = 10_000  # seeds x grid points: each member is a run directory of its own
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -202,6 +204,13 @@ def create_sweep(
         raise PdctlError(f"--seeds: must be at least 1 (got {seeds})")
     if any(not v for v in grid.values()):
         raise PdctlError("--grid: every key needs at least one value (K=V1,V2)")
+    points = math.prod(len(v) for v in grid.values())
+    if seeds * points > MAX_MEMBERS:  # before anything is expanded or written
+        flag = "--seeds" if seeds > MAX_MEMBERS or points == 1 else "--seeds/--grid"
+        raise PdctlError(
+            f"{flag}: {seeds} seeds x {points} grid points is {seeds * points} members; a sweep "
+            f"holds at most {MAX_MEMBERS} (each is a run directory)"
+        )
     root = parent / name
     with tempfile.TemporaryDirectory() as tmp:  # the template's config (create_run checks name)
         run = create_run(name, template, Path(tmp))

@@ -34,6 +34,7 @@ from pdctl.science.targets.hf import (
     QWEN2,
     HFCausalLM,
     HfSpec,
+    _get,
     _gpt2_spec,
     _llama_spec,
     unflatten,
@@ -95,7 +96,7 @@ def gguf_spec(path: Path) -> HfSpec:
     an architecture or feature pdctl lacks is a one-line error naming what is supported."""
     r = reader(path)
     arch = _field(r, "general.architecture", None)
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise _err(
             f"{path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
@@ -104,54 +105,58 @@ def gguf_spec(path: Path) -> HfSpec:
     if "token_embd.weight" not in names:
         raise _err(f"{path}: no token_embd.weight tensor (is it a {arch} model?)")
 
-    def get(key: str, default: Any = ...) -> Any:
-        return _field(r, f"{arch}.{key}", default, path)
+    def get(key: str, typ: type, default: Any = ...) -> Any:
+        """`<arch>.key` of type `typ` (a file's metadata may hold any type under any key: a
+        string for a number, an array for a size); one line naming it otherwise."""
+        name = f"{arch}.{key}"
+        v = _field(r, name, default, path)
+        return v if v is None or v is default else _get({name: v}, path, name, typ)
 
-    vocab = get("vocab_size", None)
+    vocab = get("vocab_size", int, None)
     if vocab is None:  # older converters leave it out: the embedding's rows say it
         vocab = int(names["token_embd.weight"].shape[-1])
     eos = _field(r, "tokenizer.ggml.eos_token_id", None)
     cfg: dict[str, Any] = {"vocab_size": vocab, "eos_token_id": eos, "dtype": "gguf"}
     if arch == "gpt2":
         cfg.update(
-            n_embd=get("embedding_length"),
-            n_layer=get("block_count"),
-            n_head=get("attention.head_count"),
-            n_inner=get("feed_forward_length"),
-            layer_norm_epsilon=get("attention.layer_norm_epsilon", 1e-5),
-            n_positions=get("context_length"),
+            n_embd=get("embedding_length", int),
+            n_layer=get("block_count", int),
+            n_head=get("attention.head_count", int),
+            n_inner=get("feed_forward_length", int),
+            layer_norm_epsilon=get("attention.layer_norm_epsilon", float, 1e-5),
+            n_positions=get("context_length", int),
             tie_word_embeddings="output.weight" not in names,
         )
         return _gpt2_spec(cfg, path)
-    d, n_heads = get("embedding_length"), get("attention.head_count")
+    d, n_heads = get("embedding_length", int), get("attention.head_count", int)
     cfg.update(
         hidden_size=d,
-        num_hidden_layers=get("block_count"),
-        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count", int),
+        intermediate_size=get("feed_forward_length", int),
         num_attention_heads=n_heads,
-        num_key_value_heads=get("attention.head_count_kv", n_heads),
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=get("context_length", 2048),
+        num_key_value_heads=get("attention.head_count_kv", int, n_heads),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-6),
+        rope_theta=get("rope.freq_base", float, 10000.0),
+        max_position_embeddings=get("context_length", int, 2048),
         tie_word_embeddings="output.weight" not in names,
         hidden_act="silu",
     )
-    key_length = get("attention.key_length", None)
+    key_length = get("attention.key_length", int, None)
     if key_length is not None:
         cfg["head_dim"] = key_length
     head_dim = cfg.get("head_dim") or (d // n_heads if isinstance(n_heads, int) and n_heads else 0)
-    rot = get("rope.dimension_count", head_dim)
+    rot = get("rope.dimension_count", int, head_dim)
     if rot != head_dim:
         raise _err(f"{path}: rope.dimension_count {rot} != head_dim {head_dim} (partial "
                    "rotary embeddings are not supported)")  # fmt: skip
     if "rope_freqs.weight" in names:
         raise _err(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) "
                    "are not supported; use the Hugging Face directory of this model")  # fmt: skip
-    scaling = get("rope.scaling.type", None)
+    scaling = get("rope.scaling.type", str, None)
     if scaling not in (None, "none", "linear"):
         raise _err(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
     if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names

@@ -263,6 +263,10 @@ def _llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
     if head_dim % 2:
         raise _err(f"{path}: head_dim {head_dim} is odd (RoPE rotates pairs of dimensions)")
     if arch == QWEN2:
+        # absent is Qwen2Config's default; null is refused, as Qwen2Config refuses it
+        for key, what in (("use_sliding_window", bool), ("max_window_layers", int)):
+            if key in cfg and cfg[key] is None:
+                raise _err(f"{path}: {key!r} must be {_TYPE_NAMES[what]}, got null")
         types = cfg.get("layer_types")
         if types is not None:
             if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
