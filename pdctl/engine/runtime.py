@@ -176,13 +176,11 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
 
     if cfg.compile.cache_dir:
         # Relative paths were made relative to the run directory when pdctl.toml was loaded.
-        # The cache holds executables JAX loads and runs: only a directory only we can write.
-        from pdctl.files import check_private_dir
+        # The cache holds executables JAX loads and runs: a private directory pdctl created
+        # for this user, and only entries signed with this user's key (`compile_cache`).
+        from pdctl.engine import compile_cache
 
-        cache = check_private_dir(os.path.expanduser(cfg.compile.cache_dir), "compile.cache_dir")
-        jax.config.update("jax_compilation_cache_dir", str(cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        compile_cache.install(cfg.compile.cache_dir)
     if _initialized:
         return
     cpu_xla_flags()
