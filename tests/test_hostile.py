@@ -108,3 +108,55 @@ def test_1_a_cache_directory_that_came_with_the_run_is_refused(tmp_path: Path, j
     path, _ = compile_cache.prepare(shipped)
     assert path == shipped and os.listdir(shipped) == [compile_cache.MARKER]
     assert compile_cache.prepare(shipped)[0] == shipped  # marked: accepted again
+
+
+# ---- 2. sweep member names ---------------------------------------------------------------------
+
+
+def _tree(root: Path) -> dict[str, object]:
+    """Every path under `root` (links not followed) and its bytes or link target."""
+    out: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = ("link", os.readlink(p))
+        else:
+            out[rel] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+@pytest.mark.parametrize("name", ["../../victim", "/abs", "a/b", "..", "", "x\ny"], ids=repr)
+def test_2_a_member_name_outside_runs_is_refused(tmp_path: Path, monkeypatch, name: str):
+    import tomllib
+
+    import tomli_w
+
+    (tmp_path / "w").mkdir()  # runs/../../victim is w/victim: inside tmp_path
+    monkeypatch.chdir(tmp_path / "w")
+    from helpers import cli_ok
+
+    cli_ok("sweep", "new", "sw", "--seeds", "2", "--set", "pretrain.steps=2")
+    path = tmp_path / "w" / "sw" / "sweep.toml"
+    raw = tomllib.loads(path.read_text())
+    raw["members"][1]["name"] = name
+    path.write_text(tomli_w.dumps(raw))
+    before = _tree(tmp_path)
+    for cmd in ("run", "status"):
+        line = cli_fails(2, "sweep", cmd, "sw")
+        assert f"sw/sweep.toml: member name {name!r} is not a plain directory name" in line, line
+    assert _tree(tmp_path) == before
+
+
+def test_2_a_symlinked_member_directory_is_refused(tmp_path: Path, monkeypatch):
+    from helpers import cli_ok
+
+    monkeypatch.chdir(tmp_path)
+    cli_ok("sweep", "new", "sw", "--seeds", "1", "--set", "pretrain.steps=2")
+    (member,) = (tmp_path / "sw" / "runs").iterdir()
+    elsewhere = tmp_path / "elsewhere"
+    member.rename(elsewhere)
+    member.symlink_to(elsewhere, target_is_directory=True)
+    before = _tree(tmp_path)
+    line = cli_fails(2, "sweep", "run", "sw")
+    assert "sw/runs/seed0: is a symlink" in line, line
+    assert _tree(tmp_path) == before
