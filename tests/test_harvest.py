@@ -4,6 +4,7 @@ interrupted-then-resumed harvest give the same database), and the command on a t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sqlite3
 from pathlib import Path
@@ -114,9 +115,10 @@ def test_database_layout_and_refusals(tmp_path: Path):
     by_token = con.execute("SELECT DISTINCT site, component FROM tokens WHERE token = 2 "
                            "AND kind = 'count' ORDER BY site, component").fetchall()  # fmt: skip
     assert by_token == [("a", 2)]  # "which components fire on this token"
-    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    # no WAL: the file is never written in place, and readers open it immutable (issue 37)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     con.close()
-    assert not path.with_name("h.db.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.db"]  # nothing beside it
     other = sqlite3.connect(tmp_path / "old.db")
     other.execute("CREATE TABLE meta (key TEXT, value TEXT)")
     other.execute("INSERT INTO meta VALUES ('schema_version', '0')")
@@ -438,10 +440,10 @@ def test_bad_input_is_one_line(tms_trained: Path, tmp_path: Path):
 # ---- pdctl browse ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def served(tmp_path: Path):
-    """The app over the closed-form harvest, in a tms run directory (tokens shown as ids),
-    served by uvicorn on a free port in a thread: (base url, run directory)."""
+@contextlib.contextmanager
+def _serving(run: Path):
+    """The app over `run`'s harvest.db, served by uvicorn on a free port in a thread: its base
+    url."""
     import socket
     import threading
     import time
@@ -450,14 +452,6 @@ def served(tmp_path: Path):
 
     from pdctl.harvest.browse import make_app
 
-    run = make_run(tmp_path, "tms", "r")
-    (run / "harvest").mkdir()
-    db.write(
-        run / "harvest" / "harvest.db",
-        _harvest(2),
-        {"stage": "train", "kind": "lm-test", "split": "eval", "step": 1, "vocab": VOCAB},
-    )
-    (tmp_path / "secret.txt").write_text("outside")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -468,9 +462,33 @@ def served(tmp_path: Path):
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", run
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _closed_form_run(tmp_path: Path) -> Path:
+    """A tms run directory holding the closed-form harvest (tokens shown as ids)."""
+    run = make_run(tmp_path, "tms", "r")
+    (run / "harvest").mkdir()
+    db.write(
+        run / "harvest" / "harvest.db",
+        _harvest(2),
+        {"stage": "train", "kind": "lm-test", "split": "eval", "step": 1, "vocab": VOCAB},
+    )
+    return run
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """The app over the closed-form harvest, in a tms run directory (tokens shown as ids),
+    served by uvicorn on a free port in a thread: (base url, run directory)."""
+    run = _closed_form_run(tmp_path)
+    (tmp_path / "secret.txt").write_text("outside")
+    with _serving(run) as base:
+        yield base, run
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -657,3 +675,189 @@ def test_one_vs_two_processes_give_the_same_database(tms_trained: Path):
     assert [rc for rc, _ in outs] == [0, 0], outs
     assert dump() == one and any("most often firing" in row for row in one)
     assert not list(path.parent.glob("cooc-*"))
+
+
+# ---- issue 37: hostile run directories, the lock, bad input, forged partial state ---------------
+
+
+def _tree(root: Path) -> dict[str, object]:
+    """Every path under `root` (links not followed) and its bytes or link target."""
+    import os
+
+    out: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = ("link", os.readlink(p))
+        else:
+            out[rel] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+@pytest.fixture
+def trained_copy(tms_trained: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tms_trained, run, symlinks=True, ignore=shutil.ignore_patterns("harvest"))
+    return run
+
+
+HV = ("harvest", "--tokens", "2048", "--batch-size", "256")  # 8 batches
+
+
+@pytest.mark.parametrize(
+    "name", ["harvest", "harvest/partial.npz.tmp", "harvest/harvest.db.tmp", "harvest/partial.npz"]
+)
+def test_a_symlink_in_harvest_is_refused(trained_copy: Path, tmp_path: Path, name: str):
+    # issue 37 item 3: a harvest/ that links outside got harvest.db written there, and a
+    # harvest/partial.npz.tmp link had the file it points to overwritten
+    run = trained_copy
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"mine")
+    (run / "harvest").mkdir(exist_ok=name != "harvest")
+    if name == "harvest":
+        (run / "harvest").rmdir()
+        (run / "harvest").symlink_to(outside, target_is_directory=True)
+    else:
+        (run / name).symlink_to(outside / "precious")
+    before, there = _tree(run), _tree(outside)
+    line = cli_fails(2, "--project", run, *HV)
+    assert f"{run / name}: is a symlink" in line, line
+    assert _tree(outside) == there and _tree(run) == before
+
+
+def test_harvest_holds_the_run_directory_lock(trained_copy: Path, monkeypatch):
+    # issue 37 item 10: a harvest ran while `train --fresh` replaced its checkpoint
+    from pdctl.errors import PdctlError
+
+    run = trained_copy
+    other = _project(run)  # another pdctl: a stage running
+    other.acquire_lock()
+    try:
+        line = cli_fails(2, "--project", run, *HV)
+        assert f"{run} is in use by another pdctl process" in line, line
+        assert not (run / "harvest").exists()
+    finally:
+        other.release_lock()
+    refused = []
+
+    def on_batch(done: int, total: int) -> None:  # a stage starting while the harvest runs
+        try:
+            _project(run).acquire_lock()
+        except PdctlError as e:
+            refused.append(str(e))
+
+    hv.harvest(_project(run), n_tokens=2048, batch_size=256, on_batch=on_batch)
+    assert len(refused) == 8 and "in use by another pdctl process" in refused[0], refused
+    assert _project(run).lock_is_free()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--tokens", "abc"], "--tokens: must be an integer, got 'abc'"),
+        (["--tokens", "2.5"], "--tokens: must be an integer, got '2.5'"),
+        (["--batch-size", "x"], "--batch-size: must be an integer, got 'x'"),
+        (["--top-k", "1e9"], "--top-k: must be in [1, 1000], got 1000000000"),
+        (["--top-k", "0"], "--top-k: must be in [1, 1000], got 0"),
+        (["--effects", "-1"], "--effects: must be >= 0, got -1"),
+        (["--cooc-max", "nan"], "--cooc-max: must be an integer, got 'nan'"),
+    ],
+)
+def test_bad_harvest_flags_are_one_line_at_once(trained_copy: Path, args, says):
+    import time
+
+    t0 = time.monotonic()
+    line = cli_fails(2, "--project", trained_copy, "harvest", *args)
+    assert line == f"error: {says}", line
+    assert time.monotonic() - t0 < 2
+    assert not (trained_copy / "harvest").exists()
+
+
+def _stopped_after(run: Path, monkeypatch, batches: int) -> None:
+    """A harvest (HV) stopped by SIGTERM after `batches` batches: harvest/partial.npz saved."""
+    import signal
+
+    from pdctl.engine import runtime
+    from pdctl.engine.loop import Interrupted
+
+    seen = []
+    real = runtime.stop_requested
+    monkeypatch.setattr(
+        runtime, "stop_requested", lambda: signal.SIGTERM if len(seen) >= batches else real()
+    )
+    with pytest.raises(Interrupted):
+        hv.harvest(_project(run), n_tokens=2048, batch_size=256,
+                   on_batch=lambda d, t: seen.append(d))  # fmt: skip
+    monkeypatch.setattr(runtime, "stop_requested", real)
+
+
+def _forge(path: Path, checksum: bool, **arrays) -> None:
+    z = {k: np.asarray(v) for k, v in arrays.items() if k != "_sum"}
+    if checksum:  # a forger who knows the format
+        z["_sum"] = np.asarray(hv._checksum(z))
+    else:
+        z["_sum"] = np.asarray("0" * 64)
+    with open(path, "wb") as f:
+        np.savez(f, **z)
+
+
+def test_a_forged_partial_harvest_is_not_trusted(trained_copy: Path, monkeypatch):
+    # issue 37 item 11: a negative `_next` gave a traceback, inflated counts were trusted
+    run = trained_copy
+    partial = run / "harvest" / "partial.npz"
+    _stopped_after(run, monkeypatch, 3)  # saved after batch 4 of 8
+    z = dict(np.load(partial))
+    key = str(z["_key"])
+
+    def read():
+        positions = lambda nxt: min(2048, nxt * 256)  # noqa: E731  (toy: one position a row)
+        return hv._read_partial(partial, key, 0, 8, positions)
+
+    assert read()[1] == 4  # the true one
+    forged = [
+        ({"_next": -5}, True),
+        ({"_next": 99}, True),
+        ({"count": z["count"] + 10_000}, True),  # more firings than positions
+        ({"n_positions": z["n_positions"] * 2}, True),  # more than the batches done cover
+        ({"count": z["count"] + 1}, False),  # an edit without the checksum
+    ]
+    for edit, checksum in forged:
+        _forge(partial, checksum, **{**z, **edit})
+        assert (hv._read_keyed(partial, key) is not None) == checksum, edit  # well formed
+        assert read() is None, edit
+    _forge(partial, True, **{**z, "_next": -5})
+    r = cli("--project", run, *HV)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "went on from" not in r.output  # started over
+
+
+def test_a_full_disk_during_harvest_is_one_line(trained_copy: Path, monkeypatch):
+    # issue 37 item 11: ENOSPC gave a traceback and left partial.npz.tmp behind
+    import errno
+
+    run = trained_copy
+    monkeypatch.setattr(hv, "SAVE_EVERY", 2)
+    real_savez = np.savez
+
+    def full(f, **arrays):
+        f.write(b"PK\x03\x04 half an archive")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full)
+    line = cli_fails(2, "--project", run, *HV)
+    assert line.startswith(f"error: harvest: cannot write {run / 'harvest' / 'partial.npz'} "
+                           "(No space left on device)"), line  # fmt: skip
+    assert sorted(p.name for p in (run / "harvest").iterdir()) == []
+    monkeypatch.setattr(np, "savez", real_savez)
+
+    def full_db(*args, **kwargs):
+        (run / "harvest" / "harvest.db.tmp").write_bytes(b"SQLite format 3\x00 half")
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(db, "_write", full_db)
+    line = cli_fails(2, "--project", run, *HV)
+    assert "harvest: cannot write" in line and "database or disk is full" in line, line
+    assert sorted(p.name for p in (run / "harvest").iterdir()) == ["partial.npz"]  # kept
