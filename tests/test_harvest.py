@@ -861,3 +861,183 @@ def test_a_full_disk_during_harvest_is_one_line(trained_copy: Path, monkeypatch)
     line = cli_fails(2, "--project", run, *HV)
     assert "harvest: cannot write" in line and "database or disk is full" in line, line
     assert sorted(p.name for p in (run / "harvest").iterdir()) == ["partial.npz"]  # kept
+
+
+PAYLOAD = "<img src=x onerror=\"document.title='pwned'\">"
+
+
+def _hostile(run: Path) -> None:
+    """Values a hostile harvest.db could hold, in columns declared INTEGER and in meta."""
+    import json
+
+    con = sqlite3.connect(run / "harvest" / "harvest.db")
+    con.execute("UPDATE sites SET C = ? WHERE site = 'a'", (PAYLOAD,))
+    con.execute("UPDATE meta SET value = ? WHERE key IN ('step', 'kind')", (json.dumps(PAYLOAD),))
+    con.execute("UPDATE components SET count = ? WHERE site = 'a'", (PAYLOAD,))
+    con.execute("UPDATE cooc SET count = ? WHERE site = 'a'", (PAYLOAD,))
+    con.commit()
+    con.close()
+
+
+@pytest.mark.slow  # headless Chromium: ~6 s
+def test_browse_escapes_a_hostile_database_in_headless_chromium(tmp_path: Path):
+    # issue 37 item 4: an <img onerror> in sites.C, meta.step or components.count ran on #/
+    import os
+    import time
+
+    from test_report import CHROMIUM, _Browser
+
+    if CHROMIUM is None:
+        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
+            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    run = _closed_form_run(tmp_path)
+    _hostile(run)
+    browser = _Browser(tmp_path / "profile")
+
+    def js(expr: str):
+        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
+                           browser.session)  # fmt: skip
+        return out["result"].get("value")
+
+    try:
+        with _serving(run) as base:
+            browser.load(f"{base}/", settle_s=0.1)
+            for route in ("#/", "#/site/a", "#/c/a/0"):
+                js(f"location.hash = '{route}'")  # a hash change: no new load event
+                deadline = time.monotonic() + 20
+                while js("document.body.dataset.ready") != route:
+                    assert time.monotonic() < deadline, (route, js("document.body.innerHTML"))
+                    time.sleep(0.05)
+                time.sleep(0.2)  # an <img src=x> would have failed to load by now
+                assert js("document.querySelectorAll('main img').length") == 0, route
+                assert js("document.title") == "pdctl browse", route  # no script ran
+                assert PAYLOAD in js("document.getElementById('main').textContent"), route
+    finally:
+        browser.close()
+
+
+def _api_tour(base: str) -> None:
+    for path in ("/", "/static/app.js", "/api/overview", "/api/components?site=a",
+                 "/api/component/a/0", "/api/search?q=%232", "/api/search?q=x",
+                 "/api/like/a/0"):  # fmt: skip
+        assert _get(base + path)[0] == 200, path
+
+
+def test_browse_writes_nothing_in_the_run_directory(tmp_path: Path):
+    # issue 37 item 5: harvest.db-wal / -shm were left after a few requests, and when
+    # refusing a bad port or host. A database written WAL (by pdctl before this) is the case.
+    from helpers import free_port
+
+    run = _closed_form_run(tmp_path)
+    con = sqlite3.connect(run / "harvest" / "harvest.db")
+    assert con.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    con.close()
+    before = _tree(run)
+    with _serving(run) as base:
+        _api_tour(base)
+        port = int(base.rsplit(":", 1)[1])
+        cli_fails(2, "--project", run, "browse", "--port", str(port))
+    cli_fails(2, "--project", run, "browse", "--host", "no such host", "--port", str(free_port()))
+    assert _tree(run) == before
+
+
+@pytest.mark.slow  # a pdctl browse process (imports JAX for the token decoder): ~6 s
+def test_browse_serves_a_read_only_run_directory(tmp_path: Path):
+    # issue 37 item 6: a run directory the user cannot write was not served
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    from helpers import free_port, pdctl_argv, pdctl_env
+
+    run = _closed_form_run(tmp_path)
+    con = sqlite3.connect(run / "harvest" / "harvest.db")
+    con.execute("PRAGMA journal_mode=WAL")  # the harder case: SQLite wants a -shm beside it
+    con.close()
+    before = _tree(run)
+    port = free_port()
+    cmd = pdctl_argv("browse", "--port", port, project=run)
+    if os.geteuid() != 0:
+        run.chmod(0o555)
+        (run / "harvest").chmod(0o555)
+    elif shutil.which("unshare"):  # root ignores modes: a read-only bind mount
+        script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+        cmd = ["unshare", "-m", "sh", "-c", script, str(run), *cmd]
+    else:
+        pytest.skip("root without unshare: cannot make a read-only directory")
+    proc = subprocess.Popen(cmd, env=pdctl_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, _ = _get(f"http://127.0.0.1:{port}/api/overview")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    _, err = proc.communicate(timeout=10)
+                    if "mount:" in err or "unshare:" in err:
+                        pytest.skip(f"no private read-only mount here: {err.strip()[:200]}")
+                    pytest.fail(f"browse did not serve (exit {proc.returncode}): {err}")
+                time.sleep(0.2)
+        assert status == 200
+        _api_tour(f"http://127.0.0.1:{port}")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if os.geteuid() != 0:
+            (run / "harvest").chmod(0o755)
+            run.chmod(0o755)
+    assert _tree(run) == before
+
+
+def test_browse_answers_hostile_queries_and_databases_with_a_4xx_at_once(tmp_path: Path):
+    # issue 37 item 13: a huge offset gave a 500, a database of `meta` only 500s, and
+    # meta.vocab = 2e9 held the server in /api/search for > 15 s
+    import json
+    import time
+
+    run = _closed_form_run(tmp_path)
+    path = run / "harvest" / "harvest.db"
+    with _serving(run) as base:
+        for query, code in [("/api/components?offset=99999999999999999999", 400),
+                            ("/api/components?offset=-1", 400),
+                            ("/api/component/a/99999999999999999999", 400),
+                            ("/api/like/a/99999999999999999999", 400),
+                            ("/api/search?q=%2399999999999999999999999", 200)]:  # fmt: skip
+            status, body = _get(base + query)
+            assert status == code, (query, status, body)
+            assert "detail" in json.loads(body) if code != 200 else True
+        con = sqlite3.connect(path)
+        con.execute("UPDATE meta SET value = '2e9' WHERE key = 'vocab'")
+        con.commit()
+        t0 = time.monotonic()
+        status, body = _get(base + "/api/search?q=x")
+        assert status == 422 and b"meta.vocab" in body, body
+        assert time.monotonic() - t0 < 1
+        con.execute("UPDATE meta SET value = 'not json' WHERE key = 'stage'")
+        con.commit()
+        assert _get(base + "/api/overview")[0] == 422
+        for table in db.TABLES[1:]:  # a database holding only meta, swapped in while serving
+            con.execute(f"DROP TABLE {table}")
+        con.commit()
+        con.close()
+        for query in ("/api/overview", "/api/components", "/api/component/a/0",
+                      "/api/search?q=%232", "/api/like/a/0"):  # fmt: skip
+            status, body = _get(base + query)
+            assert status == 422 and b"no table" in body, (query, status, body)
+    line = cli_fails(2, "--project", run, "browse")  # and refused up front
+    assert f"{path}: not a pdctl harvest database (no table components, " in line, line
+
+
+def test_browse_host_that_is_not_an_address_is_one_line(tmp_path: Path):
+    from helpers import free_port
+
+    run = _closed_form_run(tmp_path)
+    port = free_port()
+    line = cli_fails(2, "--project", run, "browse", "--host", "not a host", "--port", str(port))
+    assert line.startswith("error: --host: 'not a host' is not an address to listen on"), line
+    line = cli_fails(2, "--project", run, "browse", "--host", "192.0.2.1", "--port", str(port))
+    assert line.startswith("error: --host: '192.0.2.1' is not an address of this machine"), line
