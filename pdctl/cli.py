@@ -303,7 +303,7 @@ def harvest(
     hv.check_options(stage=stage, **options)  # before anything starts
     proj = _project(ctx)
     runtime.setup_logging()
-    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)  # several processes
+    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None, root=proj.root)
     with rep.progress_bar(err_console) as progress:
         task = progress.add_task("harvest", total=None)
 
@@ -350,7 +350,7 @@ def _stage_project(ctx: typer.Context):
     proj = _project(ctx)
     supervisor.adopt(proj)  # supervised: the parent process holds the run directory's lock
     runtime.setup_logging()
-    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)
+    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None, root=proj.root)
     return proj
 
 
@@ -729,7 +729,8 @@ def sweep_run(
         from pdctl.sweep.run import run_sweep
 
         runtime.setup_logging()
-        runtime.initialize(sweep.project(sweep.members[0]).config, None)
+        first = sweep.project(sweep.members[0])
+        runtime.initialize(first.config, None, root=first.root)
         try:
             run_sweep(sweep, strategy, echo=lambda s: console.print(s, markup=False))
         except Interrupted as e:

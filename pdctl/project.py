@@ -472,8 +472,9 @@ class Project:
         for name, depth in _NO_LINKS.items():
             refuse_links(self.root / name, depth)
         cache = self.config.compile.cache_dir
-        if cache and Path(cache).is_relative_to(self.root):
-            refuse_links_between(self.root, Path(cache))
+        root = Path(os.path.abspath(self.root))  # a sweep member's root can be relative
+        if cache and Path(cache).is_relative_to(root):
+            refuse_links_between(root, Path(cache))
 
     # ---- paths ---------------------------------------------------------------------------
     def checkpoint_dir(self, stage: str) -> Path:

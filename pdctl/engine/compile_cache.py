@@ -32,7 +32,13 @@ import stat
 from pathlib import Path
 
 from pdctl.errors import PdctlError
-from pdctl.files import UnsafePath, atomic_write, check_private_dir, open_nofollow
+from pdctl.files import (
+    UnsafePath,
+    atomic_write,
+    check_private_dir,
+    open_nofollow,
+    refuse_links_between,
+)
 
 log = logging.getLogger("pdctl")
 
@@ -89,9 +95,14 @@ def _marker(key: bytes) -> bytes:
     return hmac.new(key, b"pdctl compile cache directory", hashlib.sha256).hexdigest().encode()
 
 
-def prepare(path: str | Path) -> tuple[Path, bytes]:
-    """The cache directory, checked (see the module), and this user's key."""
-    path = check_private_dir(Path(os.path.expanduser(str(path))), KEY)
+def prepare(path: str | Path, root: Path | None = None) -> tuple[Path, bytes]:
+    """The cache directory, checked (see the module), and this user's key. A directory inside
+    the run directory `root` is refused (one line) when it or a directory between is a
+    symlink, before anything is written (the run directory's symlink rule)."""
+    path = Path(os.path.abspath(os.path.expanduser(str(path))))
+    if root is not None and path.is_relative_to(os.path.abspath(root)):
+        refuse_links_between(Path(os.path.abspath(root)), path)
+    path = check_private_dir(path, KEY)
     key = user_key()
     want = _marker(key)
     marker = path / MARKER
@@ -178,11 +189,11 @@ def make_signed_cache(path: Path, key: bytes):
     return SignedCache()
 
 
-def install(path: str | Path) -> None:
+def install(path: str | Path, root: Path | None = None) -> None:
     """Check `path` (`prepare`) and make JAX compile through a `SignedCache` over it."""
     import jax
 
-    path, key = prepare(path)
+    path, key = prepare(path, root)
     found = _jax_cache_module()
     if found is None:
         log.warning(

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from pdctl.errors import PdctlError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from jax.sharding import Mesh
 
     from pdctl.config import Config
@@ -141,8 +143,11 @@ def collective_free_eval(mesh: Mesh) -> bool:
     )
 
 
-def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
-    """jax.distributed when flags, [distributed] or the environment ask for it; compile cache;
+def initialize(
+    cfg: Config, flags: DistributedFlags | None = None, root: Path | None = None
+) -> None:
+    """jax.distributed when flags, [distributed] or the environment ask for it; compile cache
+    (a cache directory inside the run directory `root` is checked for symlinks first);
     one CPU device per core (`configure_devices`)."""
     global _initialized
     flags = flags or DistributedFlags()
@@ -180,7 +185,7 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
         # for this user, and only entries signed with this user's key (`compile_cache`).
         from pdctl.engine import compile_cache
 
-        compile_cache.install(cfg.compile.cache_dir)
+        compile_cache.install(cfg.compile.cache_dir, root=root)
     if _initialized:
         return
     cpu_xla_flags()
