@@ -237,6 +237,22 @@ def report(
     console.print(f"wrote {len(result.files)} files; open {result.index}", markup=False)
 
 
+def _int_flag(text: str | None, flag: str) -> int | None:
+    """An integer option given as text ("1000", "1e6"): one line naming `flag` for anything
+    else (click's own check prints a usage block of three lines)."""
+    if text is None:
+        return None
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        d = Decimal(text.strip().replace("_", ""))
+        if d.is_finite() and d == d.to_integral_value() and abs(d) < 10**30:
+            return int(d)
+    except (InvalidOperation, ValueError):
+        pass
+    raise PdctlError(f"{flag}: must be an integer, got {text!r}")
+
+
 @app.command()
 @_guard
 def harvest(
@@ -245,29 +261,39 @@ def harvest(
         str, typer.Option("--stage", help="Decomposition to harvest: train | warmup.")
     ] = "train",
     tokens: Annotated[
-        int | None,
-        typer.Option("--tokens", help="Tokens to harvest (toys: inputs); default: the split."),
+        str | None,
+        typer.Option(
+            "--tokens", metavar="N", help="Tokens to harvest (toys: inputs); default: the split."
+        ),
     ] = None,
     batch_size: Annotated[
-        int | None,
-        typer.Option("--batch-size", help="Sequences (toys: inputs) per batch."),
+        str | None,
+        typer.Option("--batch-size", metavar="B", help="Sequences (toys: inputs) per batch."),
     ] = None,
     split: Annotated[str, typer.Option("--split", help="eval | train (LMs).")] = "eval",
     top_k: Annotated[
-        int, typer.Option("--top-k", help="Top and sampled examples kept per component.")
-    ] = 20,
+        str,
+        typer.Option(
+            "--top-k", metavar="K", help="Top and sampled examples kept per component (1-1000)."
+        ),
+    ] = "20",
     effects: Annotated[
-        int,
-        typer.Option("--effects", help="LMs: output effect of the N most often firing components."),
-    ] = 256,
+        str,
+        typer.Option(
+            "--effects",
+            metavar="N",
+            help="LMs: output effect of the N most often firing components.",
+        ),
+    ] = "256",
     cooc_max: Annotated[
-        int,
+        str,
         typer.Option(
             "--cooc-max",
+            metavar="N",
             help="Co-occurrence: dense over every component up to N of them; beyond, a second "
             "pass over the N most often firing.",
         ),
-    ] = 8192,
+    ] = "8192",
 ) -> None:
     """What each component does over a corpus: firing frequency, CI statistics, top and
     sampled examples, co-occurring components and input tokens, into <run>/harvest/harvest.db
@@ -276,18 +302,25 @@ def harvest(
     from pdctl.engine import runtime
     from pdctl.harvest import run as hv
 
+    options = {
+        "n_tokens": _int_flag(tokens, "--tokens"),
+        "batch_size": _int_flag(batch_size, "--batch-size"),
+        "split": split,
+        "top_k": _int_flag(top_k, "--top-k"),
+        "effects": _int_flag(effects, "--effects"),
+        "cooc_max": _int_flag(cooc_max, "--cooc-max"),
+    }
+    hv.check_options(stage=stage, **options)  # before anything starts
     proj = _project(ctx)
     runtime.setup_logging()
-    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)  # several processes
+    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None, root=proj.root)
     with rep.progress_bar(err_console) as progress:
         task = progress.add_task("harvest", total=None)
 
         def on_batch(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        result = hv.harvest(proj, stage=stage, n_tokens=tokens, batch_size=batch_size,
-                            split=split, top_k=top_k, effects=effects, cooc_max=cooc_max,
-                            on_batch=on_batch)  # fmt: skip
+        result = hv.harvest(proj, stage=stage, on_batch=on_batch, **options)
     again = f" (went on from batch {result.resumed_from})" if result.resumed_from else ""
     by = f" by {result.processes} processes" if result.processes > 1 else ""
     console.print(
@@ -327,7 +360,7 @@ def _stage_project(ctx: typer.Context):
     proj = _project(ctx)
     supervisor.adopt(proj)  # supervised: the parent process holds the run directory's lock
     runtime.setup_logging()
-    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)
+    runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None, root=proj.root)
     return proj
 
 
@@ -708,7 +741,8 @@ def sweep_run(
         from pdctl.sweep.run import run_sweep
 
         runtime.setup_logging()
-        runtime.initialize(sweep.project(sweep.members[0]).config, None)
+        first = sweep.project(sweep.members[0])
+        runtime.initialize(first.config, None, root=first.root)
         try:
             run_sweep(sweep, strategy, echo=lambda s: console.print(s, markup=False))
         except Interrupted as e:

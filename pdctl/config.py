@@ -267,8 +267,10 @@ class CompileConfig(Section):
         description='persistent JAX compilation cache directory ("" = none); a relative path is '
         "relative to the run directory. It holds compiled code that pdctl loads and executes: "
         "use a directory only you can write (pdctl refuses one writable by others or owned by "
-        "another user, and creates a missing one 0700), never one that came with someone "
-        "else's run directory",
+        "another user, and creates a missing one 0700); pdctl marks the directories it creates "
+        "and signs every entry with your key, refuses a directory holding files without its "
+        "mark (one that came with someone else's run directory) and never loads an entry it "
+        "did not write",
     )
 
 

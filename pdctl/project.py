@@ -7,10 +7,10 @@ directory, fsync, rename) and only happen while holding the run directory's lock
 the directory itself, so deleting `.pdctl.lock` does not release it).
 
 A run directory may come from someone else: taking the lock first checks that nothing pdctl
-writes in it (the lock file, checkpoints/, metrics/, profiles/, report/, cache/, wandb/, a
-compile cache inside it) is a symlink, and refuses with one line naming it (exit 2) before
-anything is written. Only pdctl.toml itself may be a link. A relative `[compile] cache_dir` is
-made relative to the run directory here, when the file is loaded.
+writes in it (the lock file, checkpoints/, metrics/, profiles/, report/, cache/, wandb/,
+harvest/, a compile cache inside it) is a symlink, and refuses with one line naming it (exit 2)
+before anything is written. Only pdctl.toml itself may be a link. A relative `[compile]
+cache_dir` is made relative to the run directory here, when the file is loaded.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ _NO_LINKS = {
     "report": 2,
     "cache": 2,
     "wandb": 0,
+    "harvest": 1,
 }
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 _STATE_HEADER = re.compile(r"^[ \t]*\[\[?[ \t]*state[ \t]*[.\]]", re.MULTILINE)
@@ -528,14 +529,15 @@ class Project:
 
     def check_run_dir(self) -> None:
         """Refuse (one line naming it) a symlink where pdctl writes in the run directory: the
-        lock, checkpoints/, metrics/, profiles/, report/, cache/, wandb/ and what pdctl keeps
-        in them, and a compile cache directory inside the run directory. `pdctl.toml` itself
-        may be a symlink (the run directory is the one the link is in)."""
+        lock, checkpoints/, metrics/, profiles/, report/, cache/, wandb/, harvest/ and what
+        pdctl keeps in them, and a compile cache directory inside the run directory.
+        `pdctl.toml` itself may be a symlink (the run directory is the one the link is in)."""
         for name, depth in _NO_LINKS.items():
             refuse_links(self.root / name, depth)
         cache = self.config.compile.cache_dir
-        if cache and Path(cache).is_relative_to(self.root):
-            refuse_links_between(self.root, Path(cache))
+        root = Path(os.path.abspath(self.root))  # a sweep member's root can be relative
+        if cache and Path(cache).is_relative_to(root):
+            refuse_links_between(root, Path(cache))
 
     # ---- paths ---------------------------------------------------------------------------
     def checkpoint_dir(self, stage: str) -> Path:

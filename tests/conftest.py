@@ -32,6 +32,9 @@ def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory):
     the identical program, so numerics are unchanged (test_resume's bit-exact resumes already
     run through such a cache). Child processes are not affected: they see only what their
     run's `[compile] cache_dir` says. PDCTL_TEST_COMPILE_CACHE=0 turns it off."""
+    # The compile cache's signing key (pdctl.engine.compile_cache) lives under XDG_STATE_HOME:
+    # the session's own, inherited by the child processes, never the user's.
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.getbasetemp() / "xdg-state")
     if os.environ.get("PDCTL_TEST_COMPILE_CACHE", "1") == "0":
         yield
         return
@@ -39,15 +42,16 @@ def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory):
     from helpers import session_compile_cache_dir
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    keys = {
-        "jax_compilation_cache_dir": str(session_compile_cache_dir(tmp_path_factory)),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
+    from pdctl.engine import compile_cache
+
+    keys = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     old = {k: getattr(jax.config, k) for k in keys}
-    for k, v in keys.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
+    # as pdctl's `[compile] cache_dir` does: entries signed with the (session's) user key
+    compile_cache.install(session_compile_cache_dir(tmp_path_factory))
     yield
     for k, v in old.items():
         jax.config.update(k, v)

@@ -4,6 +4,7 @@ interrupted-then-resumed harvest give the same database), and the command on a t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sqlite3
 from pathlib import Path
@@ -114,9 +115,10 @@ def test_database_layout_and_refusals(tmp_path: Path):
     by_token = con.execute("SELECT DISTINCT site, component FROM tokens WHERE token = 2 "
                            "AND kind = 'count' ORDER BY site, component").fetchall()  # fmt: skip
     assert by_token == [("a", 2)]  # "which components fire on this token"
-    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    # no WAL: the file is never written in place, and readers open it immutable (issue 37)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     con.close()
-    assert not path.with_name("h.db.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.db"]  # nothing beside it
     other = sqlite3.connect(tmp_path / "old.db")
     other.execute("CREATE TABLE meta (key TEXT, value TEXT)")
     other.execute("INSERT INTO meta VALUES ('schema_version', '0')")
@@ -438,10 +440,10 @@ def test_bad_input_is_one_line(tms_trained: Path, tmp_path: Path):
 # ---- pdctl browse ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def served(tmp_path: Path):
-    """The app over the closed-form harvest, in a tms run directory (tokens shown as ids),
-    served by uvicorn on a free port in a thread: (base url, run directory)."""
+@contextlib.contextmanager
+def _serving(run: Path):
+    """The app over `run`'s harvest.db, served by uvicorn on a free port in a thread: its base
+    url."""
     import socket
     import threading
     import time
@@ -450,14 +452,6 @@ def served(tmp_path: Path):
 
     from pdctl.harvest.browse import make_app
 
-    run = make_run(tmp_path, "tms", "r")
-    (run / "harvest").mkdir()
-    db.write(
-        run / "harvest" / "harvest.db",
-        _harvest(2),
-        {"stage": "train", "kind": "lm-test", "split": "eval", "step": 1, "vocab": VOCAB},
-    )
-    (tmp_path / "secret.txt").write_text("outside")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -468,9 +462,33 @@ def served(tmp_path: Path):
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", run
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _closed_form_run(tmp_path: Path) -> Path:
+    """A tms run directory holding the closed-form harvest (tokens shown as ids)."""
+    run = make_run(tmp_path, "tms", "r")
+    (run / "harvest").mkdir()
+    db.write(
+        run / "harvest" / "harvest.db",
+        _harvest(2),
+        {"stage": "train", "kind": "lm-test", "split": "eval", "step": 1, "vocab": VOCAB},
+    )
+    return run
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """The app over the closed-form harvest, in a tms run directory (tokens shown as ids),
+    served by uvicorn on a free port in a thread: (base url, run directory)."""
+    run = _closed_form_run(tmp_path)
+    (tmp_path / "secret.txt").write_text("outside")
+    with _serving(run) as base:
+        yield base, run
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -657,3 +675,369 @@ def test_one_vs_two_processes_give_the_same_database(tms_trained: Path):
     assert [rc for rc, _ in outs] == [0, 0], outs
     assert dump() == one and any("most often firing" in row for row in one)
     assert not list(path.parent.glob("cooc-*"))
+
+
+# ---- issue 37: hostile run directories, the lock, bad input, forged partial state ---------------
+
+
+def _tree(root: Path) -> dict[str, object]:
+    """Every path under `root` (links not followed) and its bytes or link target."""
+    import os
+
+    out: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = ("link", os.readlink(p))
+        else:
+            out[rel] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+@pytest.fixture
+def trained_copy(tms_trained: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tms_trained, run, symlinks=True, ignore=shutil.ignore_patterns("harvest"))
+    return run
+
+
+HV = ("harvest", "--tokens", "2048", "--batch-size", "256")  # 8 batches
+
+
+@pytest.mark.parametrize(
+    "name", ["harvest", "harvest/partial.npz.tmp", "harvest/harvest.db.tmp", "harvest/partial.npz"]
+)
+def test_a_symlink_in_harvest_is_refused(trained_copy: Path, tmp_path: Path, name: str):
+    # issue 37 item 3: a harvest/ that links outside got harvest.db written there, and a
+    # harvest/partial.npz.tmp link had the file it points to overwritten
+    run = trained_copy
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"mine")
+    (run / "harvest").mkdir(exist_ok=name != "harvest")
+    if name == "harvest":
+        (run / "harvest").rmdir()
+        (run / "harvest").symlink_to(outside, target_is_directory=True)
+    else:
+        (run / name).symlink_to(outside / "precious")
+    before, there = _tree(run), _tree(outside)
+    line = cli_fails(2, "--project", run, *HV)
+    assert f"{run / name}: is a symlink" in line, line
+    assert _tree(outside) == there and _tree(run) == before
+
+
+def test_harvest_holds_the_run_directory_lock(trained_copy: Path, monkeypatch):
+    # issue 37 item 10: a harvest ran while `train --fresh` replaced its checkpoint
+    from pdctl.errors import PdctlError
+
+    run = trained_copy
+    other = _project(run)  # another pdctl: a stage running
+    other.acquire_lock()
+    try:
+        line = cli_fails(2, "--project", run, *HV)
+        assert f"{run} is in use by another pdctl process" in line, line
+        assert not (run / "harvest").exists()
+    finally:
+        other.release_lock()
+    refused = []
+
+    def on_batch(done: int, total: int) -> None:  # a stage starting while the harvest runs
+        try:
+            _project(run).acquire_lock()
+        except PdctlError as e:
+            refused.append(str(e))
+
+    hv.harvest(_project(run), n_tokens=2048, batch_size=256, on_batch=on_batch)
+    assert len(refused) == 8 and "in use by another pdctl process" in refused[0], refused
+    assert _project(run).lock_is_free()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--tokens", "abc"], "--tokens: must be an integer, got 'abc'"),
+        (["--tokens", "2.5"], "--tokens: must be an integer, got '2.5'"),
+        (["--batch-size", "x"], "--batch-size: must be an integer, got 'x'"),
+        (["--top-k", "1e9"], "--top-k: must be in [1, 1000], got 1000000000"),
+        (["--top-k", "0"], "--top-k: must be in [1, 1000], got 0"),
+        (["--effects", "-1"], "--effects: must be >= 0, got -1"),
+        (["--cooc-max", "nan"], "--cooc-max: must be an integer, got 'nan'"),
+    ],
+)
+def test_bad_harvest_flags_are_one_line_at_once(trained_copy: Path, args, says):
+    import time
+
+    t0 = time.monotonic()
+    line = cli_fails(2, "--project", trained_copy, "harvest", *args)
+    assert line == f"error: {says}", line
+    assert time.monotonic() - t0 < 2
+    assert not (trained_copy / "harvest").exists()
+
+
+def _stopped_after(run: Path, monkeypatch, batches: int) -> None:
+    """A harvest (HV) stopped by SIGTERM after `batches` batches: harvest/partial.npz saved."""
+    import signal
+
+    from pdctl.engine import runtime
+    from pdctl.engine.loop import Interrupted
+
+    seen = []
+    real = runtime.stop_requested
+    monkeypatch.setattr(
+        runtime, "stop_requested", lambda: signal.SIGTERM if len(seen) >= batches else real()
+    )
+    with pytest.raises(Interrupted):
+        hv.harvest(_project(run), n_tokens=2048, batch_size=256,
+                   on_batch=lambda d, t: seen.append(d))  # fmt: skip
+    monkeypatch.setattr(runtime, "stop_requested", real)
+
+
+def _forge(path: Path, checksum: bool, **arrays) -> None:
+    z = {k: np.asarray(v) for k, v in arrays.items() if k != "_sum"}
+    if checksum:  # a forger who knows the format
+        z["_sum"] = np.asarray(hv._checksum(z))
+    else:
+        z["_sum"] = np.asarray("0" * 64)
+    with open(path, "wb") as f:
+        np.savez(f, **z)
+
+
+def test_a_forged_partial_harvest_is_not_trusted(trained_copy: Path, monkeypatch):
+    # issue 37 item 11: a negative `_next` gave a traceback, inflated counts were trusted
+    run = trained_copy
+    partial = run / "harvest" / "partial.npz"
+    _stopped_after(run, monkeypatch, 3)  # saved after batch 4 of 8
+    z = dict(np.load(partial))
+    key = str(z["_key"])
+
+    def read():
+        positions = lambda nxt: min(2048, nxt * 256)  # noqa: E731  (toy: one position a row)
+        return hv._read_partial(partial, key, 0, 8, positions)
+
+    assert read()[1] == 4  # the true one
+    forged = [
+        ({"_next": -5}, True),
+        ({"_next": 99}, True),
+        ({"count": z["count"] + 10_000}, True),  # more firings than positions
+        ({"n_positions": z["n_positions"] * 2}, True),  # more than the batches done cover
+        ({"count": z["count"] + 1}, False),  # an edit without the checksum
+    ]
+    for edit, checksum in forged:
+        _forge(partial, checksum, **{**z, **edit})
+        assert (hv._read_keyed(partial, key) is not None) == checksum, edit  # well formed
+        assert read() is None, edit
+    _forge(partial, True, **{**z, "_next": -5})
+    r = cli("--project", run, *HV)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "went on from" not in r.output  # started over
+
+
+def test_a_full_disk_during_harvest_is_one_line(trained_copy: Path, monkeypatch):
+    # issue 37 item 11: ENOSPC gave a traceback and left partial.npz.tmp behind
+    import errno
+
+    run = trained_copy
+    monkeypatch.setattr(hv, "SAVE_EVERY", 2)
+    real_savez = np.savez
+
+    def full(f, **arrays):
+        f.write(b"PK\x03\x04 half an archive")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full)
+    line = cli_fails(2, "--project", run, *HV)
+    assert line.startswith(f"error: harvest: cannot write {run / 'harvest' / 'partial.npz'} "
+                           "(No space left on device)"), line  # fmt: skip
+    assert sorted(p.name for p in (run / "harvest").iterdir()) == []
+    monkeypatch.setattr(np, "savez", real_savez)
+
+    def full_db(*args, **kwargs):
+        (run / "harvest" / "harvest.db.tmp").write_bytes(b"SQLite format 3\x00 half")
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(db, "_write", full_db)
+    line = cli_fails(2, "--project", run, *HV)
+    assert "harvest: cannot write" in line and "database or disk is full" in line, line
+    assert sorted(p.name for p in (run / "harvest").iterdir()) == ["partial.npz"]  # kept
+
+
+PAYLOAD = "<img src=x onerror=\"document.title='pwned'\">"
+
+
+def _hostile(run: Path) -> None:
+    """Values a hostile harvest.db could hold, in columns declared INTEGER and in meta."""
+    import json
+
+    con = sqlite3.connect(run / "harvest" / "harvest.db")
+    con.execute("UPDATE sites SET C = ? WHERE site = 'a'", (PAYLOAD,))
+    con.execute("UPDATE meta SET value = ? WHERE key IN ('step', 'kind')", (json.dumps(PAYLOAD),))
+    con.execute("UPDATE components SET count = ? WHERE site = 'a'", (PAYLOAD,))
+    con.execute("UPDATE cooc SET count = ? WHERE site = 'a'", (PAYLOAD,))
+    con.commit()
+    con.close()
+
+
+@pytest.mark.slow  # headless Chromium: ~6 s
+def test_browse_escapes_a_hostile_database_in_headless_chromium(tmp_path: Path):
+    # issue 37 item 4: an <img onerror> in sites.C, meta.step or components.count ran on #/
+    import os
+    import time
+
+    from test_report import CHROMIUM, _Browser
+
+    if CHROMIUM is None:
+        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
+            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    run = _closed_form_run(tmp_path)
+    _hostile(run)
+    browser = _Browser(tmp_path / "profile")
+
+    def js(expr: str):
+        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
+                           browser.session)  # fmt: skip
+        return out["result"].get("value")
+
+    try:
+        with _serving(run) as base:
+            browser.load(f"{base}/", settle_s=0.1)
+            for route in ("#/", "#/site/a", "#/c/a/0"):
+                js(f"location.hash = '{route}'")  # a hash change: no new load event
+                deadline = time.monotonic() + 20
+                while js("document.body.dataset.ready") != route:
+                    assert time.monotonic() < deadline, (route, js("document.body.innerHTML"))
+                    time.sleep(0.05)
+                time.sleep(0.2)  # an <img src=x> would have failed to load by now
+                assert js("document.querySelectorAll('main img').length") == 0, route
+                assert js("document.title") == "pdctl browse", route  # no script ran
+                assert PAYLOAD in js("document.getElementById('main').textContent"), route
+    finally:
+        browser.close()
+
+
+def _api_tour(base: str) -> None:
+    for path in ("/", "/static/app.js", "/api/overview", "/api/components?site=a",
+                 "/api/component/a/0", "/api/search?q=%232", "/api/search?q=x",
+                 "/api/like/a/0"):  # fmt: skip
+        assert _get(base + path)[0] == 200, path
+
+
+def test_browse_writes_nothing_in_the_run_directory(tmp_path: Path):
+    # issue 37 item 5: harvest.db-wal / -shm were left after a few requests, and when
+    # refusing a bad port or host. A database written WAL (by pdctl before this) is the case.
+    from helpers import free_port
+
+    run = _closed_form_run(tmp_path)
+    con = sqlite3.connect(run / "harvest" / "harvest.db")
+    assert con.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    con.close()
+    before = _tree(run)
+    with _serving(run) as base:
+        _api_tour(base)
+        port = int(base.rsplit(":", 1)[1])
+        cli_fails(2, "--project", run, "browse", "--port", str(port))
+    cli_fails(2, "--project", run, "browse", "--host", "no such host", "--port", str(free_port()))
+    assert _tree(run) == before
+
+
+@pytest.mark.slow  # a pdctl browse process (imports JAX for the token decoder): ~6 s
+def test_browse_serves_a_read_only_run_directory(tmp_path: Path):
+    # issue 37 item 6: a run directory the user cannot write was not served
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    from helpers import free_port, pdctl_argv, pdctl_env
+
+    run = _closed_form_run(tmp_path)
+    con = sqlite3.connect(run / "harvest" / "harvest.db")
+    con.execute("PRAGMA journal_mode=WAL")  # the harder case: SQLite wants a -shm beside it
+    con.close()
+    before = _tree(run)
+    port = free_port()
+    cmd = pdctl_argv("browse", "--port", port, project=run)
+    if os.geteuid() != 0:
+        run.chmod(0o555)
+        (run / "harvest").chmod(0o555)
+    elif shutil.which("unshare"):  # root ignores modes: a read-only bind mount
+        script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+        cmd = ["unshare", "-m", "sh", "-c", script, str(run), *cmd]
+    else:
+        pytest.skip("root without unshare: cannot make a read-only directory")
+    proc = subprocess.Popen(cmd, env=pdctl_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, _ = _get(f"http://127.0.0.1:{port}/api/overview")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    _, err = proc.communicate(timeout=10)
+                    if "mount:" in err or "unshare:" in err:
+                        pytest.skip(f"no private read-only mount here: {err.strip()[:200]}")
+                    pytest.fail(f"browse did not serve (exit {proc.returncode}): {err}")
+                time.sleep(0.2)
+        assert status == 200
+        _api_tour(f"http://127.0.0.1:{port}")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if os.geteuid() != 0:
+            (run / "harvest").chmod(0o755)
+            run.chmod(0o755)
+    assert _tree(run) == before
+
+
+def test_browse_answers_hostile_queries_and_databases_with_a_4xx_at_once(tmp_path: Path):
+    # issue 37 item 13: a huge offset gave a 500, a database of `meta` only 500s, and
+    # meta.vocab = 2e9 held the server in /api/search for > 15 s
+    import json
+    import time
+
+    run = _closed_form_run(tmp_path)
+    path = run / "harvest" / "harvest.db"
+    with _serving(run) as base:
+        for query, code in [("/api/components?offset=99999999999999999999", 400),
+                            ("/api/components?offset=-1", 400),
+                            ("/api/component/a/99999999999999999999", 400),
+                            ("/api/like/a/99999999999999999999", 400),
+                            ("/api/search?q=%2399999999999999999999999", 200)]:  # fmt: skip
+            status, body = _get(base + query)
+            assert status == code, (query, status, body)
+            assert "detail" in json.loads(body) if code != 200 else True
+        con = sqlite3.connect(path)
+        con.execute("UPDATE meta SET value = '2e9' WHERE key = 'vocab'")
+        con.commit()
+        t0 = time.monotonic()
+        status, body = _get(base + "/api/search?q=x")
+        assert status == 422 and b"meta.vocab" in body, body
+        assert time.monotonic() - t0 < 1
+        con.execute("UPDATE meta SET value = 'not json' WHERE key = 'stage'")
+        con.commit()
+        assert _get(base + "/api/overview")[0] == 422
+        for table in db.TABLES[1:]:  # a database holding only meta, swapped in while serving
+            con.execute(f"DROP TABLE {table}")
+        con.commit()
+        con.close()
+        for query in ("/api/overview", "/api/components", "/api/component/a/0",
+                      "/api/search?q=%232", "/api/like/a/0"):  # fmt: skip
+            status, body = _get(base + query)
+            assert status == 422 and b"no table" in body, (query, status, body)
+    line = cli_fails(2, "--project", run, "browse")  # and refused up front
+    assert f"{path}: not a pdctl harvest database (no table components, " in line, line
+
+
+def test_browse_host_that_is_not_an_address_is_one_line(tmp_path: Path):
+    from helpers import free_port
+
+    run = _closed_form_run(tmp_path)
+    port = free_port()
+    line = cli_fails(2, "--project", run, "browse", "--host", "not a host", "--port", str(port))
+    assert line.startswith("error: --host: 'not a host' is not an address to listen on"), line
+    line = cli_fails(2, "--project", run, "browse", "--host", "192.0.2.1", "--port", str(port))
+    assert line.startswith("error: --host: '192.0.2.1' is not an address of this machine"), line

@@ -428,6 +428,24 @@ def test_fit_check_cli(tmp_path: Path) -> None:
         assert len(lines) == 1 and says in lines[0], (args, bad.stderr)
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--device-memory", ""], "--device-memory: expected a size such as 80GiB or 40GB, got ''"),
+        (["--device-memory", "0.5B"], "--device-memory: expected a size such as 80GiB"),
+        (["--device-kind", ""], "--device-kind: unknown kind ''"),
+        (["--device-memory", "", "--device-kind", ""], "give one of them"),
+    ],
+)
+def test_an_empty_or_sub_byte_device_memory_is_one_line(tmp_path: Path, args, says) -> None:
+    # issue 37 item 11: these gave exit 0 and no fit check (fast: refused before any compile)
+    run = tiny_tms(tmp_path)
+    bad = invoke("--project", str(run), "inspect-sharding", *args)
+    assert bad.exit_code == 2, (args, bad.output)
+    lines = [x for x in bad.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], bad.stderr
+
+
 def test_an_imported_model_inspects_from_its_config_json_alone(tmp_path: Path) -> None:
     """The fit check's promise: a config.json is enough to lay out (and compile) a model one
     does not have; a stage that needs the weights still refuses the directory."""

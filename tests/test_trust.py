@@ -376,6 +376,10 @@ def test_12_a_relative_cache_dir_is_relative_to_the_run_directory(
     assert proj.config.compile.cache_dir == str(run / "xla")
     updates: dict[str, Any] = {}
     monkeypatch.setattr(jax.config, "update", lambda k, v: updates.__setitem__(k, v))
+    from jax._src import compilation_cache as cc  # the session's cache, back after the test
+
+    monkeypatch.setattr(cc, "_cache", cc._cache)
+    monkeypatch.setattr(cc, "_cache_initialized", cc._cache_initialized)
     runtime.initialize(proj.config)
     assert updates["jax_compilation_cache_dir"] == str(run / "xla")
     assert stat.S_IMODE((run / "xla").stat().st_mode) == 0o700  # created private

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from pdctl.errors import PdctlError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from jax.sharding import Mesh
 
     from pdctl.config import Config
@@ -156,8 +158,11 @@ def collective_free_eval(mesh: Mesh) -> bool:
     )
 
 
-def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
-    """jax.distributed when flags, [distributed] or the environment ask for it; compile cache;
+def initialize(
+    cfg: Config, flags: DistributedFlags | None = None, root: Path | None = None
+) -> None:
+    """jax.distributed when flags, [distributed] or the environment ask for it; compile cache
+    (a cache directory inside the run directory `root` is checked for symlinks first);
     one CPU device per core (`configure_devices`)."""
     global _initialized
     flags = flags or DistributedFlags()
@@ -191,13 +196,11 @@ def initialize(cfg: Config, flags: DistributedFlags | None = None) -> None:
 
     if cfg.compile.cache_dir:
         # Relative paths were made relative to the run directory when pdctl.toml was loaded.
-        # The cache holds executables JAX loads and runs: only a directory only we can write.
-        from pdctl.files import check_private_dir
+        # The cache holds executables JAX loads and runs: a private directory pdctl created
+        # for this user, and only entries signed with this user's key (`compile_cache`).
+        from pdctl.engine import compile_cache
 
-        cache = check_private_dir(os.path.expanduser(cfg.compile.cache_dir), "compile.cache_dir")
-        jax.config.update("jax_compilation_cache_dir", str(cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        compile_cache.install(cfg.compile.cache_dir, root=root)
     if _initialized:
         return
     cpu_xla_flags()

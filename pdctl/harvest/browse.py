@@ -29,6 +29,15 @@ from pdctl.project import Project
 
 STATIC = Path(__file__).with_name("static")
 SORTS = ("component", "frequency", "count", "mean_ci", "max_ci", "v_norm", "u_norm")
+MAX_OFFSET = 10**12  # rows; SQLite's integers end at 2**63
+MAX_VOCAB = 1 << 20  # token ids a text search decodes (the largest LM vocabularies are ~262k)
+# The page runs only its own script (no inline script or handler, whatever a value holds);
+# a file under /files/ runs in a sandbox, never at the app's origin.
+APP_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'"
+)
+FILES_CSP = "sandbox"
 
 
 def _decoder(project: Project) -> Callable[[list[int]], str]:
@@ -66,6 +75,16 @@ def make_app(project: Project):
         con.row_factory = sqlite3.Row
         return con
 
+    index_of: dict[str, Any] = {}  # {"vocab": n, "ids": {text: [ids]}}, built on first search
+
+    def ids_of(text: str, vocab: int) -> list[int]:
+        if index_of.get("vocab") != vocab:
+            by: dict[str, list[int]] = {}
+            for t in range(vocab):
+                by.setdefault(tok(t).strip(), []).append(t)
+            index_of.update(vocab=vocab, ids=by)
+        return index_of["ids"].get(text, [])
+
     def meta(con) -> dict[str, Any]:
         return {r["key"]: json.loads(r["value"]) for r in con.execute("SELECT * FROM meta")}
 
@@ -74,7 +93,7 @@ def make_app(project: Project):
             raise HTTPException(404, f"no site {site!r}")
 
     async def index(request):
-        return FileResponse(STATIC / "index.html")
+        return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": APP_CSP})
 
     async def static(request):
         name = request.path_params["name"]
@@ -88,7 +107,7 @@ def make_app(project: Project):
             raise HTTPException(403, "outside the run directory")
         if not target.is_file():
             raise HTTPException(404)
-        return FileResponse(target)
+        return FileResponse(target, headers={"Content-Security-Policy": FILES_CSP})
 
     async def overview(request):
         with closing(connect()) as con:
@@ -115,10 +134,12 @@ def make_app(project: Project):
         desc = q.get("desc", "1") != "0"
         try:
             limit = max(1, min(int(q.get("limit", 200)), 5000))
-            offset = max(0, int(q.get("offset", 0)))
+            offset = int(q.get("offset", 0))
             min_f = float(q.get("min_frequency", 0))
         except ValueError:
             raise HTTPException(400, "limit, offset and min_frequency are numbers") from None
+        if not 0 <= offset <= MAX_OFFSET:
+            raise HTTPException(400, f"offset: must be in [0, {MAX_OFFSET}], got {offset}")
         with closing(connect()) as con:
             where, args = "frequency >= ?", [min_f]
             if site:
@@ -194,10 +215,15 @@ def make_app(project: Project):
             raise HTTPException(400, "q: give a token's text or #id")
         with closing(connect()) as con:
             vocab = meta(con).get("vocab") or 0
-            if q.startswith("#") and q[1:].isdigit():
+            if q.startswith("#") and q[1:].isdigit() and len(q) < 20:
                 ids = [int(q[1:])]
             else:
-                ids = [t for t in range(vocab) if tok(t).strip() == q]
+                if not isinstance(vocab, int) or not 0 <= vocab <= MAX_VOCAB:
+                    raise HTTPException(
+                        422, f"harvest.db: meta.vocab must be an integer in [0, {MAX_VOCAB}], "
+                        f"got {vocab!r}: search by #id"
+                    )  # fmt: skip
+                ids = ids_of(q, vocab)
             rows = []
             for t in ids:
                 rows += [
@@ -225,7 +251,31 @@ def make_app(project: Project):
             ).fetchall()
             return JSONResponse({"rows": [dict(r) for r in rows]})
 
+    def bad_database(request, exc):
+        """A value in harvest.db that is not what pdctl writes (a hostile or foreign file):
+        a 4xx that says so, never a 500."""
+        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return JSONResponse(
+            {"detail": f"harvest.db does not hold what pdctl writes ({what})"}, status_code=422
+        )
+
+    def bad_number(request, exc):
+        return JSONResponse({"detail": f"a number out of range ({exc})"}, status_code=400)
+
+    def http_error(request, exc):
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+
     return Starlette(
+        exception_handlers={
+            HTTPException: http_error,
+            OverflowError: bad_number,
+            sqlite3.Error: bad_database,
+            PdctlError: bad_database,
+            ValueError: bad_database,
+            TypeError: bad_database,
+            KeyError: bad_database,
+            AttributeError: bad_database,
+        },
         routes=[
             Route("/", index),
             Route("/static/{name}", static),
@@ -235,18 +285,33 @@ def make_app(project: Project):
             Route("/api/component/{site}/{c:int}", component),
             Route("/api/search", search),
             Route("/api/like/{site}/{c:int}", like),
-        ]
+        ],
     )
 
 
 def check_port(host: str, port: int) -> None:
-    """One line, exit 2, for a port that cannot be bound (in use, privileged, bad host)."""
+    """One line, exit 2, naming the flag: `--host` for a name that does not resolve or an
+    address not on this machine, `--port` for a port that cannot be bound (in use,
+    privileged)."""
+    import errno
+
     if not 0 < port < 65536:
         raise PdctlError(f"--port: must be in [1, 65535], got {port}")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError, ValueError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise PdctlError(f"--host: {host!r} is not an address to listen on ({why})") from None
+    with socket.socket(family, kind, proto) as s:
         try:
-            s.bind((host, port))
+            s.bind(addr)
         except OSError as e:
+            if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                raise PdctlError(
+                    f"--host: {host!r} is not an address of this machine ({e.strerror})"
+                ) from None
             raise PdctlError(f"--port: cannot listen on {host}:{port} ({e.strerror})") from None
 
 

@@ -1,9 +1,11 @@
 """harvest.db: the SQLite file a harvest writes and `browse` reads.
 
 Written whole into `harvest.db.tmp` next to it and renamed over `harvest.db` when complete, so
-a reader sees the previous harvest or the new one, never a part. Journal mode WAL (readers do
-not block each other). `meta.schema_version` says which layout this is; a reader refuses
-another version with one line.
+a reader sees the previous harvest or the new one, never a part; the file is never changed in
+place after that, so readers open it immutable (`open_readonly`: no lock, no `-wal` / `-shm` /
+journal file written beside it, which also works in a directory the reader cannot write).
+`meta.schema_version` says which layout this is; a reader refuses another version, or a file
+without pdctl's tables, with one line.
 
 Tables (component = index within its site; "global" = index over all sites in site order):
   meta(key, value)                        schema_version, run_id, stage, step, n_positions, ...
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,8 @@ CREATE TABLE effects (site TEXT NOT NULL, component INTEGER NOT NULL, kind TEXT 
   rank INTEGER NOT NULL, token INTEGER NOT NULL, nats REAL NOT NULL);
 CREATE INDEX effects_by_component ON effects (site, component);
 """
+
+TABLES = re.findall(r"CREATE TABLE (\w+)", SCHEMA)
 
 
 def _cooc_says(h: Harvest) -> str:
@@ -95,9 +100,27 @@ def write(
 ) -> None:
     """The whole database for accumulator `h`, atomically at `path`; `norms` {site: (|V[:, c]|,
     |U[c, :]|)} per component when known."""
+    from pdctl.errors import PdctlError
+
     tmp = path.with_name(path.name + ".tmp")
-    for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+    # SQLite's files beside the temporary one: removed (a link planted there goes, what it
+    # points to is untouched), so SQLite creates each anew
+    side = [tmp, *(Path(f"{tmp}{s}") for s in ("-journal", "-wal", "-shm"))]
+    for p in side:
         p.unlink(missing_ok=True)
+    try:
+        _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens)
+        os.replace(tmp, path)
+    except (sqlite3.Error, OSError) as e:
+        for p in side:
+            p.unlink(missing_ok=True)
+        raise PdctlError(
+            f"harvest: cannot write {path} ({e}); the saved partial harvest is kept: make room "
+            "and run `pdctl harvest` again with the same options"
+        ) from None
+
+
+def _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens) -> None:
     con = sqlite3.connect(tmp)
     try:
         con.executescript(SCHEMA)
@@ -161,10 +184,8 @@ def write(
              for rank, (tok, nats) in enumerate(rows)],
         )  # fmt: skip
         con.commit()
-        con.execute("PRAGMA journal_mode=WAL")
     finally:
         con.close()
-    os.replace(tmp, path)
 
 
 def open_readonly(path: Path) -> sqlite3.Connection:
@@ -173,16 +194,29 @@ def open_readonly(path: Path) -> sqlite3.Connection:
 
     if not path.is_file():
         raise PdctlError(f"{path}: no harvest here (run `pdctl harvest` first)")
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    # immutable: SQLite reads the file and writes nothing (see the module)
+    con = sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=ro&immutable=1", uri=True)
     try:
         (v,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     except (sqlite3.DatabaseError, TypeError):
         con.close()
         raise PdctlError(f"{path}: not a pdctl harvest database") from None
-    if json.loads(v) != SCHEMA_VERSION:
+    try:
+        version = json.loads(v)
+    except (ValueError, TypeError):
+        version = v
+    if version != SCHEMA_VERSION:
         con.close()
         raise PdctlError(
             f"{path}: harvest schema version {v}, this pdctl reads {SCHEMA_VERSION}: run "
+            "`pdctl harvest` again"
+        )
+    missing = sorted(set(TABLES) - tables)
+    if missing:
+        con.close()
+        raise PdctlError(
+            f"{path}: not a pdctl harvest database (no table {', '.join(missing)}): run "
             "`pdctl harvest` again"
         )
     return con

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -53,12 +54,18 @@ from pdctl.harvest.accumulate import CoocCounter, Harvest, merge_states
 from pdctl.project import Project, now
 
 SAVE_EVERY = 8  # batches between saves of the partial state
-PARTIAL_FORMAT = 2  # the layout of partial.npz (1: the host accumulator's, not read any more)
+# the layout of partial.npz (1: the host accumulator's; 2: without a checksum; neither read now)
+PARTIAL_FORMAT = 3
 TOY_INPUTS = 8192  # toys: inputs harvested by default
 TOY_BATCH = 1024
 EFFECTS = 256  # LMs: components (the most often firing) whose output effect is measured
 COOC_MAX = 8192  # components in the dense co-occurrence matrix (C_total^2 int64: 512 MiB)
+# Top and sampled examples kept per component: each is a token window and its CI for every
+# component, on the accumulator's device; more than a component's page can show is refused.
+MAX_TOP_K = 1000
 PEER_TIMEOUT_S = 6 * 3600  # several processes: how long one waits for the others' parts
+
+log = logging.getLogger("pdctl")
 
 
 @dataclass
@@ -80,40 +87,94 @@ def partial_name(pid: int = 0, nproc: int = 1) -> str:
 
 
 def _atomic(path: Path, write: Callable[[Any], None]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `path` whole through `write(file)`: a temporary file pdctl creates (never through
+    a link planted at its name), renamed over `path`; a failed write (a full disk) leaves the
+    old file and no temporary one, and is one line."""
+    from pdctl.files import atomic_output, open_nofollow, refuse_links
+
+    refuse_links(path)
+    try:
+        with (
+            atomic_output(path) as tmp,
+            os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f,
+        ):
+            write(f)
+    except OSError as e:
+        raise PdctlError(
+            f"harvest: cannot write {path} ({e.strerror or e}); the work saved before is kept: "
+            "make room and run `pdctl harvest` again with the same options"
+        ) from None
+
+
+def _checksum(arrays: dict[str, np.ndarray]) -> str:
+    """sha256 over every array's name, dtype, shape and bytes (the `_key` of the options
+    among them), in name order."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _save_keyed(path: Path, key: str, arrays: dict[str, Any]) -> None:
+    """An .npz of `arrays`, this harvest's `key` and a checksum over both."""
+    out = {k: np.asarray(v) for k, v in arrays.items()}
+    out["_key"] = np.asarray(key)
+    out["_sum"] = np.asarray(_checksum(out))
+    _atomic(path, lambda f: np.savez(f, **out))
 
 
 def _save_partial(path: Path, h: Harvest, key: str, next_batch: int) -> None:
-    state = h.state()
-    _atomic(path, lambda f: np.savez(f, **state, _key=np.asarray(key),
-                                     _next=np.asarray(next_batch)))  # fmt: skip
+    _save_keyed(path, key, {**h.state(), "_next": np.asarray(next_batch, np.int64)})
 
 
 def _read_keyed(path: Path, key: str) -> dict[str, np.ndarray] | None:
-    """The arrays of an .npz this harvest (`key`) saved, or None (missing, torn, foreign)."""
+    """The arrays of an .npz this harvest (`key`) saved, or None (missing, torn, foreign, or
+    its checksum does not match its content: edited)."""
     try:
-        with np.load(path) as z:
-            return {k: z[k] for k in z.files} if str(z["_key"]) == key else None
+        with np.load(path, allow_pickle=False) as z:
+            got = {k: z[k] for k in z.files}
+        if str(got.get("_key")) != key:
+            return None
+        if str(got.pop("_sum")) != _checksum(got):
+            log.warning("harvest: %s does not match its checksum (edited or torn): not used", path)
+            return None
+        return got
     except Exception:  # a torn or foreign file: start over (it is only a cache of work done)
         return None
 
 
-def _read_partial(path: Path, key: str) -> tuple[dict[str, np.ndarray], int] | None:
-    """(state, next batch) of a saved harvest with the same `key`, or None."""
+def _read_partial(
+    path: Path, key: str, first: int, last: int, positions: Callable[[int], int]
+) -> tuple[dict[str, np.ndarray], int] | None:
+    """(state, next batch) of a saved harvest with the same `key` over batches [first, last),
+    or None. Values no harvest can reach are not used: a next batch outside [first, last], a
+    position count other than the batches done cover (`positions(next)`), a count below 0 or
+    above the positions."""
     got = _read_keyed(path, key)
     if got is None:
         return None
-    return {k: v for k, v in got.items() if not k.startswith("_")}, int(got["_next"])
+    state = {k: v for k, v in got.items() if not k.startswith("_")}
+    try:
+        nxt = int(got["_next"])
+        n = int(state["n_positions"])
+        count = np.asarray(state["count"])
+        ok = first <= nxt <= last and n == positions(nxt) and count.size > 0
+        ok = ok and int(count.min()) >= 0 and int(count.max()) <= n
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        log.warning("harvest: %s holds values no harvest reaches: not used", path)
+        return None
+    return state, nxt
 
 
-def _load_partial(path: Path, h: Harvest, key: str) -> int | None:
+def _load_partial(
+    path: Path, h: Harvest, key: str, first: int, last: int, positions: Callable[[int], int]
+) -> int | None:
     """The next batch of an interrupted harvest with the same `key` (None: start afresh)."""
-    got = _read_partial(path, key)
+    got = _read_partial(path, key, first, last, positions)
     if got is None:
         return None
     try:
@@ -144,10 +205,22 @@ def harvest(
     project: Project,
     **kwargs,
 ) -> Result:
-    """`_harvest` with SIGTERM / SIGINT turned into a clean stop (exit 3, see the module)."""
+    """`_harvest` with SIGTERM / SIGINT turned into a clean stop (exit 3, see the module),
+    holding the run directory's lock: a stage that would replace the checkpoint being read
+    (`train --fresh`), or another harvest, is refused while it runs, and it is refused while
+    one of them runs. Process 0 holds it for every process (as for a stage); taking it checks
+    that nothing under harvest/ is a symlink (`Project.check_run_dir`), and the others check
+    that too."""
+    import contextlib
+
     from pdctl.engine import runtime
 
-    with runtime.stop_signals():
+    if runtime.is_writer():
+        held = project.locked()
+    else:
+        project.check_run_dir()
+        held = contextlib.nullcontext()
+    with runtime.stop_signals(), held:
         try:
             return _harvest(project, **kwargs)
         except runtime.StopNow as e:  # a restore, tokenization or compile left running
@@ -157,6 +230,33 @@ def harvest(
                 f"harvest: stopped by {e.name} while {e.what} (left unfinished); what was "
                 "saved before is kept: run `pdctl harvest` again with the same options to go on"
             ) from None
+
+
+def check_options(
+    *,
+    stage: str = "train",
+    n_tokens: int | None = None,
+    batch_size: int | None = None,
+    split: str = "eval",
+    top_k: int = 20,
+    effects: int = EFFECTS,
+    cooc_max: int = COOC_MAX,
+) -> None:
+    """One line naming the flag for a value no harvest takes."""
+    if n_tokens is not None and n_tokens < 1:
+        raise PdctlError(f"--tokens: must be >= 1, got {n_tokens}")
+    if batch_size is not None and batch_size < 1:
+        raise PdctlError(f"--batch-size: must be >= 1, got {batch_size}")
+    if split not in ("eval", "train"):
+        raise PdctlError(f"--split: must be eval or train, got {split!r}")
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise PdctlError(f"--top-k: must be in [1, {MAX_TOP_K}], got {top_k}")
+    if effects < 0:
+        raise PdctlError(f"--effects: must be >= 0, got {effects}")
+    if cooc_max < 1:
+        raise PdctlError(f"--cooc-max: must be >= 1, got {cooc_max}")
+    if stage not in ("train", "warmup"):
+        raise PdctlError(f"--stage: {stage!r} has no decomposition (choose from train, warmup)")
 
 
 def _harvest(
@@ -176,20 +276,8 @@ def _harvest(
     from pdctl.science.spd import evaluate
     from pdctl.stages.common import STREAM_TRAIN, StageEnv, corpus_tokens, stream_key
 
-    if n_tokens is not None and n_tokens < 1:
-        raise PdctlError(f"--tokens: must be >= 1, got {n_tokens}")
-    if batch_size is not None and batch_size < 1:
-        raise PdctlError(f"--batch-size: must be >= 1, got {batch_size}")
-    if split not in ("eval", "train"):
-        raise PdctlError(f"--split: must be eval or train, got {split!r}")
-    if top_k < 1:
-        raise PdctlError(f"--top-k: must be >= 1, got {top_k}")
-    if effects < 0:
-        raise PdctlError(f"--effects: must be >= 0, got {effects}")
-    if cooc_max < 1:
-        raise PdctlError(f"--cooc-max: must be >= 1, got {cooc_max}")
-    if stage not in ("train", "warmup"):
-        raise PdctlError(f"--stage: {stage!r} has no decomposition (choose from train, warmup)")
+    check_options(stage=stage, n_tokens=n_tokens, batch_size=batch_size, split=split,
+                  top_k=top_k, effects=effects, cooc_max=cooc_max)  # fmt: skip
     try:
         dec = runtime.interruptible(
             load.load_decomposition, project, stage, what="restoring the decomposition"
@@ -252,7 +340,12 @@ def _harvest(
     out_dir.mkdir(exist_ok=True)
     first, last = _batches_of(pid, nproc, n_batches)
     mine = out_dir / partial_name(pid, nproc)
-    got = _load_partial(mine, h, key)
+
+    def positions(lo: int, hi: int) -> int:
+        """Positions batches [lo, hi) cover."""
+        return (min(n_items, hi * B) - min(n_items, lo * B)) * T
+
+    got = _load_partial(mine, h, key, first, last, lambda nxt: positions(first, nxt))
     start_batch = first if got is None else got
 
     params = jax.device_put(dec.params, rep)
@@ -299,7 +392,8 @@ def _harvest(
         if start_batch < last or got is None:
             _save_partial(mine, h, key, last)
         runtime.barrier("pdctl-harvest-parts", PEER_TIMEOUT_S)
-        h.load_state(merge_states([_part(out_dir, key, p, nproc, n_batches) for p in range(nproc)]))
+        parts = [_part(out_dir, key, p, nproc, n_batches, positions) for p in range(nproc)]
+        h.load_state(merge_states(parts))
 
     if not h.cooc_kept:  # too many components for the dense matrix: a second, narrower pass
         count = np.concatenate([h.stats[s].count for s in sites])
@@ -321,7 +415,7 @@ def _harvest(
             counts = counter.counts
             if nproc > 1:
                 mine_c = out_dir / f"cooc-{pid}of{nproc}.npz"
-                _atomic(mine_c, lambda f: np.savez(f, counts=counts, _key=np.asarray(key)))
+                _save_keyed(mine_c, key, {"counts": counts})
                 runtime.barrier("pdctl-harvest-cooc", PEER_TIMEOUT_S)
                 counts = sum(_cooc_part(out_dir, key, p, nproc) for p in range(nproc))
             h.set_cooc(index, counts)
@@ -405,10 +499,13 @@ def _cooc_part(d: Path, key: str, p: int, nproc: int) -> np.ndarray:
                      "again; is the run directory shared by every process?)")  # fmt: skip
 
 
-def _part(d: Path, key: str, p: int, nproc: int, n_batches: int) -> dict[str, np.ndarray]:
+def _part(
+    d: Path, key: str, p: int, nproc: int, n_batches: int, positions: Callable[[int, int], int]
+) -> dict[str, np.ndarray]:
     """Process p's finished part (its state after its last batch)."""
-    got = _read_partial(d / partial_name(p, nproc), key)
-    if got is None or got[1] != _batches_of(p, nproc, n_batches)[1]:
+    lo, hi = _batches_of(p, nproc, n_batches)
+    got = _read_partial(d / partial_name(p, nproc), key, lo, hi, lambda nxt: positions(lo, nxt))
+    if got is None or got[1] != hi:
         raise PdctlError(
             f"harvest: the part of process {p} ({d / partial_name(p, nproc)}) is missing or "
             "unfinished: is the run directory shared by every process? (then run `pdctl "

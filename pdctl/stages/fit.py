@@ -46,18 +46,20 @@ def parse_memory(value: str) -> int:
     """'80GiB', '40 GB', '1.5TiB', '123456' -> bytes; a one-line error naming the flag."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value or "")
     unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+    # at least a byte: '0.5B' is no memory at all, and every program would "fit" in 0 bytes
+    if not m or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
         raise PdctlError(f"--device-memory: expected a size such as 80GiB or 40GB, got {value!r}")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
 def device_budget(memory: str | None, kind: str | None) -> tuple[int, str] | None:
     """(bytes, how it was given) from `--device-memory` or `--device-kind`, or None."""
-    if memory and kind:
+    # `is not None`: an empty value given is a mistake to name, not "no check"
+    if memory is not None and kind is not None:
         raise PdctlError("--device-memory and --device-kind: give one of them")
-    if memory:
+    if memory is not None:
         return parse_memory(memory), memory
-    if kind:
+    if kind is not None:
         key = kind.lower()
         if key not in DEVICE_MEMORY:
             raise PdctlError(

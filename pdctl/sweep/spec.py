@@ -21,6 +21,7 @@ import tomli_w
 
 from pdctl.config import parse_config
 from pdctl.errors import PdctlError
+from pdctl.files import refuse_links
 from pdctl.project import PROJECT_FILE, Project
 
 SWEEP_FILE = "sweep.toml"
@@ -28,6 +29,7 @@ SWEEP_SCHEMA = 1
 SEED_KEY = "run.seed"
 MAX_MEMBERS = 10_000  # seeds x grid points: each member is a run directory of its own
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_MEMBER = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 def parse_value(text: str) -> Any:
@@ -114,6 +116,10 @@ class Sweep:
         return self.root.name
 
     def run_dir(self, member: Member) -> Path:
+        """`runs/<member>`: refused (one line) when it or `runs/` is a symlink, which would
+        send a member's writes outside the sweep."""
+        refuse_links(self.root / "runs")
+        refuse_links(self.root / "runs" / member.name)
         return self.root / "runs" / member.name
 
     def project(self, member: Member) -> Project:
@@ -136,6 +142,7 @@ class Sweep:
             members = [
                 Member(m["name"], int(m["seed"]), dict(m.get("point", {}))) for m in raw["members"]
             ]
+            _check_member_names(path, members)
             return cls(
                 root=root,
                 template=raw["template"],
@@ -164,6 +171,22 @@ class Sweep:
             "base": self.base,
         }
         return head + tomli_w.dumps(body)
+
+
+def _check_member_names(path: Path, members: list[Member]) -> None:
+    """Each member is a plain directory name inside `runs/` (a sweep file may come from someone
+    else: `../../x` or `/x` would run a stage outside the sweep), and names are distinct."""
+    seen = set()
+    for m in members:
+        name = m.name
+        if not isinstance(name, str) or not _MEMBER.fullmatch(name) or name in (".", ".."):
+            raise PdctlError(
+                f"{path}: member name {name!r} is not a plain directory name inside runs/ "
+                "(letters, digits, '.', '_', '-')"
+            )
+        if name in seen:
+            raise PdctlError(f"{path}: member name {name!r} appears twice")
+        seen.add(name)
 
 
 def short_keys(keys: list[str]) -> dict[str, str]:

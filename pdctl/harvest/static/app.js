@@ -8,42 +8,47 @@ async function api(path) {
   if (!r.ok) throw new Error(path + ": " + r.status + " " + (await r.text()));
   return r.json();
 }
+// Every value from the API goes into the page through esc() (or fmt(), which escapes too),
+// whatever its column's declared type: harvest.db may come from someone else (issue 37).
 function esc(s) {
   return String(s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 }
-function fmt(x, d = 3) { return x === null || x === undefined ? "" : (typeof x === "number" ? +x.toPrecision(d) : esc(x)); }
+function fmt(x, d = 3) { return x === null || x === undefined ? "" : esc(typeof x === "number" ? +x.toPrecision(d) : x); }
+function list(x) { return Array.isArray(x) ? x : []; }
 function bars(counts) {
-  const m = Math.max(1, ...counts);
-  return '<span class="bars">' + counts.map(n => `<span title="${n}" style="height:${Math.max(1, 24 * n / m)}px"></span>`).join("") + "</span>";
+  counts = list(counts).map(Number);
+  const m = Math.max(1, ...counts.filter(Number.isFinite));
+  return '<span class="bars">' + counts.map(n => `<span title="${esc(n)}" style="height:${Number.isFinite(n) ? Math.max(1, 24 * n / m) : 1}px"></span>`).join("") + "</span>";
 }
 function compLink(site, c) {
-  return `<a class="component" href="#/c/${encodeURIComponent(site)}/${c}">${esc(site)} #${c}</a>`;
+  return `<a class="component" href="#/c/${esc(encodeURIComponent(site))}/${esc(encodeURIComponent(c))}">${esc(site)} #${esc(c)}</a>`;
 }
 function example(e) {
-  const mid = (e.tokens.length - 1) / 2;
-  return '<div class="ex">' + e.tokens.map((t, i) => {
-    const a = Math.min(1, Math.max(0, e.cis[i]));
-    return `<span class="${i === mid ? "here" : ""}" title="CI ${fmt(e.cis[i])}" style="background: rgba(220,60,40,${a})">${esc(t)}</span>`;
+  const tokens = list(e.tokens), cis = list(e.cis);
+  const mid = (tokens.length - 1) / 2;
+  return '<div class="ex">' + tokens.map((t, i) => {
+    const a = Number.isFinite(+cis[i]) ? Math.min(1, Math.max(0, +cis[i])) : 0;
+    return `<span class="${i === mid ? "here" : ""}" title="CI ${fmt(cis[i])}" style="background: rgba(220,60,40,${a})">${esc(t)}</span>`;
   }).join("") + `</div>`;
 }
 
 async function overview() {
   const o = await api("/api/overview");
   const m = o.meta;
-  let h = `<h1>${esc(o.run)}</h1><p>${esc(m.kind)} run, ${esc(m.stage)} checkpoint ${m.step}: ${m.n_positions} positions harvested (${esc(m.split)}), CI threshold ${m.threshold}; co-occurrence ${esc(m.cooc)}</p>`;
-  h += `<table><tr><th>site</th><th>C</th><th>alive</th><th>L0</th><th>components by firing frequency (${o.frequency_edges.join(" | ")})</th></tr>`;
-  for (const s of o.sites) {
-    h += `<tr><td><a class="site" href="#/site/${encodeURIComponent(s.site)}">${esc(s.site)}</a></td><td>${s.C}</td><td>${s.alive}</td><td>${fmt(s.l0)}</td><td>${bars(s.frequency_hist)}</td></tr>`;
+  let h = `<h1>${esc(o.run)}</h1><p>${esc(m.kind)} run, ${esc(m.stage)} checkpoint ${esc(m.step)}: ${esc(m.n_positions)} positions harvested (${esc(m.split)}), CI threshold ${esc(m.threshold)}; co-occurrence ${esc(m.cooc)}</p>`;
+  h += `<table><tr><th>site</th><th>C</th><th>alive</th><th>L0</th><th>components by firing frequency (${esc(list(o.frequency_edges).join(" | "))})</th></tr>`;
+  for (const s of list(o.sites)) {
+    h += `<tr><td><a class="site" href="#/site/${esc(encodeURIComponent(s.site))}">${esc(s.site)}</a></td><td>${esc(s.C)}</td><td>${esc(s.alive)}</td><td>${fmt(s.l0)}</td><td>${bars(s.frequency_hist)}</td></tr>`;
   }
   main.innerHTML = h + "</table>";
 }
 
 async function siteTable(site, sort = "frequency", desc = "1", minF = "0") {
-  const d = await api(`/api/components?site=${encodeURIComponent(site)}&sort=${sort}&desc=${desc}&min_frequency=${minF}&limit=5000`);
+  const d = await api(`/api/components?site=${encodeURIComponent(site)}&sort=${encodeURIComponent(sort)}&desc=${encodeURIComponent(desc)}&min_frequency=${encodeURIComponent(minF)}&limit=5000`);
   const cols = ["component", "count", "frequency", "mean_ci", "max_ci", "v_norm", "u_norm"];
-  let h = `<h1>${esc(site)}</h1><p>${d.total} components; minimum frequency <input id="minf" value="${esc(minF)}" size="6"></p><table><tr>`;
+  let h = `<h1>${esc(site)}</h1><p>${esc(d.total)} components; minimum frequency <input id="minf" value="${esc(minF)}" size="6"></p><table><tr>`;
   h += cols.map(c => `<th class="sortable" data-sort="${c}">${c}${c === sort ? (desc === "1" ? " ▼" : " ▲") : ""}</th>`).join("") + "</tr>";
-  for (const r of d.rows) {
+  for (const r of list(d.rows)) {
     h += `<tr><td>${compLink(r.site, r.component)}</td>` + cols.slice(1).map(c => `<td>${fmt(r[c])}</td>`).join("") + "</tr>";
   }
   main.innerHTML = h + "</table>";
@@ -55,33 +60,33 @@ async function siteTable(site, sort = "frequency", desc = "1", minF = "0") {
 
 async function component(site, c) {
   const d = await api(`/api/component/${encodeURIComponent(site)}/${c}`);
-  let h = `<h1 id="component-title">${esc(site)} #${c}</h1>`;
-  h += `<p>fires on ${d.count} positions (frequency ${fmt(d.frequency)}), mean CI ${fmt(d.mean_ci)}, max CI ${fmt(d.max_ci)}; |V[:, c]| ${fmt(d.v_norm)}, |U[c, :]| ${fmt(d.u_norm)}</p>`;
+  let h = `<h1 id="component-title">${esc(site)} #${esc(c)}</h1>`;
+  h += `<p>fires on ${esc(d.count)} positions (frequency ${fmt(d.frequency)}), mean CI ${fmt(d.mean_ci)}, max CI ${fmt(d.max_ci)}; |V[:, c]| ${fmt(d.v_norm)}, |U[c, :]| ${fmt(d.u_norm)}</p>`;
   h += `<p>CI histogram (0 → 1) ${bars(d.hist)}</p>`;
-  if (d.features.length) {
-    h += "<h2>one-hot features</h2><p>" + d.features.map(f => `feature ${f.feature}: ${fmt(f.ci)}`).join(", ") + "</p>";
+  if (list(d.features).length) {
+    h += "<h2>one-hot features</h2><p>" + list(d.features).map(f => `feature ${esc(f.feature)}: ${fmt(f.ci)}`).join(", ") + "</p>";
   }
-  h += "<h2>top examples</h2>" + (d.top.map(example).join("") || '<p class="muted">none</p>');
-  h += "<h2>sampled firing examples</h2>" + (d.sample.map(example).join("") || '<p class="muted">none</p>');
+  h += "<h2>top examples</h2>" + (list(d.top).map(example).join("") || '<p class="muted">none</p>');
+  h += "<h2>sampled firing examples</h2>" + (list(d.sample).map(example).join("") || '<p class="muted">none</p>');
   for (const k of ["count", "pmi"]) {
-    const t = d["tokens_" + k];
-    if (t.length) h += `<h2>input tokens by ${k}</h2><p>` + t.map(x => `<code>${esc(x.token)}</code> ${x.count} (PMI ${fmt(x.pmi)})`).join(", ") + "</p>";
+    const t = list(d["tokens_" + k]);
+    if (t.length) h += `<h2>input tokens by ${k}</h2><p>` + t.map(x => `<code>${esc(x.token)}</code> ${esc(x.count)} (PMI ${fmt(x.pmi)})`).join(", ") + "</p>";
   }
   for (const k of ["raised", "lowered"]) {
-    const t = d.effects[k];
+    const t = list((d.effects || {})[k]);
     if (t.length) h += `<h2>next tokens it ${k} (ablated where it fires, nats)</h2><p>` + t.map(x => `<code>${esc(x.token)}</code> ${fmt(x.nats)}`).join(", ") + "</p>";
   }
   h += "<h2>fires together with</h2><table><tr><th>component</th><th>count</th><th>precision</th><th>recall</th><th>Jaccard</th><th>PMI</th></tr>";
-  h += d.cooc.map(r => `<tr><td>${compLink(r.other_site, r.other_component)}</td><td>${r.count}</td><td>${fmt(r.precision)}</td><td>${fmt(r.recall)}</td><td>${fmt(r.jaccard)}</td><td>${fmt(r.pmi)}</td></tr>`).join("") + "</table>";
+  h += list(d.cooc).map(r => `<tr><td>${compLink(r.other_site, r.other_component)}</td><td>${esc(r.count)}</td><td>${fmt(r.precision)}</td><td>${fmt(r.recall)}</td><td>${fmt(r.jaccard)}</td><td>${fmt(r.pmi)}</td></tr>`).join("") + "</table>";
   const like = await api(`/api/like/${encodeURIComponent(site)}/${c}`);
-  h += "<h2>components like this one (shared top tokens)</h2><p>" + (like.rows.map(r => compLink(r.site, r.component) + ` (${r.shared})`).join(", ") || '<span class="muted">none</span>') + "</p>";
+  h += "<h2>components like this one (shared top tokens)</h2><p>" + (list(like.rows).map(r => compLink(r.site, r.component) + ` (${esc(r.shared)})`).join(", ") || '<span class="muted">none</span>') + "</p>";
   main.innerHTML = h;
 }
 
 async function search(q) {
   const d = await api(`/api/search?q=${encodeURIComponent(q)}`);
-  let h = `<h1>components firing on <code>${esc(q)}</code></h1><p>token ids: ${d.ids.join(", ") || "none"}</p><table id="results"><tr><th>component</th><th>token</th><th>count</th><th>PMI</th></tr>`;
-  h += d.rows.map(r => `<tr><td>${compLink(r.site, r.component)}</td><td><code>${esc(r.token)}</code></td><td>${r.count}</td><td>${fmt(r.pmi)}</td></tr>`).join("");
+  let h = `<h1>components firing on <code>${esc(q)}</code></h1><p>token ids: ${esc(list(d.ids).join(", ")) || "none"}</p><table id="results"><tr><th>component</th><th>token</th><th>count</th><th>PMI</th></tr>`;
+  h += list(d.rows).map(r => `<tr><td>${compLink(r.site, r.component)}</td><td><code>${esc(r.token)}</code></td><td>${esc(r.count)}</td><td>${fmt(r.pmi)}</td></tr>`).join("");
   main.innerHTML = h + "</table>";
 }
 
