@@ -544,7 +544,9 @@ class PpgdConfig(Section):
     sigmoid: bool = Field(
         False, description="unconstrained sources seen through a sigmoid (no clipping)"
     )
-    routing: Literal["all", "uniform_k", "static_p"] = Field("all", description=_ROUTING)
+    routing: Literal["all", "uniform_k", "static_p"] = Field(
+        "all", description=_ROUTING + " (merged_recon's ascent steps: every site)"
+    )
     routing_p: Prob = Field(0.5, description="static_p routing: probability per site")
     pool_size: Pos = Field(
         4,
