@@ -378,7 +378,9 @@ class LossConfig(Section):
         0.0, description="coefficient: ||W - V U||^2 / numel(W), over every site"
     )
     importance_minimality: NonNegF = Field(
-        3e-3, description="coefficient: sum of (ci_upper + eps)^p per component"
+        3e-3,
+        description="coefficient: mean over examples of the per-CI penalty (`sparsity`), summed "
+        "over components",
     )
     p: PosF = Field(1.0, description="importance minimality exponent (at the start of the anneal)")
     p_final: PosF | None = Field(
