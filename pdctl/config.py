@@ -433,7 +433,9 @@ class LossConfig(Section):
         0.0, description="coefficient: ||W - V U||^2 / numel(W), over every site"
     )
     importance_minimality: NonNegF = Field(
-        3e-3, description="coefficient: sum of (ci_upper + eps)^p per component"
+        3e-3,
+        description="coefficient: mean over examples of the per-CI penalty (`sparsity`), summed "
+        "over components",
     )
     p: PosF = Field(1.0, description="importance minimality exponent (at the start of the anneal)")
     p_final: PosF | None = Field(
@@ -474,16 +476,86 @@ class LossConfig(Section):
     pgd_recon: NonNegF = Field(
         0.0, description="coefficient: reconstruction with per-step PGD sources ([train.pgd])"
     )
-    ci_masked_recon: NonNegF = Field(0.0, description="coefficient: reconstruction with mask = ci")
+    ci_masked_recon: NonNegF = Field(
+        0.0,
+        description="coefficient: reconstruction with mask = ci (a monitor: a model trained on "
+        "it can drive it to 0 without a useful decomposition)",
+    )
     unmasked_recon: NonNegF = Field(0.0, description="coefficient: reconstruction with mask = 1")
     output: Literal["mse", "kl"] = Field(
         "mse", description="reconstruction distance: mse | kl (KL(target || masked), LMs)"
+    )
+    # The LM recipe of goodfire-ai/param-decomp (core/SPEC.md S8-S9, S8'', S34).
+    sparsity: Literal["lp", "smooth_l0"] = Field(
+        "lp",
+        description="per-CI penalty of importance minimality (and of the frequency term): lp = "
+        "(ci_upper + eps)^p | smooth_l0 = ci^2 / (ci^2 + gamma^2), bounded gradient, -> L0 as "
+        "gamma -> 0",
+    )
+    gamma: PosF = Field(1.0, description="smooth_l0: width gamma (at the start of its anneal)")
+    gamma_final: PosF | None = Field(
+        None,
+        description="smooth_l0: gamma at the end of the anneal (default unset: constant; the LM "
+        "recipe anneals 1 -> 0.01 over 90% of the run)",
+        examples=[0.01],
+    )
+    gamma_anneal_start: Frac = Field(
+        0.0, description="fraction of training where gamma starts moving towards gamma_final"
+    )
+    gamma_anneal_end: Frac = Field(
+        1.0, description="fraction of training where it reaches gamma_final (>= start)"
+    )
+    normalize_at_one: bool = Field(
+        False,
+        description="smooth_l0: multiply the penalty by (1 + gamma^2), so ci = 1 costs exactly 1",
+    )
+    frequency: NonNegF = Field(
+        0.0,
+        description="coefficient: frequency term sum_s sum_c f_c log2(1 + frequency_a f_c), f_c = "
+        "the mean penalty of component c over the batch's examples (and positions)",
+    )
+    frequency_a: PosF | None = Field(
+        None,
+        description="a' of the frequency term (the reference datapoint count; default unset: the "
+        "examples (x positions) of one train batch, where frequency = importance_minimality * "
+        "beta reproduces beta's term)",
+        examples=[32768.0],
+    )
+    frequency_ema_halflife: PosF | None = Field(
+        None,
+        description="frequency term at a debiased EMA of f_c with this half-life in steps, the "
+        "gradient through the batch's f_c (default unset: the batch's f_c; the EMA is train "
+        "state, checkpointed)",
+        le=1e6,
+        examples=[200.0],
+    )
+    merged_recon: NonNegF = Field(
+        0.0,
+        description="coefficient: stochastic and PPGD reconstruction in ONE masked forward: each "
+        "example takes the persistent sources ([train.ppgd]) at every site with probability "
+        "adv_fraction, else fresh uniform masks routed by subset_routing (1.0 with adv_fraction "
+        "0.5 replaces 0.5 stochastic_recon_subset + 0.5 ppgd_recon in expectation)",
+    )
+    adv_fraction: Frac = Field(
+        0.5, description="merged_recon: probability that an example is masked adversarially"
     )
 
     @model_validator(mode="after")
     def _anneal_order(self) -> LossConfig:
         if self.p_anneal_end < self.p_anneal_start:
             raise ValueError("p_anneal_end must be >= p_anneal_start")
+        if self.gamma_anneal_end < self.gamma_anneal_start:
+            raise ValueError("gamma_anneal_end must be >= gamma_anneal_start")
+        if self.sparsity == "lp" and (self.gamma_final is not None or self.normalize_at_one):
+            key = "gamma_final" if self.gamma_final is not None else "normalize_at_one"
+            raise ValueError(f"{key} is a smooth_l0 setting; set sparsity = 'smooth_l0'")
+        if self.sparsity == "smooth_l0" and self.p_final is not None:
+            raise ValueError("p_final anneals the lp penalty; smooth_l0 anneals gamma_final")
+        if self.ppgd_recon > 0 and self.merged_recon > 0:
+            raise ValueError(
+                "ppgd_recon and merged_recon both use the persistent sources; set one of them "
+                "to 0 (a source set feeds one term)"
+            )
         return self
 
 
@@ -504,10 +576,10 @@ class PpgdConfig(Section):
     loss's gradient. The sources persist across steps and are checkpointed; masks are
     ci + (1 - ci) * source."""
 
-    scope: Literal["shared", "per_position", "per_batch_per_position"] = Field(
+    scope: Literal["shared", "per_position", "per_batch_per_position", "pooled"] = Field(
         "shared",
         description="shared: one source per component | per_position: one per position (LMs) | "
-        "per_batch_per_position: one per example (and position)",
+        "per_batch_per_position: one per example (and position) | pooled: pool_size per example",
     )
     optimizer: Literal["adam", "sign"] = Field("adam", description="source ascent: adam | sign")
     lr: PosF = Field(0.01, description="source learning rate (peak of its schedule)")
@@ -529,8 +601,15 @@ class PpgdConfig(Section):
     sigmoid: bool = Field(
         False, description="unconstrained sources seen through a sigmoid (no clipping)"
     )
-    routing: Literal["all", "uniform_k", "static_p"] = Field("all", description=_ROUTING)
+    routing: Literal["all", "uniform_k", "static_p"] = Field(
+        "all", description=_ROUTING + " (merged_recon's ascent steps: every site)"
+    )
     routing_p: Prob = Field(0.5, description="static_p routing: probability per site")
+    pool_size: Pos = Field(
+        4,
+        description="scope pooled: persistent particles per example; each step every example "
+        "draws one, shared by its positions and every site",
+    )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="storage of the sources and of their Adam first moment: float32 | bfloat16 "
@@ -626,7 +705,8 @@ class TrainConfig(Section):
     )
     loss: LossConfig = Field(LossConfig(), description="the SPD loss")
     ppgd: PpgdConfig = Field(
-        PpgdConfig(), description="persistent PGD, used when train.loss.ppgd_recon > 0"
+        PpgdConfig(),
+        description="persistent PGD, used when train.loss.ppgd_recon or merged_recon > 0",
     )
     pgd: PgdConfig = Field(
         PgdConfig(), description="per-step PGD, used when train.loss.pgd_recon > 0"
@@ -814,7 +894,8 @@ def _check_cross_fields(cfg: Config) -> None:
     tc = cfg.train
     if tc.init_from_step is not None and not tc.init_from:
         raise PdctlError("train.init_from_step: names a step of the init_from run; set init_from")
-    if tc.ppgd.scope == "per_batch_per_position" and tc.batch_size % tc.grad_accum_steps:
+    per_batch = ("per_batch_per_position", "pooled")
+    if tc.ppgd.scope in per_batch and tc.batch_size % tc.grad_accum_steps:
         raise PdctlError(
             f"train.grad_accum_steps: {tc.grad_accum_steps} does not divide train.batch_size "
             f"{tc.batch_size} (per-batch PPGD sources are sized by the micro-batch)"
@@ -850,14 +931,16 @@ def ppgd_source_layout(cfg: Config) -> dict[str, Any]:
     """What the shape of the persistent PPGD sources depends on (init-weights creates them).
 
     Leading axes by scope: shared () ; per_position (seq_len,); per_batch_per_position
-    (micro-batch,) for toys or (micro-batch, seq_len) for LMs. Trailing axis: C (+1 with the delta
-    component)."""
+    (micro-batch,) for toys or (micro-batch, seq_len) for LMs; pooled (micro-batch, pool_size).
+    Trailing axis: C (+1 with the delta component)."""
     tc = cfg.train
     seq = is_sequence_model(cfg)
     if tc.ppgd.scope == "shared":
         lead: tuple[int, ...] = ()
     elif tc.ppgd.scope == "per_position":
         lead = (cfg.data.seq_len,)
+    elif tc.ppgd.scope == "pooled":
+        lead = (tc.batch_size // tc.grad_accum_steps, tc.ppgd.pool_size)
     else:
         micro = tc.batch_size // tc.grad_accum_steps
         lead = (micro, cfg.data.seq_len) if seq else (micro,)

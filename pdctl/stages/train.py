@@ -24,10 +24,14 @@ from pdctl.science.arrays import is_traced
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.components import component_ties
 from pdctl.science.spd.losses import (
+    FREQ_STATE,
+    ema_update,
+    frequency_loss,
     importance_minimality_from_sums,
-    importance_sums,
+    init_freq_state,
     make_spd_fns,
-    p_at,
+    penalty_sums,
+    sparsity_penalty,
     weighted,
 )
 from pdctl.science.spd.stacked import Stacking, is_stacked, members, per_site
@@ -69,7 +73,9 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     every loss term, the PPGD term with the sources as they now are -> one backward giving the
     parameters' gradients and the sources' (d total / d sources = coeff * dL_ppgd / d sources)
     -> AdamW update of the parameters (per site; tied sites folded back) -> ONE source ascent
-    step with that step's source learning rate. A non-finite step changes nothing but the
+    step with that step's source learning rate (the sources serve ppgd_recon or, the LM
+    recipe, merged_recon). With a frequency EMA (`[train.loss] frequency_ema_halflife`), the
+    state's `freq` advances by this batch's f_c. A non-finite step changes nothing but the
     counters (`guard_update`).
 
     With `fns` made for a stacking (`[train] scan_layers`: the state holds repeated sites
@@ -79,15 +85,20 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     policy = Policy.from_config(cfg.precision)
     k_accum = tc.grad_accum_steps
     mesh = batch_sharding.mesh
-    use_ppgd = lcfg.ppgd_recon > 0
+    use_ppgd = fns.source_coeff > 0
     source_lr = schedule(pcfg, total)
+    ema = lcfg.frequency > 0 and lcfg.frequency_ema_halflife is not None
+    imp_on = is_traced(lcfg.importance_minimality) or lcfg.importance_minimality > 0
+    freq_on = lcfg.frequency > 0
 
-    def loss_fn(trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None):
+    def loss_fn(
+        trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None, freq=None
+    ):
         # `target_params` as stored: the terms see their compute-dtype cast, faithfulness the
         # stored values (`pdctl.engine.precision`)
         return fns.loss(
             policy.to_compute(trainable), policy.to_compute(target_params), sources, clean, x,
-            key, step_frac, imp_totals, exact=(trainable["components"], target_params),
+            key, step_frac, imp_totals, freq, exact=(trainable["components"], target_params),
         )  # fmt: skip
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
@@ -98,22 +109,27 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         batch_axes = {"x": 0, "clean": clean._replace(out=0, site_inputs=axes)}
         return split_micro({"x": x, "clean": clean}, k_accum, mesh, batch_axes)
 
-    def value_and_grads(trainable, sources, target_params, clean, x, key, step_frac):
+    def value_and_grads(trainable, sources, target_params, clean, x, key, step_frac, freq):
+        """((loss, metrics), grads), the frequency EMA's new state (None without one)."""
         if k_accum == 1:
-            return grad_fn(trainable, sources, target_params, clean, x, key, step_frac)
+            (loss, m), grads = grad_fn(
+                trainable, sources, target_params, clean, x, key, step_frac, None, freq
+            )
+            return ((loss, m), grads), m.pop(FREQ_STATE, None)
         micro = split_step(x, clean)
-        imp_totals, p = None, p_at(lcfg, step_frac)
-        if is_traced(lcfg.importance_minimality) or lcfg.importance_minimality > 0:
-            # Importance minimality sums over the whole accumulated batch: a forward-only first
-            # pass collects S_c over every micro-batch.
+        imp_totals, penalty = None, sparsity_penalty(lcfg, step_frac)
+        if imp_on or freq_on:
+            # Importance minimality and the frequency term take the whole accumulated batch's
+            # sums before their logs: a forward-only first pass collects S_c over every
+            # micro-batch.
             def sums(c):
                 _, up = fns.ci(trainable["components"], trainable["ci_fns"], c.site_inputs, key)
-                return importance_sums(up, p, lcfg.eps)
+                return penalty_sums(up, penalty)
 
             S = jax.tree.map(lambda a: a.sum(0), jax.lax.map(sums, micro["clean"]))
             positions = x.shape[1] if target.output_kind == "logits" else 1
             n_mb = x.shape[0] // k_accum * positions
-            imp_totals = (S, n_mb)
+            imp_totals = (S, n_mb, n_mb * k_accum)
         out = accumulate(
             lambda mb, i: grad_fn(
                 trainable,
@@ -124,16 +140,32 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
                 jax.random.fold_in(key, i),
                 step_frac,
                 imp_totals,
+                freq,
             ),
             micro,
             k_accum,
         )
-        if imp_totals is not None:  # report the whole batch's value, not the surrogate's
-            (loss, m), grads = out
-            value = importance_minimality_from_sums(imp_totals[0], n_mb * k_accum, lcfg.beta)
-            loss = loss + weighted(lcfg.importance_minimality, value - m["importance_minimality"])
-            out = (loss, {**m, "importance_minimality": value, "total": loss}), grads
-        return out
+        (loss, m), grads = out
+        m.pop(FREQ_STATE, None)  # the mean over micro-batches: recomputed below
+        new_freq = None
+        if imp_totals is not None:  # report the whole batch's values, not the surrogates'
+            n = n_mb * k_accum
+            if imp_on:
+                value = importance_minimality_from_sums(imp_totals[0], n, lcfg.beta)
+                loss = loss + weighted(
+                    lcfg.importance_minimality, value - m["importance_minimality"]
+                )
+                m = {**m, "importance_minimality": value}
+            if freq_on:
+                f = {u: S_u / n for u, S_u in imp_totals[0].items()}
+                a = lcfg.frequency_a if lcfg.frequency_a is not None else float(n)
+                if ema:
+                    new_freq, f = ema_update(freq, f, lcfg.frequency_ema_halflife)
+                value = frequency_loss(f, a)
+                loss = loss + lcfg.frequency * (value - m["frequency"])
+                m = {**m, "frequency": value}
+            m = {**m, "total": loss}
+        return ((loss, m), grads), new_freq
 
     def step(target_params: Any, state: dict[str, Any], batch: Any):
         loop = state["loop"]
@@ -150,6 +182,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         trainable = {"components": fns.expand(free["components"]), "ci_fns": free["ci_fns"]}
         sources, src_opt = state["sources"], state["src_opt"]
         lr_src = source_lr(loop["step"])
+        freq = state.get("freq")
         if use_ppgd and pcfg.n_warmup_steps:
             const = jax.lax.stop_gradient(policy.to_compute(trainable))
             comps = const["components"]
@@ -159,7 +192,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
 
                 def source_grad(srcs, key):
                     return jax.grad(
-                        lambda s: fns.ppgd_loss(comps, ci_lower, params, s, clean, x, key)
+                        lambda s: fns.ppgd_loss(comps, ci_lower, params, s, clean, x, key, k_loss)
                     )(srcs)
 
             else:
@@ -170,11 +203,14 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
                 micro = split_step(x, clean)
 
                 def on_micro(srcs, key, mb, j):
-                    k_ci = fns.ci_key(jax.random.fold_in(k_loss, j))
+                    k_loss_mb = jax.random.fold_in(k_loss, j)
+                    k_ci = fns.ci_key(k_loss_mb)
                     ci_mb, _ = fns.ci(comps, const["ci_fns"], mb["clean"].site_inputs, k_ci)
                     k_mb = jax.random.fold_in(key, j)
                     g = jax.grad(
-                        lambda s: fns.ppgd_loss(comps, ci_mb, params, s, mb["clean"], mb["x"], k_mb)
+                        lambda s: fns.ppgd_loss(
+                            comps, ci_mb, params, s, mb["clean"], mb["x"], k_mb, k_loss_mb
+                        )
                     )(srcs)
                     return (jnp.zeros((), jnp.float32), {}), g
 
@@ -191,8 +227,8 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
                 ascend, (sources, src_opt), jnp.arange(pcfg.n_warmup_steps)
             )
         step_frac = loop["step"].astype(jnp.float32) / float(total)
-        (loss, m), (g_tr, g_src) = value_and_grads(
-            trainable, sources, target_params, clean, x, k_loss, step_frac
+        ((loss, m), (g_tr, g_src)), new_freq = value_and_grads(
+            trainable, sources, target_params, clean, x, k_loss, step_frac, freq
         )
         metrics = {**m, "loss": loss, "grad_norm": optax.global_norm(g_tr)}
         if use_ppgd:
@@ -203,14 +239,17 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             updates = {"components": fns.fold(updates["components"]), "ci_fns": updates["ci_fns"]}
             srcs, s_opt = sources, src_opt
             if use_ppgd:
-                g_ppgd = jax.tree.map(lambda g: g / lcfg.ppgd_recon, g_src)
+                g_ppgd = jax.tree.map(lambda g: g / fns.source_coeff, g_src)
                 srcs, s_opt = fns.source_step(srcs, g_ppgd, s_opt, lr_src)
-            return {
+            out = {
                 "trainable": optax.apply_updates(free, updates),
                 "opt_state": opt_state,
                 "sources": srcs,
                 "src_opt": s_opt,
             }
+            if new_freq is not None:
+                out["freq"] = new_freq
+            return out
 
         return guard_update(state, update, all_finite(loss, g_tr, g_src), metrics)
 
@@ -261,6 +300,7 @@ def _state_spec(cfg, mesh, target, fns, tx, stacking: Stacking, dec):
     """(make_state, its abstract output, its shardings) for the given stacking."""
     rng = stream_key(cfg, STREAM_TRAIN)
     src_dtype = jnp.dtype(cfg.train.ppgd.dtype)
+    lcfg = cfg.train.loss
 
     def make_state(components, ci_fns, sources):
         # the upstream arrays come per site; the state holds repeated sites stacked
@@ -268,19 +308,25 @@ def _state_spec(cfg, mesh, target, fns, tx, stacking: Stacking, dec):
         # init-weights makes float32 sources; the state keeps them as [train.ppgd] dtype says
         sources = jax.tree.map(lambda s: s.astype(src_dtype), sources)
         trainable = {"components": components, "ci_fns": ci_fns}
-        return {
+        expanded = fns.expand(components)
+        state = {
             "trainable": trainable,
             # one moment set per site, tied sites included (see make_step)
-            "opt_state": tx.init({"components": fns.expand(components), "ci_fns": ci_fns}),
+            "opt_state": tx.init({"components": expanded, "ci_fns": ci_fns}),
             "sources": sources,
             "src_opt": fns.init_source_opt(sources),
             "loop": loop_counters(rng),
         }
+        if lcfg.frequency > 0 and lcfg.frequency_ema_halflife is not None:
+            # the frequency term's EMA of f_c: one (C,) per site (a stacked unit: (L, C))
+            shapes = {u: (*c["V"].shape[:-2], c["V"].shape[-1]) for u, c in expanded.items()}
+            state["freq"] = init_freq_state(shapes)
+        return state
 
     abstract = jax.eval_shape(make_state, dec["components"], dec["ci_fns"], dec["sources"])
     layout = decomp_layout(cfg, mesh, target)
     state_sh = sharding.tree_shardings(abstract, mesh, cfg.mesh.fsdp_min_param_size, layout)
-    if cfg.train.ppgd.scope == "per_batch_per_position":
+    if cfg.train.ppgd.scope in ("per_batch_per_position", "pooled"):
         # one source per example (and position): shard them like the batch they mask (behind
         # the layer axis of stacked sites)
         def by_batch(tree):

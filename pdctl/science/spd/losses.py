@@ -10,6 +10,11 @@ Conventions (the SPD paper, Bushnaq et al. 2025, as goodfire-ai/spd implements i
   leading axis), as the reference's `_importance_minimality_loss_update`. Loss = sum_s sum_c
   [m_c + beta * m_c * log2(1 + S_c)]. The sums run over the whole (global) batch: under jit with
   a sharded batch GSPMD reduces them before the log.
+- The LM recipe (goodfire-ai/param-decomp, `param_decomp/core/SPEC.md`; each function cites
+  its section): a per-CI penalty psi that is either L_p or smooth-L0 (`sparsity_penalty`,
+  S9), the frequency term on the per-component mean penalty f_c (`frequency_loss`, S8-S8''),
+  and the merged stochastic/PPGD term (`merged_recon_loss`, S34) with optionally pooled
+  persistent sources (`sources.pick_particles`).
 - Masks: see `masks.py`. CI-masked and unmasked recon run without the delta component (as the
   reference's `CIMaskedReconLoss` / `UnmaskedReconLoss`).
 - Layerwise recon draws one set of masks per sample and runs one forward per site with only that
@@ -52,7 +57,14 @@ from pdctl.science.spd.components import (
     masked_site_fn,
 )
 from pdctl.science.spd.grouped import map_sites, members, per_site_views, sites_of
-from pdctl.science.spd.masks import lead_shape, routing_masks, source_masks, stochastic_masks
+from pdctl.science.spd.masks import (
+    lead_shape,
+    mixed_masks,
+    route_assigned,
+    routing_masks,
+    source_masks,
+    stochastic_masks,
+)
 from pdctl.science.spd.stacked import is_stacked
 from pdctl.science.targets.base import apply_sites
 
@@ -273,16 +285,64 @@ def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     return loss_cfg.p + (loss_cfg.p_final - loss_cfg.p) * progress
 
 
+def gamma_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
+    """Smooth-L0's gamma, annealed linearly from `gamma` to `gamma_final` between fractions
+    `gamma_anneal_start` and `gamma_anneal_end` of training, exactly as `p_at` anneals p
+    (param-decomp SPEC S9 anneals it over the schedule's steps - 1; pdctl's anneals share
+    p's step / steps)."""
+    if loss_cfg.gamma_final is None:
+        return loss_cfg.gamma
+    start, end = loss_cfg.gamma_anneal_start, loss_cfg.gamma_anneal_end
+    step_frac = jnp.asarray(step_frac, jnp.float32)
+    progress = jnp.clip((step_frac - start) / max(end - start, 1e-12), 0.0, 1.0)
+    progress = jnp.where(step_frac >= end, 1.0, progress)
+    return loss_cfg.gamma + (loss_cfg.gamma_final - loss_cfg.gamma) * progress
+
+
+def lp_penalty(p: Array | float, eps: float) -> Callable[[Array], Array]:
+    """The paper's per-CI penalty psi(c) = (c + eps)^p (c in float32)."""
+    return lambda ci: jnp.power(ci.astype(jnp.float32) + eps, p)
+
+
+def smooth_l0_penalty(gamma: Array | float, normalize_at_one: bool) -> Callable[[Array], Array]:
+    """param-decomp SPEC S7-S9 (`importance_minimality_terms`): psi(c) = c^2 / (c^2 + gamma^2),
+    times (1 + gamma^2) with `normalize_at_one` (so psi(1) = 1); c in float32. Flat at 0, its
+    gradient bounded by ~0.65 / gamma, and -> 1[c != 0] as gamma -> 0."""
+    g2 = jnp.square(jnp.asarray(gamma, jnp.float32))
+
+    def psi(ci: Array) -> Array:
+        c2 = jnp.square(ci.astype(jnp.float32))
+        out = c2 / (c2 + g2)
+        return (1.0 + g2) * out if normalize_at_one else out
+
+    return psi
+
+
+def sparsity_penalty(loss_cfg: LossConfig, step_frac: Array | float) -> Callable[[Array], Array]:
+    """The per-CI penalty `[train.loss] sparsity` names, at this point of training."""
+    if loss_cfg.sparsity == "smooth_l0":
+        return smooth_l0_penalty(gamma_at(loss_cfg, step_frac), loss_cfg.normalize_at_one)
+    return lp_penalty(p_at(loss_cfg, step_frac), loss_cfg.eps)
+
+
+def penalty_sums(
+    ci_upper: Dict, penalty: Callable[[Array], Array], grouped: bool = False
+) -> dict[str, Array]:
+    """S_c = sum over all leading axes of penalty(ci_upper), per site (C,) (a stacked unit:
+    (members, C))."""
+
+    def site(i, ci: Array) -> Array:
+        return jnp.sum(penalty(ci), axis=tuple(range(ci.ndim - 1)))
+
+    return map_sites(site, list(ci_upper), ci_upper, grouped=grouped)
+
+
 def importance_sums(
     ci_upper: Dict, p: Array | float, eps: float, grouped: bool = False
 ) -> dict[str, Array]:
     """S_c = sum over all leading axes of (ci_upper + eps)^p, per site (C,) (a stacked unit:
     (members, C))."""
-
-    def site(i, ci: Array) -> Array:
-        return jnp.sum(jnp.power(ci.astype(jnp.float32) + eps, p), axis=tuple(range(ci.ndim - 1)))
-
-    return map_sites(site, list(ci_upper), ci_upper, grouped=grouped)
+    return penalty_sums(ci_upper, lp_penalty(p, eps), grouped)
 
 
 def importance_minimality_loss(
@@ -292,9 +352,13 @@ def importance_minimality_loss(
     beta: float,
     totals: tuple[Mapping[str, Array], int] | None = None,
     grouped: bool = False,
+    penalty: Callable[[Array], Array] | None = None,
 ) -> Array:
     """sum_s sum_c [m_c + beta * m_c * log2(1 + S_c)], S_c = sum over all leading axes of
-    (ci_upper + eps)^p, m_c = S_c / (number of examples x positions).
+    (ci_upper + eps)^p, m_c = S_c / (number of examples x positions). With `penalty` (e.g.
+    `smooth_l0_penalty`), S_c sums that per-CI penalty instead (p and eps unused): m_c is then
+    param-decomp's f_c, sum_c m_c its activity term (SPEC S8') and beta's term its rolled
+    frequency term with a' = examples x positions.
 
     With gradient accumulation the sums must cover the whole accumulated batch: `totals` =
     ({site: S_c over all micro-batches}, examples x positions of all of them), computed in a
@@ -302,7 +366,8 @@ def importance_minimality_loss(
     whose gradients, summed over the micro-batches, equal the gradient of the loss of the
     whole batch (its value is not the loss; the step reports that from `totals`)."""
     total = jnp.zeros((), jnp.float32)
-    for path, S_C in importance_sums(ci_upper, p, eps, grouped).items():
+    penalty = penalty if penalty is not None else lp_penalty(p, eps)
+    for path, S_C in penalty_sums(ci_upper, penalty, grouped).items():
         if totals is None:
             n_examples = math.prod(lead_shape(path, ci_upper[path]))
             m_C = S_C / n_examples
@@ -324,6 +389,65 @@ def importance_minimality_from_sums(S: Mapping[str, Array], n: int, beta: float)
         m_C = S_C / n
         extra = is_traced(beta) or beta
         total = total + jnp.sum(m_C) + (beta * jnp.sum(m_C * jnp.log2(1 + S_C)) if extra else 0.0)
+    return total
+
+
+def frequency_curve(f: Array, a: Array | float) -> Array:
+    """Phi(f) = f log2(1 + a f), the frequency penalty of one component (SPEC S8')."""
+    return f * jnp.log2(1.0 + a * f)
+
+
+def frequency_slope(f: Array, a: Array | float) -> Array:
+    """Phi'(f) = log2(1 + a f) + a f / ((1 + a f) ln 2)."""
+    af = a * f
+    return jnp.log2(1.0 + af) + af / ((1.0 + af) * math.log(2.0))
+
+
+# The frequency term's EMA (train state, a plain dict so that it checkpoints and shards as
+# the rest): {"ema": {unit: running f_c, (C,) or a stacked unit's (members, C)}, "count": how
+# many batches it has seen (int32)}.
+FreqState = dict
+
+
+def init_freq_state(C: Mapping[str, tuple[int, ...]]) -> FreqState:
+    """A fresh EMA (zeros, count 0) for units whose f_c has shape `C[unit]`."""
+    ema = {u: jnp.zeros(shape, jnp.float32) for u, shape in C.items()}
+    return {"ema": ema, "count": jnp.zeros((), jnp.int32)}
+
+
+def ema_update(state: FreqState, f: Mapping[str, Array], halflife: float):
+    """(new state, debiased estimate) after observing the batch's f (held constant): SPEC
+    S8'', `ema' = decay ema + (1 - decay) f`, decay = 2^(-1 / halflife), `f_hat = ema' / (1 -
+    decay^(count + 1))`, so f_hat = f at the first step. decay is kept in log space (expm1):
+    formed directly it rounds towards 1 for long half-lives."""
+    log_decay = -math.log(2.0) / halflife
+    alpha = -math.expm1(log_decay)  # 1 - decay
+    debias = -jnp.expm1(log_decay * (state["count"].astype(jnp.float32) + 1.0))
+    old = state["ema"]
+    ema = {
+        u: old[u] + alpha * (jax.lax.stop_gradient(f[u]).astype(jnp.float32) - old[u]) for u in old
+    }
+    return {"ema": ema, "count": state["count"] + 1}, {u: e / debias for u, e in ema.items()}
+
+
+def frequency_loss(
+    f: Mapping[str, Array], a: Array | float, at: Mapping[str, Array] | None = None
+) -> Array:
+    """SPEC S8'-S8'': sum_s sum_c Phi(f_c) with f_c the batch's mean penalty (per component,
+    over examples and positions). With `at` (the EMA's debiased estimate, or the whole batch's f
+    under accumulation) the value is sum Phi(at) and the gradient Phi'(at) df/dtheta, through
+    `f` at full scale: the first-order surrogate Phi(at) + sg(Phi'(at)) (f - sg(f)), `at`
+    held constant."""
+    total = jnp.zeros((), jnp.float32)
+    for u, fu in f.items():
+        if at is None:
+            total = total + jnp.sum(frequency_curve(fu, a))
+            continue
+        e = jax.lax.stop_gradient(at[u])
+        live = fu - jax.lax.stop_gradient(fu)
+        total = total + jnp.sum(
+            frequency_curve(e, a) + jax.lax.stop_gradient(frequency_slope(e, a)) * live
+        )
     return total
 
 
@@ -385,6 +509,31 @@ def ppgd_recon_loss(
     [0, 1], i.e. after the sigmoid parametrisation if any)."""
     masks, dmasks = source_masks(ci_lower, sources, recon.delta)
     return recon(masks, dmasks, routes)
+
+
+def merged_recon_loss(
+    recon: Recon,
+    ci_lower: Dict,
+    sources: Dict,
+    key: Array,
+    adv_fraction: float | Array,
+    routing: str = "uniform_k",
+    routing_p: float = 0.5,
+) -> Array:
+    """SPEC S34, the merged stochastic/PPGD term: ONE masked forward in which each example is,
+    with probability `adv_fraction`, masked by the adversarial `sources` (in [0, 1], aligned as
+    in `ppgd_recon_loss`) at every site and position, and otherwise by fresh uniform masks
+    routed by `routing` (`masks.mixed_masks`). In expectation over the draw, adv_fraction *
+    (PPGD term, routed everywhere) + (1 - adv_fraction) * (stochastic subset term); the
+    sources' gradient comes from the adversarial examples only."""
+    k_mask, k_route = jax.random.split(key)
+    masks, dmasks, assign = mixed_masks(
+        k_mask, ci_lower, sources, adv_fraction, recon.delta, recon.grouped, recon.order
+    )
+    routes = routing_masks(
+        k_route, tuple(ci_lower), _lead(ci_lower), routing, routing_p, recon.order
+    )
+    return recon(masks, dmasks, route_assigned(routes, assign))
 
 
 def pgd_sources(
@@ -475,6 +624,16 @@ TERMS = (
     "unmasked_recon",
 )
 _CI_KEY = len(TERMS)  # fold of the loss key that the CI noise (binomial sampling) uses
+# The LM recipe's terms, after the CI's fold so that every earlier draw keeps its bits.
+RECIPE_TERMS = ("frequency", "merged_recon")
+_POOL_KEY = _CI_KEY + 1 + len(RECIPE_TERMS)  # the pooled sources' particle draw
+FREQ_STATE = "_freq_state"  # the loss's aux entry with the frequency EMA's new state
+
+
+def _term_fold(name: str) -> int:
+    if name in TERMS:
+        return TERMS.index(name)
+    return _CI_KEY + 1 + RECIPE_TERMS.index(name)
 
 
 @dataclass(frozen=True)
@@ -486,13 +645,20 @@ class SpdFns:
     - `clean(target_params, x) -> Clean`: the one stop-gradient target forward of a step.
     - `ci(components, ci_fns, site_inputs, key) -> (ci_lower, ci_upper)`; `ci_key(loss_key)` is
       the key `loss` uses for it (binomial sampling draws noise from it).
-    - `loss(trainable, target_params, sources, clean, x, key, step_frac, imp_totals=None) ->
-      (total, metrics)` with `trainable = {"components": expanded, "ci_fns": ...}` and the raw
-      persistent sources. d total / d sources = ppgd_recon coeff * dL_ppgd / d sources.
-      `exact=(components, target_params)` as stored (before any compute-dtype cast): what the
-      faithfulness term compares (`pdctl.engine.precision`); default: the ones given.
-    - `ppgd_loss(components, ci_lower, target_params, sources, clean, x, key)`: the PPGD term
-      alone (the adversary's objective; the step holds components and CI constant for it).
+    - `loss(trainable, target_params, sources, clean, x, key, step_frac, imp_totals=None,
+      freq_state=None) -> (total, metrics)` with `trainable = {"components": expanded,
+      "ci_fns": ...}` and the raw persistent sources. d total / d sources = coeff * dL / d
+      sources of the one term that uses them (ppgd_recon or merged_recon). `imp_totals` =
+      (whole-batch penalty sums, tokens of this micro-batch, tokens of the whole batch) under
+      gradient accumulation; `freq_state` the frequency EMA (`FreqState`), whose new value the
+      metrics then carry under `FREQ_STATE`. `exact=(components, target_params)` as stored
+      (before any compute-dtype cast): what the faithfulness term compares
+      (`pdctl.engine.precision`); default: the ones given.
+    - `ppgd_loss(components, ci_lower, target_params, sources, clean, x, key, loss_key=None)`:
+      the adversary's objective (the step holds components and CI constant for it): the PPGD
+      term, routed everywhere when the sources serve merged_recon (SPEC S24); `loss_key` is
+      the step's loss key, which fixes a pooled scope's particles.
+    - `source_coeff`: the coefficient of that term (0: no persistent sources in use).
     - `source_step(sources, grads, opt_state, lr) -> (sources, opt_state)`: one ascent step.
     - `init_source_opt(sources)`, `faithfulness_loss(components, target_params)`.
     """
@@ -510,6 +676,7 @@ class SpdFns:
     source_step: Callable[..., tuple[dict[str, Array], Any]]
     init_source_opt: Callable[[Dict], Any]
     faithfulness_loss: Callable[[Components, Any], Array]
+    source_coeff: Any = 0.0
 
 
 def make_spd_fns(
@@ -582,9 +749,59 @@ def make_spd_fns(
             out_kind, grouped, paths, inner,
         )  # fmt: skip
 
-    def ppgd_term(recon: Recon, ci_lower: Dict, sources: Dict, key: Array) -> Array:
-        routes = routing_masks(key, units, _lead(ci_lower), pcfg.routing, pcfg.routing_p, paths)
-        return ppgd_recon_loss(recon, ci_lower, src_mod.effective(sources, pcfg.sigmoid), routes)
+    pooled = pcfg.scope == "pooled"
+    merged = is_traced(lcfg.merged_recon) or lcfg.merged_recon > 0
+
+    def adversary(sources: Dict, ci_lower: Dict, loss_key: Array | None) -> dict[str, Array]:
+        """The sources as this step's masks see them: in [0, 1] and, pooled, each example's
+        particle (drawn from the loss key, so every ascent step of the step picks the same)."""
+        if pooled:
+            lead = _lead(ci_lower)
+            idx = src_mod.particle_indices(
+                jax.random.fold_in(loss_key, _POOL_KEY), lead[0], pcfg.pool_size
+            )
+            sources = src_mod.pick_particles(sources, idx, len(lead) - 1)
+        return src_mod.effective(sources, pcfg.sigmoid)
+
+    def ppgd_term(
+        recon: Recon, ci_lower: Dict, sources: Dict, key: Array, loss_key: Array | None = None
+    ) -> Array:
+        # the merged term's ascent steps mask every site of every example (SPEC S24)
+        routing = "all" if merged else pcfg.routing
+        routes = routing_masks(key, units, _lead(ci_lower), routing, pcfg.routing_p, paths)
+        return ppgd_recon_loss(recon, ci_lower, adversary(sources, ci_lower, loss_key), routes)
+
+    def frequency_term(
+        ci_upper: Dict,
+        step_frac: Array | float,
+        totals: tuple[Mapping[str, Array], int, int] | None,
+        freq_state: FreqState | None,
+        aux: dict[str, Any],
+    ) -> Array:
+        """SPEC S8-S8'': f_c = S_c / (examples x positions) with S_c the penalty sums of
+        importance minimality; under accumulation the surrogate whose gradients, summed over
+        micro-batches, are those of the whole batch's term (its value is the whole batch's)."""
+        S = penalty_sums(ci_upper, sparsity_penalty(lcfg, step_frac), grouped)
+        if totals is None:
+            n = math.prod(_lead(ci_upper))
+            f = {u: S[u] / n for u in S}
+            at = None
+        else:
+            S_tot, n, n_total = totals
+            f = {u: S[u] / n for u in S}
+            at = {u: jax.lax.stop_gradient(S_tot[u]) / n_total for u in S}
+        a = (
+            lcfg.frequency_a
+            if lcfg.frequency_a is not None
+            else float(n if totals is None else totals[2])
+        )
+        if lcfg.frequency_ema_halflife is not None:
+            if freq_state is None:
+                raise ValueError("frequency_ema_halflife needs the step's FreqState")
+            state, at = ema_update(freq_state, f if at is None else at, lcfg.frequency_ema_halflife)
+            if totals is None:
+                aux[FREQ_STATE] = state
+        return frequency_loss(f, a, at)
 
     def loss(
         trainable: Mapping[str, Any],
@@ -594,10 +811,12 @@ def make_spd_fns(
         x: Array,
         key: Array,
         step_frac: Array | float,
-        imp_totals: tuple[Mapping[str, Array], int] | None = None,
+        imp_totals: tuple[Mapping[str, Array], int, int] | None = None,
+        freq_state: FreqState | None = None,
         exact: tuple[Components, Any] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         comps, ci_fns = trainable["components"], trainable["ci_fns"]
+        aux: dict[str, Any] = {}
         # faithfulness compares the stored values, not their compute-dtype casts
         f_comps, f_weights = comps, None
         if exact is not None:
@@ -622,7 +841,7 @@ def make_spd_fns(
             "stochastic_recon_subset": lambda k: stochastic_recon_loss(
                 recon, ci_lower, k, n, sampling, lcfg.subset_routing, lcfg.subset_p
             ),
-            "ppgd_recon": lambda k: ppgd_term(recon, ci_lower, sources, k),
+            "ppgd_recon": lambda k: ppgd_term(recon, ci_lower, sources, k, key),
             "pgd_recon": lambda k: pgd_recon_loss(
                 recon,
                 ci_lower,
@@ -636,11 +855,26 @@ def make_spd_fns(
             ),
             "ci_masked_recon": lambda k: ci_masked_recon_loss(recon, ci_lower),
             "unmasked_recon": lambda k: unmasked_recon_loss(recon, ci_lower),
+            "frequency": lambda k: frequency_term(ci_upper, step_frac, imp_totals, freq_state, aux),
+            "merged_recon": lambda k: merged_recon_loss(
+                recon,
+                ci_lower,
+                adversary(sources, ci_lower, key),
+                k,
+                lcfg.adv_fraction,
+                lcfg.subset_routing,
+                lcfg.subset_p,
+            ),
         }
+        if lcfg.sparsity == "smooth_l0":
+            compute["importance_minimality"] = lambda k: importance_minimality_loss(
+                ci_upper, 0.0, 0.0, lcfg.beta, imp_totals, grouped,
+                penalty=sparsity_penalty(lcfg, step_frac),
+            )  # fmt: skip
         total = jnp.zeros((), jnp.float32)
         metrics: dict[str, Array] = {}
-        for i, name in enumerate(TERMS):
-            coeff, k_i = getattr(lcfg, name), jax.random.fold_in(key, i)
+        for name in TERMS + RECIPE_TERMS:
+            coeff, k_i = getattr(lcfg, name), jax.random.fold_in(key, _term_fold(name))
             if is_traced(coeff):  # a sweep's member may have it or not: computed where on
                 value, part = term_if_on(coeff, compute[name], k_i)
             elif coeff > 0:
@@ -654,6 +888,7 @@ def make_spd_fns(
         l0 = l0_per_site(jax.lax.stop_gradient(ci_lower), dcfg.ci_threshold, grouped)
         for p, v in l0.items():
             metrics[f"l0/{p}"] = v
+        metrics.update(aux)
         return total, metrics
 
     def ppgd_loss(
@@ -664,8 +899,10 @@ def make_spd_fns(
         c: Clean,
         x: Array,
         key: Array,
+        loss_key: Array | None = None,
     ) -> Array:
-        return ppgd_term(recon_of(components, target_params, c, x), ci_lower, sources, key)
+        recon = recon_of(components, target_params, c, x)
+        return ppgd_term(recon, ci_lower, sources, key, loss_key)
 
     def source_step(
         sources: Dict, grads: Dict, opt_state: Mapping[str, Any], lr: Array | float
@@ -700,4 +937,5 @@ def make_spd_fns(
         source_step=source_step,
         init_source_opt=lambda sources: src_mod.init_opt(sources, pcfg.optimizer),
         faithfulness_loss=faithfulness,
+        source_coeff=lcfg.merged_recon if merged else lcfg.ppgd_recon,
     )

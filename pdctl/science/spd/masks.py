@@ -4,8 +4,10 @@ Every mask interpolates between the causal importance and 1: `m = ci + (1 - ci) 
 r ~ U[0, 1) (continuous sampling), r ~ Bernoulli(1/2) (binomial sampling, as the reference's
 `torch.randint(0, 2, ...)`), or r = an adversarial source. The delta component (W - V U) gets
 its own mask per example/position: U[0, 1) for stochastic masks, the source's last entry for
-adversarial ones. Routing masks (bool, one per site over the example/position axes) pick which
-examples/positions take the components at a site at all; the others keep the target's weight.
+adversarial ones. Mixed masks (the merged stochastic/PPGD term) take, per example, either
+the adversarial sources or a fresh uniform draw. Routing masks (bool, one per site over the
+example/position axes) pick which examples/positions take the components at a site at all; the
+others keep the target's weight.
 
 Every function takes dicts keyed by site paths or by stacked units (group keys whose arrays
 carry a leading member axis, `grouped.map_sites`); `order` is the per-site order of all the
@@ -69,6 +71,57 @@ def source_masks(
     out = map_sites(one, list(ci_lower), ci_lower, sources, grouped=False)
     masks = {p: m for p, (m, _) in out.items()}
     return masks, ({p: d for p, (_, d) in out.items()} if delta else None)
+
+
+def mixed_masks(
+    key: Array,
+    ci_lower: Dict,
+    sources: Dict,
+    adv_fraction: float | Array,
+    delta: bool,
+    grouped: bool = False,
+    order: Sequence[str] | None = None,
+) -> tuple[dict[str, Array], dict[str, Array] | None, Array]:
+    """(masks, delta masks, assign) of the merged stochastic/PPGD term (goodfire-ai/param-decomp
+    SPEC S34): `assign ~ Bernoulli(adv_fraction)` once per example (bool, (B,)), shared by its
+    positions and every site. An assigned example's masks are `source_masks`' (the sources,
+    in [0, 1], aligned as there); every other example's are `stochastic_masks`' continuous ones,
+    `ci + (1 - ci) r`, r ~ U[0, 1), with a U[0, 1) delta mask. A `where`, so the sources'
+    gradient comes from the assigned examples only. Site i draws from fold_in(key, i) as in
+    `stochastic_masks`."""
+    k_assign, k_fresh = jax.random.split(key)
+    unit = next(iter(ci_lower))
+    n_examples = lead_shape(unit, ci_lower[unit])[0]
+    assign = jax.random.bernoulli(k_assign, adv_fraction, (n_examples,))
+
+    def one(i, ci: Array, src: Array) -> tuple[Array, Array | None]:
+        C = ci.shape[-1]
+        k_r, k_d = jax.random.split(jax.random.fold_in(k_fresh, i))
+        s = expand_left(src, ci.ndim).astype(ci.dtype)
+        adv = assign.reshape(assign.shape + (1,) * (ci.ndim - 1))
+        r = jax.random.uniform(k_r, ci.shape, ci.dtype)
+        m = ci + (1 - ci) * jnp.where(adv, s[..., :C], r)
+        if not delta:
+            return m, None
+        d_src = jnp.broadcast_to(s[..., C], ci.shape[:-1])
+        d = jnp.where(adv[..., 0], d_src, jax.random.uniform(k_d, ci.shape[:-1], ci.dtype))
+        return m, d
+
+    out = map_sites(one, list(ci_lower), ci_lower, sources, grouped=grouped, order=order)
+    masks = {p: m for p, (m, _) in out.items()}
+    return masks, ({p: d for p, (_, d) in out.items()} if delta else None), assign
+
+
+def route_assigned(routes: Dict | None, assign: Array) -> dict[str, Array] | None:
+    """`routes` with every assigned example routed at every site and position (the merged
+    term's `route = assign OR routing draw`); None (all routed) stays None."""
+    if routes is None:
+        return None
+    out = {}
+    for u, r in routes.items():
+        lead = r.shape[1:] if members(u) is not None else r.shape
+        out[u] = r | assign.reshape(assign.shape + (1,) * (len(lead) - 1))
+    return out
 
 
 def routing_masks(

@@ -6,6 +6,13 @@ sigmoid parametrisation they are unconstrained and the masks see `sigmoid(s)`; o
 live in [0, 1] and are clipped after every step. Each step is an ASCENT step on the
 reconstruction loss: Adam (bias-corrected, betas and eps configurable) or `lr * sign(grad)`.
 
+Pooled sources (`scope = "pooled"`, goodfire-ai/param-decomp's pooled merged term, its
+`PersistentSourcePool` / `sample_source_pool`): per example a minipool of K particles, each a
+source for every site, `(B, K, C (+1))` per site. Each step every example draws one particle
+index uniformly (`particle_indices`), the same at every site and position, and the ascent steps,
+the loss and the sources' gradient of that step all use it (`pick_particles`): the gradient
+reaches the picked particles only.
+
 Storage may be bfloat16 (`[train.ppgd] dtype`): the sources and the first moment are kept in
 it, every ascent step computes in float32 and rounds its result once, and the second moment
 stays float32 (a bfloat16 average with b2 = 0.999 would not move: 0.999 * v rounds back to v).
@@ -33,6 +40,25 @@ def effective(sources: Dict, sigmoid: bool) -> dict[str, Array]:
     if sigmoid:
         return {p: jax.nn.sigmoid(s) for p, s in f32.items()}
     return f32
+
+
+def particle_indices(key: Array, n_examples: int, pool_size: int) -> Array:
+    """Each example's particle of a pool, uniform over its `pool_size` (int32, (n_examples,))."""
+    return jax.random.randint(key, (n_examples,), 0, pool_size)
+
+
+def pick_particles(sources: Dict, index: Array, n_positions: int) -> dict[str, Array]:
+    """Pooled sources `(B, K, n)` per site (a stacked unit's `(members, B, K, n)`) -> each
+    example's particle `index[b]` as per-example sources `(B, 1 x n_positions, n)`, whose unit
+    position axes broadcast it over the example's positions in `masks.source_masks`."""
+
+    def one(src: Array) -> Array:
+        B, n = src.shape[-3], src.shape[-1]
+        idx = index.reshape((1,) * (src.ndim - 3) + (B, 1, 1))
+        picked = jnp.take_along_axis(src, idx, axis=-2)  # (..., B, 1, n)
+        return picked.reshape(*src.shape[:-3], B, *(1,) * n_positions, n)
+
+    return {p: one(s) for p, s in sources.items()}
 
 
 def init_opt(sources: Dict, optimizer: str) -> dict[str, Any]:
