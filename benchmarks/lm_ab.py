@@ -70,6 +70,7 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
             "train": {
                 "loss": {
                     "sparsity": "smooth_l0",
+                    "p_final": None,
                     "gamma_final": 0.01,
                     "gamma_anneal_end": 0.9,
                     "importance_minimality": args.imp,
@@ -79,7 +80,20 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
                     "stochastic_recon_subset": 0.0,
                     "merged_recon": 1.0,
                     "adv_fraction": 0.5,
-                }
+                },
+                # the reference's LM configs: sources per example and position, two warm-up
+                # ascents, Adam (b1 0.01, b2 0.99) at 0.01 after a 5% warm-up; components at a
+                # small lr (their 5e-5 with Muon over 400k steps; Adam here, --lr-b)
+                "ppgd": {
+                    "scope": "per_batch_per_position",
+                    "n_warmup_steps": 2,
+                    "lr": 0.01,
+                    "b1": 0.01,
+                    "b2": 0.99,
+                    "warmup_frac": 0.05,
+                },
+                "optim": {"lr": args.lr_b},
+                "ci_optim": {"grad_clip": 1.0},
             },
         }
     raise SystemExit(f"unknown arm {arm!r}")
@@ -269,7 +283,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--layer", type=int, default=15)
-    ap.add_argument("--imp", type=float, default=1e-5)
+    ap.add_argument("--imp", type=float, default=2e-5)
+    ap.add_argument("--lr-b", type=float, default=1e-4)
     ap.add_argument("--warmup-steps", type=int, default=1000)
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--eval-batch", type=int, default=16)
