@@ -500,6 +500,10 @@ def test_eval_summary() -> None:
         }
     }
     assert eval_summary(lm) == "CE 2.500 (target 2.000), KL ci 0.04 stoch 0.1"
+    lm["eval"].update(kl_pgd=0.35, l0={"a": 40.0, "b": 42.5})  # fresh PGD, L0 per site
+    assert (
+        eval_summary(lm) == "CE 2.500 (target 2.000), KL ci 0.04 stoch 0.1 pgd 0.35, L0 mean 41.2"
+    )
     assert eval_summary({}) == "" and eval_summary({"status": "done"}) == ""
 
 

@@ -328,6 +328,8 @@ def test_lm_eval_with_exact_components():
     )  # the reference's CEandKLLosses variants
     expected = {"ce/target"} | {f"{m}/{k}" for m in ("ce", "kl") for k in kinds}
     expected |= {f"{m}/{k}" for m in ("ce_difference", "ce_unrecovered") for k in kinds[:-1]}
+    # + the fresh-PGD masking ([train.eval_pgd], on by default)
+    expected |= {f"{m}/pgd" for m in ("ce", "kl", "ce_difference", "ce_unrecovered")}
     assert set(out) == expected
     assert all(np.isfinite(v) for v in out.values())
     assert out["kl/unmasked"] == pytest.approx(0.0, abs=1e-6)
@@ -338,6 +340,13 @@ def test_lm_eval_with_exact_components():
         assert out[f"kl/{k}"] >= -1e-6
     ref_ce = float(jax.jit(target.loss)(params, {"tokens": tokens})[0])
     assert out["ce/target"] == pytest.approx(ref_ce, rel=1e-5)
+    # 20 sign-ascent steps from the sources that 0 steps scores: the KL went up; the other
+    # maskings' draws do not depend on the PGD (its own fold of the key)
+    cfg0 = cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"eval_pgd": cfg.train.eval_pgd.model_copy(update={"n_steps": 0})})})  # fmt: skip
+    out0 = E.lm_eval(target, params, comps, ci_fns, cfg0, {"tokens": tokens}, jax.random.PRNGKey(3))
+    assert out["kl/pgd"] > out0["kl/pgd"] > 0
+    assert all(out0[k] == out[k] for k in out if not k.endswith("/pgd"))
 
 
 # ---------------------------------------------------------------------------------------------

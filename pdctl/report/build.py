@@ -488,7 +488,7 @@ def _eval_from_line(row: Mapping[str, Any]) -> dict[str, Any]:
     return ev
 
 
-_PER_SITE = ("ci_errors", "mmcs", "ml2r", "l0", "alive")
+_PER_SITE = ("ci_errors", "mmcs", "ml2r", "l0", "alive", "alive_mean")
 
 
 def config_rows(project: Project) -> list[tuple[str, str]]:
