@@ -63,7 +63,13 @@ def _targets(tmp_path):
     }
 
 
-@pytest.mark.parametrize("name", ["llama_mlp", "hf", "hf-scan"])
+@pytest.mark.parametrize(
+    "name",
+    # (7-9 s each on the loaded 2-core machine: the closure-based and the scanned forwards in
+    # the slow tier, the unrolled hf one in every run)
+    [pytest.param("llama_mlp", marks=pytest.mark.slow), "hf",
+     pytest.param("hf-scan", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_masked_forward_from_the_clean_prefix_is_the_whole_forward(tmp_path, name):
     """The clean forward keeps the stream entering the first block with a site; a masked
     forward started there (all sites, or only a later one, as layerwise recon masks) gives the
@@ -130,25 +136,24 @@ def _cfg(**train):
                    "ci_fn": {"type": "shared_mlp", "hidden": [8]}},
         "train": {"batch_size": 4, "loss": {
             "faithfulness": 1.0, "importance_minimality": 1e-2, "stochastic_recon": 1.0,
-            "stochastic_recon_layerwise": 0.5, "ppgd_recon": 0.5},
+            "ppgd_recon": 0.5},
             "ppgd": {"n_warmup_steps": 1}, **train},
     })  # fmt: skip
 
 
-@pytest.mark.slow  # four train-step compiles
-@pytest.mark.parametrize("scan", [False, True])
-def test_train_step_with_the_prefix_skip_equals_it_without(tmp_path, monkeypatch, scan):
-    """The whole train step (stochastic, layerwise and PPGD terms, the PPGD warm-up ascent,
-    2 accumulated micro-batches whose clean streams are split like the site inputs), with the
-    sites in layers 2-3 of 4: metrics and the new state equal the step without the skip, bit
-    for bit, unrolled and scanned (sites stacked)."""
+@pytest.mark.slow  # two train-step compiles (~15 s; 110 s on the loaded 2-core machine)
+def test_train_step_with_the_prefix_skip_equals_it_without(tmp_path, monkeypatch):
+    """The whole train step (stochastic and PPGD terms, the PPGD warm-up ascent, 2 accumulated
+    micro-batches whose clean streams are split like the site inputs), with the sites in
+    layers 2-3 of 4: metrics and the new state equal the step without the skip, bit for bit.
+    (The scanned forward from a prefix: `test_masked_forward_from_the_clean_prefix_...`.)"""
     from pdctl.engine import sharding
     from pdctl.science.spd.components import init_decomposition_reference
     from pdctl.stages import train
     from pdctl.stages.init_weights import decomposed_sites, source_shape
 
     target = _hf(tmp_path, num_hidden_layers=4)
-    cfg = _cfg(scan_layers=scan, grad_accum_steps=2)
+    cfg = _cfg(scan_layers=False, grad_accum_steps=2)
     params = jax.jit(target.init)(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(2), (4, SEQ + 1), 0, 64)
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
@@ -164,4 +169,4 @@ def test_train_step_with_the_prefix_skip_equals_it_without(tmp_path, monkeypatch
         state = prog.jit_make_state()(comps, ci_fns, sources)
         out[skip] = jax.device_get(prog.jit(donate=False)(params, state, {"tokens": tokens}))
     jax.tree.map(np.testing.assert_array_equal, out[True], out[False])
-    assert np.isfinite(out[True][1]["stochastic_recon_layerwise"])
+    assert np.isfinite(out[True][1]["ppgd_recon"])
