@@ -12,7 +12,14 @@ checkout's, so the ratio comes from one run on one machine. Per side and site co
 (best of 3 windows), the target's forward ms on the same batch, their ratio, the train step's
 compile s, XLA's FLOP count of one device's step (GFLOP), and the child's peak RSS.
 
-    python benchmarks/lm_step.py [--sites 3 12 90] [--baseline REV | unrolled] [--scan] [--steps 5]
+    python benchmarks/lm_step.py [--sites 3 12 90] [--baseline REV | unrolled | noskip] [--scan]
+        [--steps 5] [--ppgd-warmup N] [--remat POLICY]
+
+`--baseline noskip` measures this checkout against itself with the prefix skip off (the masked
+forwards run the embedding and the blocks below the first site again, as before `Clean.residual`;
+the switch patches `losses.prefix_layer` in the child, it is not a config key). `--ppgd-warmup N`
+adds the PPGD term (coefficient 0.5, shared sources) with N warm-up ascent steps per step, whose
+forwards run inside a loop; `--remat POLICY` sets `[train] remat`.
 """
 
 from __future__ import annotations
@@ -44,7 +51,14 @@ def _gguf() -> Path:
 
 
 def child(
-    n_sites: int, n_steps: int, C: int, trace: Path | None = None, scan: bool = False
+    n_sites: int,
+    n_steps: int,
+    C: int,
+    trace: Path | None = None,
+    scan: bool = False,
+    skip: bool = True,
+    ppgd_warmup: int = 0,
+    remat: str = "none",
 ) -> dict:
     from pdctl.engine import runtime
 
@@ -67,8 +81,18 @@ def child(
     raw["target"]["path"] = str(_gguf())
     raw["decomp"]["sites"] = [{"pattern": f"model.layers.{LAYERS[n_sites]}.mlp.*", "C": C}]
     raw["train"]["batch_size"] = 4
-    if scan:  # a baseline revision may predate the key: set it only when asked
-        raw["train"]["scan_layers"] = True
+    # set always (the default is "auto" now); the others only when asked, as a baseline
+    # revision may predate them
+    raw["train"]["scan_layers"] = scan
+    if ppgd_warmup:
+        raw["train"]["loss"]["ppgd_recon"] = 0.5
+        raw["train"].setdefault("ppgd", {})["n_warmup_steps"] = ppgd_warmup
+    if remat != "none":
+        raw["train"]["remat"] = remat
+    if not skip:  # the masked forwards run whole again (benchmark-only switch)
+        from pdctl.science.spd import losses
+
+        losses.prefix_layer = lambda target, paths: None
     cfg = parse_config(raw)
     mesh = sharding.make_mesh(-1, 1)
     target = target_from_config(cfg)
@@ -144,7 +168,15 @@ def child(
 
 
 def run_child(
-    src: Path, n_sites: int, n_steps: int, C: int, devices: int = 0, scan: bool = False
+    src: Path,
+    n_sites: int,
+    n_steps: int,
+    C: int,
+    devices: int = 0,
+    scan: bool = False,
+    skip: bool = True,
+    ppgd_warmup: int = 0,
+    remat: str = "none",
 ) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     if devices:  # else pdctl's default: one CPU device per core
@@ -159,6 +191,9 @@ def run_child(
         "--C",
         str(C),
         *(["--scan"] if scan else []),
+        *([] if skip else ["--no-skip"]),
+        *(["--ppgd-warmup", str(ppgd_warmup)] if ppgd_warmup else []),
+        *(["--remat", remat] if remat != "none" else []),
     ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
     if r.returncode:
@@ -183,10 +218,14 @@ def main() -> None:
         help="this checkout with [train] scan_layers = true (--baseline unrolled: this "
         "checkout unrolled against itself scanned)",
     )  # fmt: skip
+    ap.add_argument("--ppgd-warmup", type=int, default=0, help="PPGD with N warm-up ascents")
+    ap.add_argument("--remat", default="none", help="[train] remat")
+    ap.add_argument("--no-skip", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    extra = {"ppgd_warmup": a.ppgd_warmup, "remat": a.remat}
     if a.child:
-        print(json.dumps(child(a.child, a.steps, a.C, a.trace, a.scan)))
+        print(json.dumps(child(a.child, a.steps, a.C, a.trace, a.scan, not a.no_skip, **extra)))
         return
     if a.trace:
         r = child(a.sites[0], a.steps, a.C, a.trace, a.scan)
@@ -195,9 +234,13 @@ def main() -> None:
             print(f"  {ms:8.2f}  {name}")
         return
     sides = {"this": (ROOT, a.scan)}
+    skips = {}  # side -> False: the prefix skip off
     tmp = None
     if a.baseline == "unrolled":
         sides = {"unrolled": (ROOT, False), "scan": (ROOT, True)}
+    elif a.baseline == "noskip":
+        sides = {"noskip": (ROOT, a.scan), "this": (ROOT, a.scan)}
+        skips = {"noskip": False}
     elif a.baseline:
         tmp = tempfile.mkdtemp(prefix="pdctl-baseline-")
         subprocess.run(
@@ -210,7 +253,7 @@ def main() -> None:
         for n in a.sites:
             for d in a.devices:
                 for name, (src, scan) in sides.items():  # interleaved: both sides back to back
-                    r = run_child(src, n, a.steps, a.C, d, scan)
+                    r = run_child(src, n, a.steps, a.C, d, scan, skips.get(name, True), **extra)
                     r["side"] = name
                     rows.append(r)
                     print(

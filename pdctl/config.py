@@ -19,7 +19,7 @@ import textwrap
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -647,6 +647,34 @@ class PgdConfig(Section):
     routing_p: Prob = Field(0.5, description="static_p routing: probability per site")
 
 
+class EvalPgdConfig(Section):
+    """The fresh-PGD evaluation of LM runs (goodfire-ai/param-decomp SPEC.md section 10, its
+    fast-tier `PGDReconLoss` probe with `source_shape: c`): sources drawn fresh at each
+    evaluation, n_steps sign-ascent steps of step_size on KL(target || masked) with the CI and
+    components held fixed, then the CE and KL of the model masked by them (`kl_pgd`, `ce_pgd`
+    in the evaluation): the robustness figure of a decomposition."""
+
+    enabled: bool = Field(True, description="LMs: run the fresh-PGD evaluation at each eval")
+    n_steps: NonNeg = Field(
+        20, description="sign-ascent steps (0: the KL at the initial sources themselves)"
+    )
+    step_size: PosF = Field(0.1, description="size of each sign step (sources live in [0, 1])")
+    init: Literal["random", "ones", "zeroes"] = Field(
+        "random", description="initial sources: random (U[0,1)) | ones | zeroes"
+    )
+    scope: Literal["shared", "per_example"] = Field(
+        "shared",
+        description="shared: one source per component for the whole batch and every position | "
+        "per_example: one per example and position",
+    )
+
+
+# `[train] scan_layers = "auto"` turns the scan on when the decomposed sites sit in at least this
+# many layers: where the scanned step compiled faster than the unrolled one
+# (benchmarks/scan_compile.py, docs/performance.md "scan_layers = auto").
+AUTO_SCAN_LAYERS = 4
+
+
 class TrainConfig(Section):
     steps: Pos = Field(10000, description="optimizer steps")
     batch_size: Pos = Field(4096, description=_BATCH)
@@ -663,13 +691,14 @@ class TrainConfig(Section):
     )
     grad_accum_steps: Pos = Field(1, description="micro-batches accumulated per optimizer step")
     remat: Literal["none", "dots_saveable", "full"] = Field("none", description=_REMAT)
-    scan_layers: bool = Field(
-        False,
+    scan_layers: bool | Literal["auto"] = Field(
+        "auto",
         description=(
             "imported (hf) models: run the layers that have sites as a scan and hold each site "
             "that repeats over consecutive layers as one stacked array that the whole step "
             "works on, so that the train step's compile time does not grow with depth "
             "(measured on CPU: the step itself ran 0.75-0.8x as fast, see docs/performance.md). "
+            f'"auto": on when the decomposed sites sit in {AUTO_SCAN_LAYERS} layers or more. '
             "Not part of the fingerprint: a run resumes across a change of it"
         ),
     )
@@ -711,6 +740,17 @@ class TrainConfig(Section):
     pgd: PgdConfig = Field(
         PgdConfig(), description="per-step PGD, used when train.loss.pgd_recon > 0"
     )
+    eval_pgd: EvalPgdConfig = Field(
+        EvalPgdConfig(), description="LMs: the fresh-PGD evaluation (the robustness figure)"
+    )
+
+    @field_validator("scan_layers", mode="before")
+    @classmethod
+    def _scan_layers_choice(cls, v: Any) -> Any:
+        # one line naming the choices, not pydantic's one error per member of the union
+        if not isinstance(v, bool) and v != "auto":
+            raise ValueError('must be true, false or "auto"')
+        return v
 
 
 class Config(Section):

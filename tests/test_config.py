@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -326,3 +327,47 @@ def test_mistakes_are_one_line_errors_naming_the_key(edit, message):
         parse_config(raw)
     text = str(err.value)
     assert message in text and "\n" not in text, text
+
+
+def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
+    """`[train] scan_layers` is true, false or "auto" (the default; anything else is one line
+    naming the key); "auto" scans an imported model whose sites sit in AUTO_SCAN_LAYERS layers
+    or more. No value of it, nor leaving it out (an old run's config, whose default was false),
+    moves any fingerprint: it changes how the step runs, not what it computes."""
+    import json
+
+    from pdctl.config import AUTO_SCAN_LAYERS
+    from pdctl.science.targets.hf import HFCausalLM, read_hf_config
+    from pdctl.stages.common import scan_layers
+
+    base = {"schema": 1, "target": {"kind": "hf", "path": "unused"}, "data": {"path": "unused"}}
+    cfgs = {}
+    for v in (None, True, False, "auto"):
+        raw = copy.deepcopy(base)
+        raw["decomp"] = {"sites": [{"pattern": "*.mlp.*", "C": 4}]}
+        if v is not None:
+            raw["train"] = {"scan_layers": v}
+        cfgs[v] = parse_config(raw)
+    assert cfgs[None].train.scan_layers == "auto"
+    for stage in STAGES:
+        assert len({fingerprint(c, stage) for c in cfgs.values()}) == 1, stage
+    for bad in ("yes", 1):
+        with pytest.raises(PdctlError) as e:
+            parse_config({**base, "decomp": {"sites": []}, "train": {"scan_layers": bad}})
+        assert str(e.value) == f'train.scan_layers: must be true, false or "auto", got {bad!r}'
+
+    n = AUTO_SCAN_LAYERS
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": n + 2, "num_attention_heads": 4,
+    }))  # fmt: skip
+    target = HFCausalLM(spec=read_hf_config(tmp_path, need_weights=False), seq_len=8)
+
+    def resolved(pattern: str, setting: typing.Any = "auto") -> bool:
+        raw = {**base, "decomp": {"sites": [{"pattern": pattern, "C": 4}]}}
+        return scan_layers(parse_config({**raw, "train": {"scan_layers": setting}}), target)
+
+    assert resolved("*.mlp.*")  # n + 2 layers
+    assert resolved(f"*.[0-{n - 1}].mlp.*")  # exactly n layers
+    assert not resolved(f"*.[0-{n - 2}].mlp.*")  # n - 1 layers
+    assert not resolved("*.mlp.*", False) and resolved("*.0.mlp.*", True)  # as set

@@ -72,6 +72,21 @@ def test_gguf_run_end_to_end_with_held_out_eval(tmp_path, gguf_model):
     assert set(pre["files"]) == {"tiny.gguf"}
     tr = state(run, "train")
     assert tr["status"] == "done" and np.isfinite(tr["eval"]["ce_ci_masked"])
+    # the fresh-PGD evaluation (on by default) and the alive counts, in `status --json` ...
+    r = cli("--project", run, "status", "--json")
+    assert r.exit_code == 0, r.output
+    ev = json.loads(r.stdout)["train"]["eval"]
+    for k in ("kl_pgd", "ce_pgd", "kl_stoch_masked", "kl_unmasked"):
+        assert np.isfinite(ev[k]) and ev[k] >= -1e-6, k
+    assert (
+        set(ev["l0"])
+        == set(ev["alive"])
+        == set(ev["alive_mean"])
+        == {f"model.layers.1.mlp.{n}_proj" for n in ("gate", "up", "down")}
+    )
+    # ... and in `status` (pgd KL beside the CI-masked and stochastic ones)
+    r = cli("--project", run, "status")
+    assert r.exit_code == 0 and "pgd" in r.stdout, r.output
     caches = sorted((run / "cache" / "tokens").glob("tokens-*.npy"))
     assert len(caches) == 2  # the train and the eval split
     r = cli("--project", run, "report")

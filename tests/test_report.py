@@ -500,7 +500,39 @@ def test_eval_summary() -> None:
         }
     }
     assert eval_summary(lm) == "CE 2.500 (target 2.000), KL ci 0.04 stoch 0.1"
+    lm["eval"].update(kl_pgd=0.35, l0={"a": 40.0, "b": 42.5})  # fresh PGD, L0 per site
+    assert (
+        eval_summary(lm) == "CE 2.500 (target 2.000), KL ci 0.04 stoch 0.1 pgd 0.35, L0 mean 41.2"
+    )
     assert eval_summary({}) == "" and eval_summary({"status": "done"}) == ""
+
+
+def test_lm_eval_table_puts_the_fresh_pgd_first_and_the_eval_curves_draw_it(tmp_path) -> None:
+    """The LM evaluation table: the fresh-PGD masking's row first (when evaluated), then the
+    reference's maskings; per-site L0 / alive / alive_mean below. The eval-curves figure takes
+    eval lines with the pgd keys (over steps)."""
+    from pdctl.report import page as P
+
+    ev = {
+        "ce_target": 2.0,
+        "ce_pgd": 3.0,
+        "kl_pgd": 0.4,
+        "ce_ci_masked": 2.1,
+        "kl_ci_masked": 0.05,
+        "l0": {"s": 3.5},
+        "alive": {"s": 9.0},
+        "alive_mean": {"s": 7.0},
+    }
+    rows = P.lm_eval_rows(ev)
+    assert [r[0] for r in rows[:3]] == ["target", "pgd", "ci_masked"]
+    assert rows[1][1:3] == [3.0, 0.4]
+    html = P.lm_eval_table(ev)
+    assert "mean CI &gt; 1e-06" in html and "<td>s</td>" in html
+    assert [r[0] for r in P.lm_eval_rows({"ce_target": 2.0})][:2] == ["target", "ci_masked"]
+    lines = [{"step": s, "eval/kl_pgd": 0.5 / s, "eval/kl_stoch_masked": 0.1 / s,
+              "eval/ce_pgd": 3.0, "eval/ce_target": 2.0} for s in (10, 20)]  # fmt: skip
+    png = F.plot_eval_curves(tmp_path / "eval_curves.png", lines, toy=False)
+    assert Image.open(png).size[0] > 0
 
 
 @needs_run

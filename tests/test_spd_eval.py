@@ -186,9 +186,16 @@ def test_ci_stats_on_tms_batch():
     assert stats == {
         "l0/linear1": pytest.approx(5 / 4),  # mean active components per row
         "alive/linear1": 3.0,  # components active on at least one row
+        "alive_mean/linear1": 3.0,  # mean CI over the rows 1/2, 0, 1/2, 1/4, 0: three > 1e-6
         "l0/linear2": pytest.approx(2.0),
         "alive/linear2": 2.0,
+        "alive_mean/linear2": 2.0,
     }
+    # mean CI, not any CI above decomp.ci_threshold: a component at CI 0.05 on one row of
+    # four is alive by its mean (0.0125 > 1e-6) though never above the threshold 0.1
+    ci = {"s": jnp.asarray([[0.05, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 1e-6]], jnp.float32)}
+    assert np.asarray(E.alive_by_mean(ci, E.ALIVE_MEAN_THRESHOLD)["s"]).tolist() == [True, False]
+    assert np.asarray(E.alive(ci, 0.1)["s"]).tolist() == [False, False]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +328,8 @@ def test_lm_eval_with_exact_components():
     )  # the reference's CEandKLLosses variants
     expected = {"ce/target"} | {f"{m}/{k}" for m in ("ce", "kl") for k in kinds}
     expected |= {f"{m}/{k}" for m in ("ce_difference", "ce_unrecovered") for k in kinds[:-1]}
+    # + the fresh-PGD masking ([train.eval_pgd], on by default)
+    expected |= {f"{m}/pgd" for m in ("ce", "kl", "ce_difference", "ce_unrecovered")}
     assert set(out) == expected
     assert all(np.isfinite(v) for v in out.values())
     assert out["kl/unmasked"] == pytest.approx(0.0, abs=1e-6)
@@ -331,3 +340,93 @@ def test_lm_eval_with_exact_components():
         assert out[f"kl/{k}"] >= -1e-6
     ref_ce = float(jax.jit(target.loss)(params, {"tokens": tokens})[0])
     assert out["ce/target"] == pytest.approx(ref_ce, rel=1e-5)
+    # 20 sign-ascent steps from the sources that 0 steps scores: the KL went up; the other
+    # maskings' draws do not depend on the PGD (its own fold of the key)
+    cfg0 = cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"eval_pgd": cfg.train.eval_pgd.model_copy(update={"n_steps": 0})})})  # fmt: skip
+    out0 = E.lm_eval(target, params, comps, ci_fns, cfg0, {"tokens": tokens}, jax.random.PRNGKey(3))
+    assert out["kl/pgd"] > out0["kl/pgd"] > 0
+    assert all(out0[k] == out[k] for k in out if not k.endswith("/pgd"))
+
+
+# ---------------------------------------------------------------------------------------------
+# fresh-PGD evaluation
+
+
+class _Logits:
+    """logits = x @ W at one site "w": a stand-in target for `losses.Recon`."""
+
+    def site_paths(self):
+        return ["w"]
+
+    def site_weights(self, params):
+        return {"w": params["w"]}
+
+    def apply(self, params, x, overrides=None):
+        return overrides["w"](x) if overrides else x @ params["w"]
+
+
+def _rank_one_recon(ci: float, delta: bool = False):
+    """One site, one component that IS the weight (V U = W), CI `ci` everywhere, no delta
+    component: the masked logits are m z, z = x W, m = ci + (1 - ci) s for the one shared
+    source s."""
+    from pdctl.science.spd.losses import Recon
+
+    rng = np.random.default_rng(0)
+    V = jnp.asarray(rng.normal(size=(6, 1)), jnp.float32)
+    U = jnp.asarray(rng.normal(size=(1, 9)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(4, 3, 6)), jnp.float32)  # (batch, positions, d_in)
+    W = V @ U
+    clean = x @ W
+    recon = Recon(_Logits(), {"w": W}, {}, {"w": {"V": V, "U": U}}, x, clean, delta, "kl",
+                  order=("w",))  # fmt: skip
+    return recon, {"w": jnp.full((4, 3, 1), ci, jnp.float32)}, np.asarray(clean, np.float64)
+
+
+def _kl(z: np.ndarray, m: float) -> float:
+    def logsm(a):
+        return (
+            a
+            - np.log(np.sum(np.exp(a - a.max(-1, keepdims=True)), -1, keepdims=True))
+            - (a.max(-1, keepdims=True))
+        )
+
+    lp, lq = logsm(z), logsm(m * z)
+    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+
+def test_fresh_pgd_ascends_the_kl_in_closed_form():
+    """d KL(softmax(z) || softmax(s z)) / ds = E_{softmax(s z)}[z] - E_{softmax(z)}[z] < 0 for
+    s < 1 (the mean of z under softmax(s z) grows with s): every sign step lowers the shared
+    source by step_size until 0, and the evaluation's
+    KL is the closed form at the final source. 0 steps: the KL at the random sources; more
+    steps: never below it."""
+    from pdctl.science.spd.losses import ppgd_recon_loss
+
+    recon, ci, z = _rank_one_recon(0.0)
+    key = jax.random.PRNGKey(5)
+    with_delta, _, _ = _rank_one_recon(0.0, delta=True)
+    shape = E.fresh_pgd_sources(with_delta, ci, key, E.FreshPgd(n_steps=0))["w"].shape
+    assert shape == (2,)  # + the delta component's source
+    init = np.asarray(E.fresh_pgd_sources(recon, ci, key, E.FreshPgd(n_steps=0))["w"])
+    assert init.shape == (1,)  # one component, one source for all examples and positions
+    s0 = np.float32(init[0])
+    kls = []
+    for n in (0, 1, 3, 20):
+        pgd = E.FreshPgd(n_steps=n, step_size=0.1)
+        srcs = jax.jit(lambda c, pgd=pgd: E.fresh_pgd_sources(recon, c, key, pgd))(ci)
+        want = s0
+        for _ in range(n):  # the ascent, as float32 arithmetic does it
+            want = np.clip(want - np.float32(0.1), 0, 1)
+        got = np.asarray(srcs["w"])
+        assert got[0] == want, (n, got, want)
+        kl = float(ppgd_recon_loss(recon, ci, srcs))
+        assert kl == pytest.approx(_kl(z, float(want)), rel=1e-5)
+        kls.append(kl)
+    assert kls[0] == pytest.approx(_kl(z, float(s0)), rel=1e-5)
+    assert kls == sorted(kls) and kls[-1] > kls[0]  # ascent: 0 <= 1 <= 3 <= 20 steps
+    assert kls[-1] == pytest.approx(_kl(z, 0.0), rel=1e-5)  # at s = 0: the zero-masked KL
+    # CI 1 pins the mask to 1 whatever the source: nothing to ascend, KL 0
+    recon, ci1, _ = _rank_one_recon(1.0)
+    srcs = E.fresh_pgd_sources(recon, ci1, key, E.FreshPgd(n_steps=3))
+    assert float(ppgd_recon_loss(recon, ci1, srcs)) == pytest.approx(0.0, abs=1e-7)

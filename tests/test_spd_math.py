@@ -477,7 +477,9 @@ def test_masked_forward_with_exact_components_and_no_delta_reproduces_target():
 def test_clean_forward_captures_site_inputs():
     target, params, _, _, _ = fake_setup()
     x = rand(2, 5, 4, normal=True)
-    out, inputs = jax.jit(lambda p, v: L.clean_forward(target, p, v, ("a", "b")))(params, x)
+    clean = jax.jit(lambda p, v: L.clean_forward(target, p, v, ("a", "b")))(params, x)
+    out, inputs = clean.out, clean.site_inputs
+    assert clean.residual is None  # a target without blocks: no prefix to skip
     np.testing.assert_allclose(np.asarray(out), np.asarray(target.apply(params, x)), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(inputs["a"]), np.asarray(x))
     h = np_relu(np.asarray(x) @ np.asarray(params["a"]["W"]) + np.asarray(params["a"]["b"]))

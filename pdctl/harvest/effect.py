@@ -31,7 +31,7 @@ def _effect_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sam
     from pdctl.science.spd.losses import clean_forward, masked_forward
 
     def run(params, components, ci_fns, x, t, weight, keep):
-        _, site_inputs = clean_forward(target, params, x, paths)
+        site_inputs = clean_forward(target, params, x, paths, prefix=False).site_inputs
         grouped = bool(getattr(target, "scan_layers", False))
         ci, _ = compute_ci(components, ci_fns, site_inputs, kind, sigmoid, "none", sampling,
                            jax.random.PRNGKey(EVAL_KEY), grouped)  # fmt: skip

@@ -488,7 +488,7 @@ def _eval_from_line(row: Mapping[str, Any]) -> dict[str, Any]:
     return ev
 
 
-_PER_SITE = ("ci_errors", "mmcs", "ml2r", "l0", "alive")
+_PER_SITE = ("ci_errors", "mmcs", "ml2r", "l0", "alive", "alive_mean")
 
 
 def config_rows(project: Project) -> list[tuple[str, str]]:
@@ -516,6 +516,12 @@ def config_rows(project: Project) -> list[tuple[str, str]]:
         and v
     ]
     p = f"p {tc.loss.p:g}" + (f" → {tc.loss.p_final:g}" if tc.loss.p_final is not None else "")
+    e = tc.eval_pgd
+    pgd = (
+        f"; fresh PGD: {e.n_steps} sign steps of {e.step_size:g}, {e.init} {e.scope} sources"
+        if e.enabled and cfg.target.kind in ("llama_mlp", "hf")
+        else ""
+    )
     return [
         ("seed", str(cfg.run.seed)),
         ("target", f"{kind}: " + ", ".join(f"{k}={v}" for k, v in t.items())),
@@ -528,7 +534,7 @@ def config_rows(project: Project) -> list[tuple[str, str]]:
         (
             "train",
             f"{tc.steps} steps, batch {tc.batch_size}, lr {tc.optim.lr:g} "
-            f"{tc.optim.schedule}, eval every {tc.eval_every} on {tc.eval_batch_size}",
+            f"{tc.optim.schedule}, eval every {tc.eval_every} on {tc.eval_batch_size}{pgd}",
         ),
         ("loss", ", ".join(coeffs) + f"; {p}, output {tc.loss.output}"),
         ("warmup", f"{cfg.warmup.steps} steps, lr {cfg.warmup.lr:g}"),

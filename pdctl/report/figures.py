@@ -203,7 +203,7 @@ def plot_l0(
 
 def plot_eval_curves(path: Path, eval_rows: Sequence[Mapping[str, Any]], toy: bool) -> Path:
     """The periodic evaluations over steps. Toys: CI errors and MMCS per site. LMs: CE and
-    KL of the masked models."""
+    KL of the masked models, the fresh-PGD masking's drawn thicker."""
     keys: list[str] = []
     for r in eval_rows:
         keys.extend(k for k in r if k not in keys)
@@ -226,7 +226,9 @@ def plot_eval_curves(path: Path, eval_rows: Sequence[Mapping[str, Any]], toy: bo
         everything: list[float] = []
         for k in group:
             s, v = series(eval_rows, k)
-            ax.plot(s, v, marker="o", lw=1.2, label=k[len("eval/") :])
+            robust = k.endswith("_pgd")  # the fresh-PGD masking: the robustness figure
+            label = k[len("eval/") :] + (" (fresh PGD)" if robust else "")
+            ax.plot(s, v, marker="o", lw=2.4 if robust else 1.2, label=label)
             everything.extend(v.tolist())
         if not toy:
             _log_if_useful(ax, everything)

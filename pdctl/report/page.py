@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdctl.science.spd.evaluate import LM_MASKINGS
+from pdctl.science.spd.evaluate import ALIVE_MEAN_THRESHOLD, LM_MASKINGS, PGD_MASKING
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1240px; color: #222;
@@ -111,7 +111,9 @@ def lm_eval_rows(ev: Mapping[str, Any]) -> list[list[Any]]:
         return ev.get(key, ev.get(f"eval/{key}", ""))
 
     rows = [["target", get("ce_target"), "", "", ""]]
-    for kind in (*LM_MASKINGS, "zero_masked"):
+    # the fresh-PGD masking first: its KL is the robustness figure
+    pgd = (PGD_MASKING,) if get(f"kl_{PGD_MASKING}") != "" else ()
+    for kind in (*pgd, *LM_MASKINGS, "zero_masked"):
         rows.append(
             [
                 kind,
@@ -125,10 +127,22 @@ def lm_eval_rows(ev: Mapping[str, Any]) -> list[list[Any]]:
 
 
 def lm_eval_table(ev: Mapping[str, Any]) -> str:
-    return table(
+    """CE / KL per masking (the fresh-PGD one first, when evaluated), then L0 and alive counts
+    per site."""
+    out = table(
         ["masking", "CE", "KL(target || masked)", "CE - CE(target)", "CE unrecovered"],
         lm_eval_rows(ev),
     )
+    per_site = ("l0", "alive", "alive_mean")
+    sites: list[str] = []
+    for k in per_site:
+        sites.extend(s for s in ev.get(k) or {} if s not in sites)
+    if not sites:
+        return out
+    rows = [[s, *[(ev.get(k) or {}).get(s, "") for k in per_site]] for s in sites]
+    header = ["site", "L0", "alive (CI above decomp.ci_threshold somewhere)",
+              f"alive (mean CI > {ALIVE_MEAN_THRESHOLD:g})"]  # fmt: skip
+    return out + table(header, rows)
 
 
 def contexts_html(contexts: Mapping[str, list[dict[str, Any]]], how: str) -> str:

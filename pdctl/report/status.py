@@ -46,7 +46,8 @@ def _numbers(table: Mapping[str, Any]) -> list[float]:
 
 def eval_summary(stage_state: Mapping[str, Any], stage: str = "train") -> str:
     """The final evaluation in a few words: toys `CI errors 0, min MMCS 0.999, L0 1.00/1.02`;
-    LMs `CE 2.31 (target 2.25), KL ci 0.041 stoch 0.12`. Empty when there is none. `stage`
+    LMs `CE 2.31 (target 2.25), KL ci 0.041 stoch 0.12 pgd 0.35, L0 mean 41.2` (pgd: the
+    fresh-PGD KL, the robustness figure). Empty when there is none. `stage`
     names the `[state.<stage>]` table in the error a hand-edited one that is not a table of
     per-site numbers raises."""
     ev = stage_state.get("eval") or {}
@@ -74,11 +75,14 @@ def eval_summary(stage_state: Mapping[str, Any], stage: str = "train") -> str:
         parts.append(f"CE {_fmt(ev['ce_ci_masked'], '.3f')}{target}")
     kls = [
         f"{name} {_fmt(ev[f'kl_{key}'], '.3g')}"
-        for name, key in (("ci", "ci_masked"), ("stoch", "stoch_masked"))
+        for name, key in (("ci", "ci_masked"), ("stoch", "stoch_masked"), ("pgd", "pgd"))
         if f"kl_{key}" in ev
     ]
     if kls:
         parts.append("KL " + " ".join(kls))
+    l0 = _numbers(_table(ev, "l0", stage))
+    if l0:
+        parts.append(f"L0 mean {_fmt(sum(l0) / len(l0), '.1f')}")
     return ", ".join(parts)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pdctl import __version__
-from pdctl.config import Config, fingerprint, stage_dependencies
+from pdctl.config import AUTO_SCAN_LAYERS, Config, fingerprint, match_sites, stage_dependencies
 from pdctl.engine import runtime, sharding
 from pdctl.engine.checkpoint import (
     Checkpointer,
@@ -105,6 +105,19 @@ def with_remat(target: Target, remat: str) -> Target:
     if remat == "none" or not hasattr(target, "remat"):
         return target
     return dataclasses.replace(target, remat=remat)
+
+
+def scan_layers(cfg: Config, target: Target) -> bool:
+    """`[train] scan_layers` for this target: true / false as set; "auto": on when the target
+    can scan (an imported model) and the decomposed sites sit in `AUTO_SCAN_LAYERS` layers or
+    more (where the scanned step compiled faster than the unrolled one, docs/performance.md)."""
+    setting = cfg.train.scan_layers
+    if setting != "auto":
+        return bool(setting)
+    if not hasattr(target, "scan_layers"):
+        return False
+    layers = {target.layer_of(p) for p in match_sites(cfg, target.site_paths())}
+    return len(layers - {None}) >= AUTO_SCAN_LAYERS
 
 
 def with_scan(target: Target, scan: bool) -> Target:

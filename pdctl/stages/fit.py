@@ -78,10 +78,10 @@ def eval_programs(p: Any) -> dict[str, Any]:
         return {}
     from pdctl.science.spd import evaluate
     from pdctl.stages import train
-    from pdctl.stages.common import STREAM_TRAIN, stream_key, with_scan
+    from pdctl.stages.common import STREAM_TRAIN, scan_layers, stream_key, with_scan
 
     cfg, prog = p.cfg, p.program
-    target = with_scan(p.target, cfg.train.scan_layers)  # as the train stage evaluates
+    target = with_scan(p.target, scan_layers(cfg, p.target))  # as the train stage evaluates
     fns = train.spd_fns(cfg, target)
     params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
     # The evaluation takes the decomposition as the train state holds it (a scanned target's
@@ -116,7 +116,7 @@ def eval_programs(p: Any) -> dict[str, Any]:
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(p.mesh))
         fn = evaluate._lm_eval_fn(
             target, paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
-            cfg.train.eval_rounding_threshold,
+            cfg.train.eval_rounding_threshold, evaluate.fresh_pgd_config(cfg),
         )  # fmt: skip
         out["eval: masked forwards"] = fn.lower(params, comps, ci_fns, x, x, key)
     return out

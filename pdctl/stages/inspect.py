@@ -185,7 +185,37 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
     args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
     notes = weight_space_notes(stage, decomp) + tensor_parallel_notes(mesh)
+    notes += layer_notes(cfg, stage, target)
     return Plan(stage, cfg, mesh, args, prog, notes=notes, decomp=decomp, target=target)
+
+
+def layer_notes(cfg: Config, stage: str, target: Any) -> list[str]:
+    """Whether the train step scans the layers (`[train] scan_layers`, "auto" resolved) and
+    where its masked forwards start (`losses.prefix_layer`)."""
+    if stage != "train" or not hasattr(target, "layer_of"):
+        return []
+    from pdctl.config import AUTO_SCAN_LAYERS, match_sites
+    from pdctl.science.spd.losses import prefix_layer
+    from pdctl.stages.common import scan_layers
+
+    sites = list(match_sites(cfg, target.site_paths()))
+    notes = []
+    if hasattr(target, "scan_layers"):
+        on = scan_layers(cfg, target)
+        n = len({target.layer_of(p) for p in sites} - {None})
+        how = (
+            f'"auto": sites in {n} layer(s), on from {AUTO_SCAN_LAYERS}'
+            if cfg.train.scan_layers == "auto"
+            else "as set"
+        )
+        notes.append(f"scan_layers: {'on' if on else 'off'} ({how})")
+    first = prefix_layer(target, sites)
+    if first is not None:
+        notes.append(
+            f"masked forwards start at layer {first}: the clean forward keeps the stream "
+            f"entering it, and layers 0-{first - 1} run once per step, not once per forward"
+        )
+    return notes
 
 
 def weight_space_notes(stage: str, decomp: sharding.Decomp) -> list[str]:

@@ -45,6 +45,7 @@ from pdctl.stages.common import (
     frozen_target,
     notify,
     run_stage,
+    scan_layers,
     stream_key,
     text_batch_spec,
     text_batches,
@@ -106,7 +107,8 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     def split_step(x, clean):
         # a stacked unit's captured inputs have its layers ahead of the batch: (L, B, ...)
         axes = {p: int(members(p) is not None) for p in clean.site_inputs}
-        batch_axes = {"x": 0, "clean": clean._replace(out=0, site_inputs=axes)}
+        resid = None if clean.residual is None else 0  # (B, T, d): batch first
+        batch_axes = {"x": 0, "clean": clean._replace(out=0, site_inputs=axes, residual=resid)}
         return split_micro({"x": x, "clean": clean}, k_accum, mesh, batch_axes)
 
     def value_and_grads(trainable, sources, target_params, clean, x, key, step_frac, freq):
@@ -261,7 +263,7 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     tc = cfg.train
     total = tc.steps
     sharding.check_batch_divides(tc.batch_size, mesh, "train.batch_size", tc.grad_accum_steps)
-    target = with_scan(with_remat(target, tc.remat), tc.scan_layers)
+    target = with_scan(with_remat(target, tc.remat), scan_layers(cfg, target))
     tx = optimizer(cfg, total)
     dec = abstract_decomposition(cfg, target)
     stacking = stacking_for(cfg, target, dec)
@@ -348,10 +350,10 @@ def restore(env: StageEnv, step: int, prog: StepProgram) -> tuple[Any, dict[str,
     a stacked state and the other way round, bit for bit (`scan_layers` is not part of the
     fingerprint: it changes how the step runs, not what it computes)."""
     cfg = env.cfg
-    target = with_scan(with_remat(env.target, cfg.train.remat), cfg.train.scan_layers)
+    target = with_scan(with_remat(env.target, cfg.train.remat), scan_layers(cfg, env.target))
     dec = abstract_decomposition(cfg, target)
     stacking = stacking_for(cfg, target, dec)
-    other = stacking_for(cfg, with_scan(target, not cfg.train.scan_layers), dec)
+    other = stacking_for(cfg, with_scan(target, not scan_layers(cfg, target)), dec)
     stacked = _checkpoint_is_stacked(env, step)
     if stacked is None or stacked == (not stacking.trivial) or other.trivial == stacking.trivial:
         return env.restore_state(step, prog.abstract_state, prog.state_shardings)
@@ -457,7 +459,7 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
 
 def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
     (target_params,) = frozen
-    target = with_scan(env.target, env.cfg.train.scan_layers)
+    target = with_scan(env.target, scan_layers(env.cfg, env.target))
     return make_eval(env, target_params, spd_fns(env.cfg, target), target)
 
 
@@ -520,6 +522,10 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
         out["l0"] = {k[3:]: v for k, v in stats.items() if k.startswith("l0/")}
         out["alive"] = {k[6:]: v for k, v in stats.items() if k.startswith("alive/")}
         if target.output_kind == "logits":
+            # the reference's alive count (mean CI > 1e-6), beside fresh-PGD / stochastic KL
+            out["alive_mean"] = {
+                k[11:]: v for k, v in stats.items() if k.startswith("alive_mean/")
+            }
             lm = evaluate.lm_eval(target, target_params, comps, ci_fns, cfg, eval_batch, eval_key)
             for k, v in lm.items():
                 out[k.replace("/", "_")] = v

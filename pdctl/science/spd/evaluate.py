@@ -6,6 +6,7 @@ the host (numpy / scipy).
 """
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -18,8 +19,18 @@ from scipy.optimize import linear_sum_assignment
 from pdctl.config import Config
 from pdctl.science.spd.ci import compute_ci
 from pdctl.science.spd.grouped import map_sites, members, per_site_views, sites_of
-from pdctl.science.spd.losses import clean_forward, kl_distance, l0_per_site, masked_forward
-from pdctl.science.spd.masks import stochastic_masks
+from pdctl.science.spd.losses import (
+    Recon,
+    clean_forward,
+    kl_distance,
+    l0_per_site,
+    masked_forward,
+    pgd_sources,
+    ppgd_recon_loss,
+    prefix_layer,
+)
+from pdctl.science.spd.masks import source_masks, stochastic_masks
+from pdctl.science.targets.base import Residual
 
 Array = jax.Array
 TOY_INPUT_MAGNITUDE = 0.75
@@ -46,7 +57,8 @@ EVAL_KEY = 20250701
 @lru_cache(maxsize=32)
 def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sampling: str):
     def run(target_params, components, ci_fns, x):
-        _, site_inputs = clean_forward(target, target_params, x, paths)
+        # (no masked forward follows: nothing to keep for one)
+        site_inputs = clean_forward(target, target_params, x, paths, prefix=False).site_inputs
         key = jax.random.PRNGKey(EVAL_KEY)
         grouped = bool(getattr(target, "scan_layers", False))
         return compute_ci(
@@ -149,6 +161,21 @@ def mmcs_and_ml2r(
     return mmcs, ml2r
 
 
+# A component is alive in the reference's sense when its mean CI over the evaluation batch (and
+# positions) exceeds this (goodfire-ai/param-decomp's LM evaluations).
+ALIVE_MEAN_THRESHOLD = 1e-6
+
+
+def alive_by_mean(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
+    """Per site: (C,) bool, the component's mean ci over every example and position of the
+    batch exceeds threshold (stacked units split into their sites)."""
+
+    def site(_, ci: Array) -> Array:
+        return jnp.mean(ci.astype(jnp.float32), axis=tuple(range(ci.ndim - 1))) > threshold
+
+    return per_site_views(map_sites(site, list(ci_lower), ci_lower, grouped=False))
+
+
 def alive(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
     """Per site: (C,) bool, the component's ci exceeds threshold on at least one example or
     position of the batch (stacked units split into their sites)."""
@@ -162,7 +189,9 @@ def alive(ci_lower: Mapping[str, Array], threshold: float) -> dict[str, Array]:
 def ci_stats(
     target: Any, target_params: Any, components: Any, ci_fns: Any, cfg: Config, x: Array
 ) -> dict[str, float]:
-    """`l0/<site>` and `alive/<site>` (number of alive components) on one eval batch."""
+    """`l0/<site>`, `alive/<site>` (components with ci > decomp.ci_threshold somewhere in the
+    batch) and `alive_mean/<site>` (components whose mean ci over the batch exceeds
+    `ALIVE_MEAN_THRESHOLD`, the reference's alive count) on one eval batch."""
     ci_lower, _ = compute_ci_jit(target, target_params, components, ci_fns, cfg, x)
     thr = cfg.decomp.ci_threshold
     out: dict[str, float] = {}
@@ -170,6 +199,8 @@ def ci_stats(
         out[f"l0/{p}"] = float(v)
     for p, v in alive(ci_lower, thr).items():
         out[f"alive/{p}"] = float(np.sum(np.asarray(v)))
+    for p, v in alive_by_mean(ci_lower, ALIVE_MEAN_THRESHOLD).items():
+        out[f"alive_mean/{p}"] = float(np.sum(np.asarray(v)))
     return out
 
 
@@ -253,6 +284,39 @@ def toy_eval(
 
 
 LM_MASKINGS = ("ci_masked", "stoch_masked", "random_masked", "rounded_masked", "unmasked")
+# The fresh-PGD evaluation's masking (`[train.eval_pgd]`): its KL is the robustness figure.
+PGD_MASKING = "pgd"
+
+
+@dataclass(frozen=True)
+class FreshPgd:
+    """The fresh-PGD evaluation's settings (`[train.eval_pgd]`), hashable for the jit cache."""
+
+    n_steps: int = 20
+    step_size: float = 0.1
+    init: str = "random"
+    scope: str = "shared"
+
+
+def fresh_pgd_sources(
+    recon: Recon, ci_lower: Mapping[str, Array], key: Array, pgd: FreshPgd
+) -> dict[str, Array]:
+    """Fresh sources (`losses.pgd_sources`: C + 1 entries per site with the delta component;
+    `scope` shared: one set for the whole batch and every position), then `pgd.n_steps` steps
+    s <- clip(s + step_size * sign(dD/ds), 0, 1) ascending D = `recon` (KL(target || masked)
+    for an LM) with the CI and the components held fixed (goodfire-ai/param-decomp's fresh
+    sign-PGD probe, `recon_eval.fresh_pgd_recon_sources`; SPEC.md section 10)."""
+    recon = recon.detached()
+    ci_lower = jax.lax.stop_gradient(dict(ci_lower))
+    srcs = pgd_sources(key, ci_lower, recon.delta, pgd.init, pgd.scope, recon.order)
+
+    def ascend(s: dict[str, Array], _: Any) -> tuple[dict[str, Array], None]:
+        g = jax.grad(lambda s_: ppgd_recon_loss(recon, ci_lower, s_))(s)
+        return {p: jnp.clip(s[p] + pgd.step_size * jnp.sign(g[p]), 0.0, 1.0) for p in s}, None
+
+    if pgd.n_steps:
+        srcs, _ = jax.lax.scan(ascend, srcs, None, length=pgd.n_steps)
+    return srcs
 
 
 @lru_cache(maxsize=8)
@@ -264,6 +328,7 @@ def _lm_eval_fn(
     sampling: str,
     delta: bool,
     rounding: float,
+    pgd: FreshPgd | None = None,
 ):
     def ce(logits: Array, labels: Array) -> Array:
         return jnp.mean(
@@ -271,10 +336,12 @@ def _lm_eval_fn(
         )
 
     def run(target_params, components, ci_fns, x, labels, key):
-        clean, site_inputs = clean_forward(target, target_params, x, paths)
+        clean, site_inputs, residual = clean_forward(target, target_params, x, paths)
         k_ci, k_mask, k_rand = jax.random.split(key, 3)
         grouped = bool(getattr(target, "scan_layers", False))
         order = _order(target, paths)
+        # every masked forward starts where the first site is (`losses.Clean.residual`)
+        start = None if residual is None else Residual(prefix_layer(target, order), residual)
         ci_lower, _ = compute_ci(
             components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci, grouped, order
         )
@@ -301,14 +368,30 @@ def _lm_eval_fn(
             "unmasked": ({p: jnp.ones_like(c) for p, c in ci_lower.items()}, None),
             "zero_masked": ({p: jnp.zeros_like(c) for p, c in ci_lower.items()}, None),
         }
+        if pgd is not None:
+            # its own fold of the key: the draws of the maskings above stay as they were
+            recon = Recon(
+                target, target_params, {}, components, x, clean, delta, "kl", grouped, order,
+                None, residual,
+            )  # fmt: skip
+            srcs = fresh_pgd_sources(recon, ci_lower, jax.random.fold_in(key, 3), pgd)
+            mask_sets[PGD_MASKING] = source_masks(ci_lower, srcs, delta)
         out = {"ce/target": ce(clean, labels)}
         for name, (masks, dmasks) in mask_sets.items():
-            logits = masked_forward(target, target_params, components, x, masks, dmasks)
+            logits = masked_forward(
+                target, target_params, components, x, masks, dmasks, start=start
+            )
             out[f"ce/{name}"] = ce(logits, labels)
             out[f"kl/{name}"] = kl_distance(logits, clean)
         return out
 
     return jax.jit(run)
+
+
+def fresh_pgd_config(cfg: Config) -> FreshPgd | None:
+    """`[train.eval_pgd]` as the evaluation takes it; None when it is off."""
+    e = cfg.train.eval_pgd
+    return FreshPgd(e.n_steps, e.step_size, e.init, e.scope) if e.enabled else None
 
 
 def lm_eval(
@@ -323,8 +406,10 @@ def lm_eval(
     """CE (vs the next tokens) and KL (vs the target) of the models masked by: CI, a stochastic
     mask (with the delta component when it is on), uniform random masks, CI rounded at
     `train.eval_rounding_threshold`, all ones (unmasked) and all zeros, on one token batch, as
-    the reference's `CEandKLLosses`. Also `ce_difference/<kind>` = ce - ce/target and
-    `ce_unrecovered/<kind>` = (ce - ce/target) / (ce/zero_masked - ce/target)."""
+    the reference's `CEandKLLosses`; and, with `[train.eval_pgd]` on, by the sources of a fresh
+    sign-PGD ascent (`fresh_pgd_sources`; `ce/pgd`, `kl/pgd`: the robustness figure). Also
+    `ce_difference/<kind>` = ce - ce/target and `ce_unrecovered/<kind>` = (ce - ce/target) /
+    (ce/zero_masked - ce/target)."""
     x = target.inputs(batch)
     labels = batch["tokens"][:, 1:]
     d = cfg.decomp
@@ -336,11 +421,14 @@ def lm_eval(
         d.sampling,
         d.delta_component,
         cfg.train.eval_rounding_threshold,
+        fresh_pgd_config(cfg),
     )
     raw = {k: float(v) for k, v in fn(target_params, components, ci_fns, x, labels, key).items()}
     out = dict(raw)
     ce_t, ce_zero = raw["ce/target"], raw["ce/zero_masked"]
-    for name in LM_MASKINGS:
+    for name in (*LM_MASKINGS, PGD_MASKING):
+        if f"ce/{name}" not in raw:
+            continue
         diff = raw[f"ce/{name}"] - ce_t
         out[f"ce_difference/{name}"] = diff
         denom = ce_zero - ce_t

@@ -66,7 +66,7 @@ from pdctl.science.spd.masks import (
     stochastic_masks,
 )
 from pdctl.science.spd.stacked import is_stacked
-from pdctl.science.targets.base import apply_sites
+from pdctl.science.targets.base import Residual, apply_sites, first_layer
 
 Array = jax.Array
 Dict = Mapping[str, Array]
@@ -78,22 +78,42 @@ Components = Mapping[str, Mapping[str, Array]]
 
 class Clean(NamedTuple):
     """One stop-gradient forward of the frozen target: its output and every site's input.
-    Shared by the CI functions, the PPGD ascent and every loss term of a step."""
+    Shared by the CI functions, the PPGD ascent and every loss term of a step.
+
+    `residual`: for a target with blocks whose first site sits in block L > 0 (`prefix_layer`),
+    the stream entering block L. Every masked forward of the step is the clean one below L, so
+    they all start there from it (`Recon`, `masked_forward(start=...)`) instead of running the
+    embedding and the L blocks below again; None otherwise (the forwards run whole)."""
 
     out: Array
     site_inputs: dict[str, Array]
+    residual: Array | None = None
 
 
-def clean_forward(target: Any, params: Any, x: Array, paths: tuple[str, ...] | list[str]) -> Clean:
+def prefix_layer(target: Any, paths: Sequence[str]) -> int | None:
+    """The block L where the masked forwards of a step on the sites (or units) `paths` start:
+    the lowest block holding one of them, when it is above the first; None when the target has
+    no blocks or the first site is in block 0 (nothing to skip)."""
+    layer = first_layer(target, paths)
+    return layer if layer else None
+
+
+def clean_forward(
+    target: Any, params: Any, x: Array, paths: tuple[str, ...] | list[str], prefix: bool = True
+) -> Clean:
     """The frozen target's output and the inputs of the sites in `paths`, stop-gradient
-    (`Target.apply_sites` captures them)."""
+    (`Target.apply_sites` captures them); with `prefix` (and a block to start at,
+    `prefix_layer`) also the stream the masked forwards start from (`Clean.residual`)."""
     if getattr(target, "remat", "none") != "none":
         # This forward is stop-gradient: it has nothing to rematerialise (and capturing site
         # inputs from inside a rematerialised block would leak its tracers).
         target = dataclasses.replace(target, remat="none")
-    out, captured = apply_sites(target, params, x, capture=tuple(paths))
+    layer = prefix_layer(target, paths) if prefix else None
+    residual = None if layer is None else Residual(layer)
+    out, captured = apply_sites(target, params, x, capture=tuple(paths), residual=residual)
     site_inputs = {p: jax.lax.stop_gradient(captured[p]) for p in paths}
-    return Clean(jax.lax.stop_gradient(out), site_inputs)
+    kept = None if residual is None else jax.lax.stop_gradient(residual.x)
+    return Clean(jax.lax.stop_gradient(out), site_inputs, kept)
 
 
 def _masked_site(x_in: Array, W: Array, data: tuple, tail: Array | None = None) -> Array:
@@ -109,10 +129,13 @@ def masked_forward(
     delta_masks: Dict | None,
     routes: Dict | None = None,
     inner: Dict | None = None,
+    start: Residual | None = None,
 ) -> Array:
     """Target forward with the sites in `masks` replaced by their masked components
     (`components.masked_site_fn`, with each site's W as the target reads it from `params`);
-    `inner` {path: x @ V} for sites whose input in this forward is known (`Recon.inner`)."""
+    `inner` {path: x @ V} for sites whose input in this forward is known (`Recon.inner`);
+    `start`: begin at that block from that stream (the clean prefix, `Clean.residual`; no site
+    of `masks` may sit below it)."""
     inner = inner or {}
     data = {
         path: (
@@ -125,7 +148,10 @@ def masked_forward(
         )
         for path, mask in masks.items()
     }
-    out, _ = apply_sites(target, params, x, _masked_site, data)
+    if start is None:
+        out, _ = apply_sites(target, params, x, _masked_site, data)
+    else:
+        out, _ = apply_sites(target, params, x, _masked_site, data, start=start)
     return out
 
 
@@ -172,6 +198,9 @@ class Recon:
     # reuses this product instead of forming its own, and the backward forms V's gradient
     # from the summed cotangents once (`components.masked_site_fn`)
     inner: Dict | None = None
+    # the clean stream entering the first block with a site (`Clean.residual`): every forward
+    # starts there (`order` gives the block); None: forwards run whole
+    residual: Array | None = None
 
     def __call__(self, masks: Dict, delta_masks: Dict | None, routes: Dict | None = None) -> Array:
         shared = None
@@ -180,9 +209,15 @@ class Recon:
             first = next((p for p in self.order if p in masks), None)
             if first is not None and first in self.inner:
                 shared = {first: self.inner[first]}
+        start = None
+        if self.residual is not None:
+            if not self.order:  # the block is the first of ALL the step's sites, not of `masks`
+                raise ValueError("Recon.residual needs Recon.order (the step's sites)")
+            start = Residual(prefix_layer(self.target, self.order), self.residual)
         out = masked_forward(
-            self.target, self.params, self.components, self.x, masks, delta_masks, routes, shared
-        )
+            self.target, self.params, self.components, self.x, masks, delta_masks, routes, shared,
+            start,
+        )  # fmt: skip
         return output_distance(self.out_kind, out, self.clean_out)
 
     def detached(self) -> "Recon":
@@ -746,7 +781,7 @@ def make_spd_fns(
     ) -> Recon:
         return Recon(
             target, target_params, site_weights(target_params), components, x, c.out, delta,
-            out_kind, grouped, paths, inner,
+            out_kind, grouped, paths, inner, c.residual,
         )  # fmt: skip
 
     pooled = pcfg.scope == "pooled"

@@ -7,12 +7,14 @@ matmul `x_in @ W`. The decomposition code only ever talks to targets through thi
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from pdctl.science.arrays import expand_left
+from pdctl.science.spd.grouped import sites_of
 
 Params = dict[str, Any]
 Override = Callable[[jax.Array], jax.Array]
@@ -23,6 +25,18 @@ SiteFn = Callable[[str, jax.Array, Any], jax.Array]
 # may also pass `tail=T` for a site whose output only reaches the model's output as `out @ T`
 # (`ResidMLP.apply_sites`); the function then returns its replacement times T.
 SiteDataFn = Callable[..., jax.Array]
+
+
+@dataclass
+class Residual:
+    """The residual stream entering block `layer` of a target with blocks: a forward asked for
+    it (`apply_sites(..., residual=Residual(L))`) fills in `x`; a forward given one
+    (`apply_sites(..., start=Residual(L, x))`) skips the embedding and the blocks below L and
+    starts there. Every masked forward of an SPD step equals the clean one below the first
+    block with a decomposed site, so the step runs that prefix once (`losses.clean_forward`)."""
+
+    layer: int
+    x: jax.Array | None = None
 
 
 class Target:
@@ -45,6 +59,11 @@ class Target:
 
     def site_paths(self) -> list[str]:
         return list(self.site_shapes())
+
+    def layer_of(self, path: str) -> int | None:
+        """The block (layer) a site path sits in; None for a target without blocks (whose
+        forwards cannot start at a layer, `Residual`)."""
+        return None
 
     def tied_sites(self) -> dict[str, str]:
         """{site: other site} where `site`'s matrix IS the transpose of the other's (one
@@ -75,14 +94,19 @@ class Target:
         site_fn: SiteDataFn | None = None,
         site_data: Mapping[str, Any] | None = None,
         capture: Sequence[str] = (),
+        residual: Residual | None = None,
+        start: Residual | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The forward with each site in `site_data` computed as `site_fn(x_in, W, data)`
         instead of `x_in @ W`, and the inputs of the sites in `capture`: (output, {path: x_in}).
+        `residual`: filled in with the stream entering its layer; `start`: begin at its layer
+        from its stream (`Residual`; targets with blocks only, their `apply` takes both).
 
         The form of overrides a target can scan over layers (the data stack along a layer
         axis; closures cannot): targets with blocks override it. This default builds the
         equivalent closures for `apply`."""
         site_data = site_data or {}
+        blocks = {k: v for k, v in (("residual", residual), ("start", start)) if v is not None}
         weights = self.site_weights(params) if site_data or capture else {}
         captured: dict[str, jax.Array] = {}
 
@@ -97,7 +121,7 @@ class Target:
             return fn
 
         paths = [p for p in self.site_paths() if p in site_data or p in capture]
-        out = self.apply(params, x, {p: override(p) for p in paths} if paths else None)
+        out = self.apply(params, x, {p: override(p) for p in paths} if paths else None, **blocks)
         return out, {p: captured[p] for p in capture}
 
     def tp_divisors(self) -> dict[str, int] | None:
@@ -142,6 +166,18 @@ def apply_sites(target: Any, params: Params, x: jax.Array, *args: Any, **kwargs:
     if method is None:
         return Target.apply_sites(target, params, x, *args, **kwargs)
     return method(params, x, *args, **kwargs)
+
+
+def first_layer(target: Any, paths: Sequence[str]) -> int | None:
+    """The lowest block holding one of `paths` (site paths or stacked units); None when the
+    target has no blocks (`Target.layer_of`) or no path is inside one."""
+    layer_of = getattr(target, "layer_of", None)
+    if layer_of is None:
+        return None
+    layers = [layer_of(p) for p in sites_of(list(paths))]
+    if not layers or any(i is None for i in layers):
+        return None
+    return min(layers)
 
 
 def add_bias(h: jax.Array, b: jax.Array) -> jax.Array:

@@ -31,6 +31,7 @@ from pdctl.science.spd.grouped import members, per_site_views, sites_of
 from pdctl.science.targets.base import (
     Overrides,
     Params,
+    Residual,
     SiteDataFn,
     SiteFn,
     Target,
@@ -644,6 +645,17 @@ class HFCausalLM(Target):
         root = params["model"]
         return jnp.take(root["embed_tokens"]["weight"], tokens, axis=0), root, root["layers"]
 
+    def _start(
+        self, params: Params, tokens: jax.Array, start: Residual | None
+    ) -> tuple[jax.Array, Params, Params, int]:
+        """(the stream the blocks start from, the root module's params, its layers, the first
+        layer to run): the embedded tokens and 0, or `start`'s stream and layer (the embedding
+        is then unused, and XLA drops it)."""
+        x_BxTxD, root, layers = self._embed(params, tokens)
+        if start is None:
+            return x_BxTxD, root, layers, 0
+        return start.x, root, layers, start.layer
+
     def _unembed(self, params: Params, root: Params, x_BxTxD: jax.Array) -> jax.Array:
         s = self.spec
         h = self._norm(x_BxTxD, root["ln_f" if s.is_gpt2 else "norm"])
@@ -662,13 +674,21 @@ class HFCausalLM(Target):
         return jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])
 
     def apply(
-        self, params: Params, tokens: jax.Array, overrides: Overrides | None = None
+        self,
+        params: Params,
+        tokens: jax.Array,
+        overrides: Overrides | None = None,
+        residual: Residual | None = None,
+        start: Residual | None = None,
     ) -> jax.Array:
         """tokens (B, T) int -> logits (B, T, vocab) float32, the blocks unrolled (one copy of
-        the block per layer in the program; `apply_sites` scans them)."""
-        x_BxTxD, root, layers = self._embed(params, tokens)
+        the block per layer in the program; `apply_sites` scans them). `residual` / `start`:
+        the stream entering a layer, filled in / started from (`base.Residual`)."""
+        x_BxTxD, root, layers, first = self._start(params, tokens, start)
         block_fn = self._block_fn()
-        for i in range(self.spec.n_layers):
+        for i in range(first, self.spec.n_layers):
+            if residual is not None and i == residual.layer:
+                residual.x = x_BxTxD
             pre = f"{self._prefix()}.{i}"
 
             def block(x, layer, i=i, pre=pre):
@@ -681,6 +701,10 @@ class HFCausalLM(Target):
         return self._unembed(params, root, x_BxTxD)
 
     # The scanned forward.
+
+    def layer_of(self, path: str) -> int | None:
+        where = self.layer_site(path)
+        return None if where is None else where[0]
 
     def layer_site(self, path: str) -> tuple[int, str] | None:
         """(layer, name within the layer) of a site path, None for a path outside the blocks."""
@@ -697,9 +721,13 @@ class HFCausalLM(Target):
         site_fn: SiteDataFn | None = None,
         site_data: Mapping[str, Any] | None = None,
         capture: Sequence[str] = (),
+        residual: Residual | None = None,
+        start: Residual | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The forward with the sites in `site_data` computed by `site_fn(x_in, W, data)` and
-        the inputs of the sites in `capture` returned: (logits, {key: x_in}).
+        the inputs of the sites in `capture` returned: (logits, {key: x_in}). `residual` /
+        `start`: the stream entering a layer, filled in / started from (`base.Residual`; no
+        site below `start`'s layer may be in `site_data` or `capture`).
 
         Keys are site paths or stacked units (`science.spd.grouped`: a group of one site name
         over consecutive layers, `model.layers.0-29.mlp.down_proj`, whose data carry a leading
@@ -717,17 +745,20 @@ class HFCausalLM(Target):
         capture = tuple(capture)
         if not self.scan_layers:
             if not any(members(k) for k in (*site_data, *capture)):
-                return super().apply_sites(params, tokens, site_fn, site_data, capture)
+                return super().apply_sites(
+                    params, tokens, site_fn, site_data, capture, residual, start
+                )
             # stacked units without a scan: site by site, the captures stacked back
             out, got = super().apply_sites(
-                params, tokens, site_fn, per_site_views(site_data), sites_of(capture)
-            )
+                params, tokens, site_fn, per_site_views(site_data), sites_of(capture), residual,
+                start,
+            )  # fmt: skip
             return out, {
                 c: got[c] if members(c) is None else jnp.stack([got[m] for m in members(c)])
                 for c in capture
             }
         data_at, cap_at = self._where(site_data), self._where(capture)
-        x, root, layers = self._embed(params, tokens)
+        x, root, layers, first = self._start(params, tokens, start)
         block_fn = self._block_fn()
         single: dict[str, jax.Array] = {}  # captured inputs of per-site keys
         pieces: dict[str, list[jax.Array]] = {}  # captured inputs of units, run by run
@@ -736,12 +767,17 @@ class HFCausalLM(Target):
             unit, j = unit_j
             return site_data[unit] if j is None else jax.tree.map(lambda a: a[j], site_data[unit])
 
-        for start, stop in self._runs(site_data, capture):
-            ids = range(start, stop)
+        cuts = [i for i in (first, None if residual is None else residual.layer) if i]
+        for lo, stop in self._runs(site_data, capture, cuts):
+            if stop <= first:
+                continue
+            if residual is not None and lo == residual.layer:
+                residual.x = x
+            ids = range(lo, stop)
             names = [n for n, _, _ in self._layer_sites()]
-            fed = [n for n in names if (start, n) in data_at]
-            caught = tuple(n for n in names if (start, n) in cap_at)
-            if stop - start < 2 or not (caught or fed):
+            fed = [n for n in names if (lo, n) in data_at]
+            caught = tuple(n for n in names if (lo, n) in cap_at)
+            if stop - lo < 2 or not (caught or fed):
                 # Nothing repeats here (one layer, or layers without sites): unrolled. On
                 # XLA:CPU a scan slices (copies) each layer's weights out of the stack on every
                 # iteration of every forward and backward, which cost a 30-layer SmolLM2 step
@@ -768,11 +804,11 @@ class HFCausalLM(Target):
             stacked = _stack([layers[str(i)] for i in ids])
             data = {}
             for n in fed:
-                unit, j = data_at[(start, n)]
+                unit, j = data_at[(lo, n)]
                 if j is None:  # per-site keys of equal shapes: stacked here
                     data[n] = _stack([site_data[data_at[(i, n)][0]] for i in ids])
                 else:
-                    data[n] = _take(site_data[unit], j, stop - start)
+                    data[n] = _take(site_data[unit], j, stop - lo)
 
             def body(x, xs, data_names=tuple(data), caught=caught):
                 layer, d, i = xs
@@ -787,9 +823,9 @@ class HFCausalLM(Target):
                 return block_fn(x, layer, i, site), got
 
             body_fn = body if caught else self._remat(body)
-            x, got = jax.lax.scan(body_fn, x, (stacked, data, jnp.arange(start, stop)))
+            x, got = jax.lax.scan(body_fn, x, (stacked, data, jnp.arange(lo, stop)))
             for n in caught:
-                unit, j = cap_at[(start, n)]
+                unit, j = cap_at[(lo, n)]
                 if j is not None:
                     pieces.setdefault(unit, []).append(got[n])
                     continue
@@ -811,9 +847,12 @@ class HFCausalLM(Target):
                 out[where] = (k, None if ms is None else j)
         return out
 
-    def _runs(self, site_data: Mapping[str, Any], capture: Sequence[str]) -> list[tuple[int, int]]:
+    def _runs(
+        self, site_data: Mapping[str, Any], capture: Sequence[str], cuts: Sequence[int] = ()
+    ) -> list[tuple[int, int]]:
         """[start, stop) runs of consecutive layers whose sites are treated alike: per site
-        name, the same unit (data or capture), or per-site data of the same shapes."""
+        name, the same unit (data or capture), or per-site data of the same shapes; a run
+        also starts at each layer of `cuts`."""
         names = [n for n, _, _ in self._layer_sites()]
         data_at, cap_at = self._where(site_data), self._where(capture)
 
@@ -834,7 +873,7 @@ class HFCausalLM(Target):
         prev = None
         for i in range(self.spec.n_layers):
             k = key(i)
-            if runs and k == prev:
+            if runs and k == prev and i not in cuts:
                 runs[-1] = (runs[-1][0], i + 1)
             else:
                 runs.append((i, i + 1))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from pdctl.science.arrays import expand_left
-from pdctl.science.targets.base import Overrides, Params, Target, normal_init
+from pdctl.science.targets.base import Overrides, Params, Residual, Target, normal_init
 
 REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
 
@@ -167,12 +167,27 @@ class LlamaMLP(Target):
             hidden = jax.nn.gelu(up)
         return self._site(f"{prefix}.down", hidden, p["down"], overrides)
 
+    def layer_of(self, path: str) -> int | None:
+        parts = path.split(".")
+        return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" else None
+
     def apply(
-        self, params: Params, tokens: jax.Array, overrides: Overrides | None = None
+        self,
+        params: Params,
+        tokens: jax.Array,
+        overrides: Overrides | None = None,
+        residual: Residual | None = None,
+        start: Residual | None = None,
     ) -> jax.Array:
-        """tokens (B, T) int -> logits (B, T, vocab) float32."""
-        x_BxTxD = jnp.take(params["embed"], tokens, axis=0)
-        for i in range(self.n_layers):
+        """tokens (B, T) int -> logits (B, T, vocab) float32. `residual` / `start`: the stream
+        entering a layer, filled in / started from (`base.Residual`)."""
+        if start is None:
+            first, x_BxTxD = 0, jnp.take(params["embed"], tokens, axis=0)
+        else:
+            first, x_BxTxD = start.layer, start.x
+        for i in range(first, self.n_layers):
+            if residual is not None and i == residual.layer:
+                residual.x = x_BxTxD
 
             def block(x_BxTxD, layer, i=i):
                 h = self._rms_norm(x_BxTxD, layer["attn_norm"])
