@@ -244,15 +244,18 @@ def plot(out: Path, arms: list[Arm]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 4, figsize=(20, 4.2))
-    for a in arms:
+    for n, a in enumerate(arms):
+        c = f"C{n}"
         steps = [r["step"] for r in a.evals]
         l0 = [sum(sites_of(r, "l0").values()) / 3 for r in a.evals]
-        ax[0].plot(steps, l0, marker="o", label=a.name)
-        ax[1].plot(steps, [r.get("kl/stoch_masked") for r in a.evals], marker="o", label=a.name)
-        ax[2].plot(steps, [r.get("kl/pgd") for r in a.evals], marker="o", label=a.name)
-        ax[3].scatter([l0[-1]], [a.evals[-1].get("kl/pgd")], s=60, label=f"{a.name} (fresh PGD)")
+        ax[0].plot(steps, l0, marker="o", color=c, label=a.name)
+        ax[1].plot(steps, [r.get("kl/stoch_masked") for r in a.evals], "o-", color=c, label=a.name)
+        ax[2].plot(steps, [r.get("kl/pgd") for r in a.evals], marker="o", color=c, label=a.name)
         ax[3].scatter(
-            [l0[-1]], [a.evals[-1].get("kl/stoch_masked")], marker="x", s=60,
+            [l0[-1]], [a.evals[-1].get("kl/pgd")], s=60, color=c, label=f"{a.name} (fresh PGD)"
+        )
+        ax[3].scatter(
+            [l0[-1]], [a.evals[-1].get("kl/stoch_masked")], marker="x", s=60, color=c,
             label=f"{a.name} (stochastic)",
         )  # fmt: skip
     for i, (t, y) in enumerate(
@@ -267,8 +270,8 @@ def plot(out: Path, arms: list[Arm]) -> None:
         ax[i].set_ylabel(y)
         ax[i].set_xlabel("L0" if i == 3 else "step")
         ax[i].legend()
-        if i in (1, 2):
-            ax[i].set_yscale("log")
+        ax[i].set_yscale("log")
+    ax[3].set_xscale("log")
     fig.tight_layout()
     fig.savefig(out / "lm_ab.png", dpi=90)
 
@@ -321,39 +324,43 @@ def main() -> None:
         return jax.device_put({"tokens": tok}, arms[0].prog.batch_shardings)
 
     first = batch_at()
+
+    def prepare(a: Arm) -> dict:
+        a.compile(first)
+        return a.evaluate(0, eval_batch)  # compiles the evaluation's programs too
+
     with ThreadPoolExecutor(len(arms)) as pool:  # XLA compiles the arms side by side
-        list(pool.map(lambda a: a.compile(first), arms))
+        step0 = list(pool.map(prepare, arms))
     setup_s = time.perf_counter() - T0
     for a in arms:
         print(
             f"# {a.name}: train compile {a.compile_s:.0f} s, warmup {a.warmup_s:.0f} s "
-            f"(floor {a.warmup_floor})",
+            f"(floor {a.warmup_floor}); setup done at {setup_s:.0f} s",
             flush=True,
         )
-        r = a.evaluate(0, eval_batch)
-        print(HEADER if a is arms[0] else "", end="\n" if a is arms[0] else "")
+    print(HEADER)
+    for a, r in zip(arms, step0, strict=True):
         print(fmt_eval(a.name, r), flush=True)
-    times = {a.name: 0.0 for a in arms}
-    done, batch = 0, first
-    round_s = 0.0
+    stepping, done, batch = 0.0, 0, first
     for step in range(1, args.steps + 1):
-        if args.deadline_s and step > 1:
+        if args.deadline_s and done:
             left = args.deadline_s - (time.perf_counter() - T0)
-            if left < round_s * args.log_every + 30:
+            # the next logging window and a final evaluation must fit
+            if left < stepping / done * args.log_every + 20:
                 print(f"# deadline: stopped after step {done} of {args.steps}", flush=True)
                 break
+        t = time.perf_counter()
         for a in arms:
-            t = time.perf_counter()
             m = a.step(batch)
             if step % args.log_every == 0 or step == args.steps:
                 m = jax.device_get(m)
-                a.log.append(
-                    {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0}}
-                )
-            times[a.name] += time.perf_counter() - t
-        done = step
-        round_s = sum(times.values()) / step
+                scalars = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
+                a.log.append({"step": step, **scalars})
         batch = batch_at()
+        if step % args.log_every == 0:
+            jax.block_until_ready([a.state for a in arms])
+        stepping += time.perf_counter() - t
+        done = step
         if step % args.eval_every == 0 and step != args.steps:
             for a in arms:
                 print(fmt_eval(a.name, a.evaluate(step, eval_batch)), flush=True)
@@ -367,8 +374,11 @@ def main() -> None:
         f"\n# {done} steps per arm, {tokens:,} tokens each; setup {setup_s:.0f} s, "
         f"wall {wall:.0f} s"
     )
-    for a in arms:
-        print(f"# {a.name}: {times[a.name] / max(done, 1) * 1e3:.1f} ms/step (dispatch-timed)")
+    pair_ms = stepping / max(done, 1) * 1e3
+    print(
+        f"# stepping: {stepping:.0f} s, {pair_ms:.1f} ms per step of every arm "
+        f"({args.batch * args.seq * len(arms) / pair_ms * 1e3:,.0f} tokens/s over the arms)"
+    )
     print("\nfinal:\n" + HEADER)
     for a in arms:
         print(fmt_eval(a.name, a.evals[-1]))
@@ -378,6 +388,8 @@ def main() -> None:
         "steps_done": done,
         "tokens_per_arm": tokens,
         "wall_s": wall,
+        "setup_s": setup_s,
+        "stepping_s": stepping,
         "arms": {
             a.name: {
                 "config": arm_overrides(a.name, args),
