@@ -146,7 +146,7 @@ def _cfg(**train):
     })  # fmt: skip
 
 
-@pytest.mark.slow  # two train-step compiles (~15 s; 110 s on the loaded 2-core machine)
+@pytest.mark.slow  # two train-step compiles: 50 s on the loaded 2-core machine (load 7)
 def test_train_step_with_the_prefix_skip_equals_it_without(tmp_path, monkeypatch):
     """The whole train step (stochastic and PPGD terms, the PPGD warm-up ascent, 2 accumulated
     micro-batches whose clean streams are split like the site inputs), with the sites in

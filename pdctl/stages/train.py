@@ -468,9 +468,7 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
         out["alive"] = {k[6:]: v for k, v in stats.items() if k.startswith("alive/")}
         if target.output_kind == "logits":
             # the reference's alive count (mean CI > 1e-6), beside fresh-PGD / stochastic KL
-            out["alive_mean"] = {
-                k[11:]: v for k, v in stats.items() if k.startswith("alive_mean/")
-            }
+            out["alive_mean"] = {k[11:]: v for k, v in stats.items() if k.startswith("alive_mean/")}
             lm = evaluate.lm_eval(target, target_params, comps, ci_fns, cfg, eval_batch, eval_key)
             for k, v in lm.items():
                 out[k.replace("/", "_")] = v
