@@ -116,10 +116,15 @@ def test_masked_forward_from_the_clean_prefix_is_the_whole_forward(tmp_path, nam
 
 
 def test_no_prefix_without_blocks_or_from_block_0(tmp_path):
-    """Nothing to skip: a target without blocks (TMS), or a first site in block 0."""
-    from pdctl.science.targets import TMS
+    """Nothing to skip: a target without blocks (TMS, ResidMLP, whose `apply_sites` take no
+    `residual`), or a first site in block 0."""
+    from pdctl.science.targets import TMS, ResidMLP
 
     assert L.prefix_layer(TMS(n_features=5, n_hidden=2), ["linear1"]) is None
+    resid = ResidMLP(n_features=8, d_embed=16, d_mlp=4, n_layers=2)
+    params = resid.init(jax.random.key(0))
+    c = L.clean_forward(resid, params, jnp.ones((2, 8)), ["layers.1.mlp_in"])
+    assert c.residual is None and set(c.site_inputs) == {"layers.1.mlp_in"}
     target = _hf(tmp_path)
     assert (
         L.prefix_layer(target, ["model.layers.0.mlp.up_proj", "model.layers.3.mlp.up_proj"]) is None
@@ -141,7 +146,7 @@ def _cfg(**train):
     })  # fmt: skip
 
 
-@pytest.mark.slow  # two train-step compiles (~15 s; 110 s on the loaded 2-core machine)
+@pytest.mark.slow  # two train-step compiles: 50 s on the loaded 2-core machine (load 7)
 def test_train_step_with_the_prefix_skip_equals_it_without(tmp_path, monkeypatch):
     """The whole train step (stochastic and PPGD terms, the PPGD warm-up ascent, 2 accumulated
     micro-batches whose clean streams are split like the site inputs), with the sites in

@@ -110,7 +110,9 @@ def clean_forward(
         target = dataclasses.replace(target, remat="none")
     layer = prefix_layer(target, paths) if prefix else None
     residual = None if layer is None else Residual(layer)
-    out, captured = apply_sites(target, params, x, capture=tuple(paths), residual=residual)
+    # (targets without blocks take no `residual`: passed only when there is one to keep)
+    kw = {} if residual is None else {"residual": residual}
+    out, captured = apply_sites(target, params, x, capture=tuple(paths), **kw)
     site_inputs = {p: jax.lax.stop_gradient(captured[p]) for p in paths}
     kept = None if residual is None else jax.lax.stop_gradient(residual.x)
     return Clean(jax.lax.stop_gradient(out), site_inputs, kept)
