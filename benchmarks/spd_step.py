@@ -1,5 +1,6 @@
 """SPD train-step throughput, FLOPs, MFU, memory and donation for the reference configs, on one
-device and on pdctl's default devices (one per core on CPU; the accelerators elsewhere).
+device and on pdctl's default devices (one per core on CPU; the accelerators elsewhere). A device
+count N is XLA's host-device flag on CPU, and the first N devices on a GPU or TPU.
 
 The steps are the train and warmup stages' own programs (`train.program`, `warmup.program`:
 what `pdctl train` / `pdctl warmup` compile, the same shardings and donation) from the
@@ -33,7 +34,7 @@ from pathlib import Path
 BATCHES = {"llama-mlp": 16}  # sequences; the toys use their template's batch
 
 
-def child(template: str, n_steps: int, peak_tflops: float) -> dict:
+def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -> dict:
     import jax
     import numpy as np
 
@@ -52,7 +53,8 @@ def child(template: str, n_steps: int, peak_tflops: float) -> dict:
         cfg = cfg.model_copy(
             update={"train": cfg.train.model_copy(update={"batch_size": BATCHES[template]})}
         )
-    mesh = sharding.make_mesh(-1, 1)  # data = every device
+    devices = jax.devices()[:n_devices] if n_devices else jax.devices()
+    mesh = sharding.make_mesh(-1, 1, devices)  # data = every device used
     target = target_from_config(cfg)
     w_prog = warmup.program(cfg, mesh, target)
     prog = train.program(cfg, mesh, target)
@@ -135,11 +137,14 @@ def child(template: str, n_steps: int, peak_tflops: float) -> dict:
 
 
 def run_child(template: str, devices: str, n_steps: int, peak: float) -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    if devices != "default":
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
+    from pdctl.engine import runtime  # (imports no JAX: the parent never opens a device)
+
+    env = dict(os.environ)  # PYTHONPATH included: JAX may come from it (a TPU VM's image)
+    if not runtime.accelerator_host():  # XLA:CPU simulates N devices; elsewhere the child
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        if devices != "default":  # takes the first N of the accelerator's devices
+            flags.append(f"--xla_force_host_platform_device_count={devices}")
+        env["XLA_FLAGS"] = " ".join(flags)
     cmd = [sys.executable, __file__, "--child", template, "--steps", str(n_steps)]
     cmd += ["--peak-tflops", str(peak), "--child-devices", devices]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -169,7 +174,8 @@ def main() -> None:
         runtime.cpu_xla_flags()  # pdctl's XLA:CPU flags, as every pdctl command has them
         if a.child_devices == "default":
             runtime.configure_devices()
-        print(json.dumps(child(a.child, a.steps, a.peak_tflops)))
+        n = 0 if a.child_devices == "default" else int(a.child_devices)
+        print(json.dumps(child(a.child, a.steps, a.peak_tflops, n)))
         return
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],

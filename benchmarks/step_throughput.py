@@ -41,7 +41,10 @@ SIZES = {
 
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--devices", type=int, default=1, help="simulated CPU devices (data axis)")
+    ap.add_argument(
+        "--devices", type=int, default=1,
+        help="devices on the data axis (on CPU simulated with XLA's host-device flag)",
+    )  # fmt: skip
     ap.add_argument("--seconds", type=float, default=0.5, help="target length of one window")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (best kept)")
     ap.add_argument("--templates", nargs="*", default=list(SIZES))
@@ -50,12 +53,17 @@ def _args() -> argparse.Namespace:
 
 def main() -> None:
     args = _args()
-    if args.devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
-        "XLA_FLAGS", ""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from pdctl.engine import runtime
+
+    # XLA:CPU simulates the devices; a GPU or TPU host has its own (the first N are used)
+    if (
+        args.devices > 1
+        and not runtime.accelerator_host()
+        and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ):
         flag = f"--xla_force_host_platform_device_count={args.devices}"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    sys.path.insert(0, str(ROOT / "tests"))
 
     import jax
     from helpers import make_loop, make_run, pretrain_on  # the tests' builders of the step

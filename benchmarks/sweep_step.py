@@ -97,7 +97,7 @@ def main() -> None:
         child(args.template, int(n), int(d), int(b), s, pad == "pad")
         return
     env = dict(os.environ)
-    # (no JAX_PLATFORMS: JAX takes the accelerator where there is one, gpu_check.sh)
+    # (no JAX_PLATFORMS: JAX takes the accelerator where there is one)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     print(f"{'members':>7} {'devices':>7} {'slots':>5} {'batch':>6} {'strategy':>8} {'step ms':>9} "
           f"{'ms/member':>11} {'ns/example':>10}")  # fmt: skip

