@@ -103,7 +103,8 @@ def child(
     assert len(dec["components"]) == n_sites, sorted(dec["components"])
 
     tok = data.corpus_tokenizer(_gguf())
-    texts = [t for t in Path("/usr/share/games/fortunes/computers").read_text().split("\n%\n")]
+    text_dir = Path(os.environ.get("PDCTL_TEXT", "/usr/share/games/fortunes"))
+    texts = [t for t in (text_dir / "computers").read_text().split("\n%\n")]
     ids = data._encode(tok.tokenizer, texts[:200], tok.eos_id)
     S = cfg.data.seq_len + 1
     tokens = np.asarray(ids[: 4 * S].reshape(4, S), dtype=np.int32)
@@ -178,7 +179,9 @@ def run_child(
     ppgd_warmup: int = 0,
     remat: str = "none",
 ) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(src)}
+    # the checkout first, then the parent's path (a machine image's JAX may come through it)
+    path = [str(src), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     if devices:  # else pdctl's default: one CPU device per core
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     cmd = [

@@ -138,7 +138,9 @@ def child_numerics(side: str, steps: int) -> dict:
 
 
 def run_child(*args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the checkout first, then the parent's path (a machine image's JAX may come through it)
+    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     r = subprocess.run(
         [sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True
     )

@@ -143,7 +143,9 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
 
 def run_child(n_layers: int, scan: bool, n_steps: int, root: Path = ROOT) -> dict:
     """One measurement in a fresh process, on the code under `root` (this file's copy there)."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # the checkout first, then the parent's path (a machine image's JAX may come through it)
+    path = [str(root), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     script = root / "benchmarks" / "scan_compile.py"
     cmd = [sys.executable, str(script), "--child", str(n_layers), "--steps", str(n_steps)]
     if scan:

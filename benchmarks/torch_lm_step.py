@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 LAYERS = {3: "15", 6: "1[45]", 12: "1[2-5]", 90: "*"}
-FORTUNES = Path("/usr/share/games/fortunes")
+FORTUNES = Path(os.environ.get("PDCTL_TEXT", "/usr/share/games/fortunes"))
 SEQ_LEN = 64
 BATCH = 4
 
