@@ -15,7 +15,16 @@ from pdctl.config import STAGES
 from pdctl.project import Project
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ("hf-lm", "llama-mlp", "resid-mlp", "smollm2", "tms", "tms-40-10", "tms-5-2-id")
+TEMPLATES = (
+    "hf-lm",
+    "llama-mlp",
+    "resid-mlp",
+    "smollm2",
+    "smollm2-all-mlps",
+    "tms",
+    "tms-40-10",
+    "tms-5-2-id",
+)
 
 
 @pytest.fixture
