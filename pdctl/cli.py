@@ -191,6 +191,8 @@ def status(
             status_txt += " (stale)"
         if st.get("crashed"):
             status_txt += " (crashed: `pdctl resume`)"
+        if st["status"] == "failed" and st.get("lost_process") is not None:
+            status_txt += f" (process {st['lost_process']} lost: `pdctl resume`)"
         steps = st.get("steps")
         step = f"{st.get('step', '')}" + (f"/{steps}" if steps else "")
         compile_s = st.get("compile_s")
@@ -779,11 +781,20 @@ def main() -> None:
         app(prog_name="pdctl")
     except SystemExit as e:
         runtime = sys.modules.get("pdctl.engine.runtime")
+        peers = sys.modules.get("pdctl.engine.peers")
+        code = e.code if isinstance(e.code, int) else 1
         if runtime is not None and runtime.abandoned():
-            code = e.code if isinstance(e.code, int) else 1
             sys.stdout.flush()
             sys.stderr.flush()
+            if peers is not None:
+                peers.say_bye()
             runtime.leave_together()
+            os._exit(code)
+        if peers is not None and peers.lost() is not None:
+            # another process of the run died after this one's stage ended: JAX's shutdown
+            # at exit would wait for it until the heartbeat timeout, then abort
+            sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(code)
         raise
 

@@ -17,8 +17,9 @@ Only the real entry point (`cli.main`, i.e. `pdctl` and `python -m pdctl`) super
 Typer app called in-process (tests, `typer.testing.CliRunner`) runs stages directly, and so
 does `PDCTL_SUPERVISOR=0`. Parent and child talk over a socket pair, one JSON object a line.
 The child says `ready` (its signal handlers are in: forwarded signals are now stop requests),
-`stage` (a stage began: its run directory and whether this process writes the state) and
-`stopping` (it acts on a stop request), and asks `op` = acquire / release / free about the
+`stage` (a stage began: its run directory and whether this process writes the state),
+`stopping` (it acts on a stop request), `lost` (another process of its run died) and `said`
+(its `error:` line is out), and asks `op` = acquire / release / free about the
 lock, which the parent answers.
 """
 
@@ -207,6 +208,7 @@ class _Child:
         self.stage: dict[str, Any] | None = None
         self.stopping: int | None = None
         self.said: int | None = None  # the child printed its `error:` line, to exit with this
+        self.lost: int | None = None  # the child saw that process of its run die (engine.peers)
         self.proc: subprocess.Popen | None = None
         self.holder: Any = None  # the Project whose lock this process holds for the child
         self.held = 0
@@ -227,6 +229,8 @@ class _Child:
                     self.stopping = int(msg["stopping"])
                 if "said" in msg:
                     self.said = int(msg["said"])
+                if "lost" in msg:
+                    self.lost = int(msg["lost"])
                 if msg.get("ready"):
                     with self.lock:
                         self.ready = True
@@ -351,6 +355,13 @@ def _outcome(child: _Child, rc: int) -> int:
         if stop is not None:  # the run was stopping (it is process 0 that records it)
             _say(f"{stage}: stopped by {signal.Signals(stop).name}; this process then {how}")
             return 3
+        if child.lost is not None:  # e.g. process 0 died, and JAX's agent aborted this one
+            whose = "what process 0 last recorded" if child.lost == 0 else "process 0's record"
+            _say(
+                f"{stage}: process {child.lost} of the run is gone (killed, or crashed: see its "
+                f"output), and this process then {how}; `pdctl status` shows {whose}"
+            )
+            return 1
         _say(f"{stage}: this process {how} ({why})")
         return 1
     try:
@@ -378,7 +389,7 @@ def _outcome(child: _Child, rc: int) -> int:
         _say(f"{stage}: the process {how} after it had recorded its state ({st.get('status')})")
         return 3 if st.get("status") == "interrupted" else 1
     cli = info.get("cli", stage)
-    latest = _latest_checkpoint(project, stage, st)
+    latest = latest_checkpoint(project, stage, st)
     why = f" ({_WHY.get(died, 'a fatal signal')})" if died else ""
     if stop is not None:
         name = signal.Signals(stop).name
@@ -390,6 +401,19 @@ def _outcome(child: _Child, rc: int) -> int:
         line = f"{stage}: stopped by {name}, and the process then {how}{why}; {kept}"
         fields: dict[str, Any] = {"status": "interrupted", "checkpoint": latest}
         code = 3
+    elif child.lost is not None:  # it saw another process die, then died before saying so
+        kept = (
+            f"the last checkpoint is step {latest}; continue with `pdctl resume`"
+            if latest is not None
+            else "no checkpoint of this run was saved; `pdctl resume` starts it over"
+        )
+        line = (
+            f"{stage}: process {child.lost} of the run is gone (killed, or crashed: see its "
+            f"output), and this process then {how}; {kept} (with any number of processes)"
+        )
+        fields = {"status": "failed", "error": line[:300], "checkpoint": latest,
+                  "lost_process": child.lost}  # fmt: skip
+        code = 1
     else:
         kept = (
             f"the last good checkpoint is step {latest} (continue with `pdctl {cli} --resume`)"
@@ -408,7 +432,7 @@ def _outcome(child: _Child, rc: int) -> int:
     return code
 
 
-def _latest_checkpoint(project: Any, stage: str, st: dict[str, Any]) -> int | None:
+def latest_checkpoint(project: Any, stage: str, st: dict[str, Any]) -> int | None:
     """The newest complete checkpoint of the stage's current run: the one its state names, or
     a newer one whose save completed after that state was written (orbax writes
     `_CHECKPOINT_METADATA` last; the meta names the run). Read without orbax or JAX."""
