@@ -408,6 +408,9 @@ def how_to_finish(project: Project, stage: str) -> str:
         if project.lock_is_free():
             return f"it crashed; continue it with `pdctl {cli} --resume` (or `pdctl resume`)"
         return "it is running in another pdctl process; wait for it to finish"
+    if status == "failed" and project.stage(stage).get("lost_process") is not None:
+        how = f"`pdctl {cli} --resume` (or `pdctl resume`)"
+        return f"a process of its run was lost; continue it with {how}"
     if status == "failed":
         return (
             f"it failed; fix the cause and start it over with `pdctl {cli} --fresh`, or "
