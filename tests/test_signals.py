@@ -693,7 +693,7 @@ def test_7_two_processes_one_killed_the_other_ends_failed(
     _wait_for(lambda: _recorded_checkpoint(run), procs[0], what="the first checkpoint")
     t0 = time.monotonic()
     procs[killed].send_signal(signal.SIGKILL)
-    [(rc, err)] = _finish([procs[1 - killed]], timeout=90)
+    [(rc, err)] = _finish([procs[1 - killed]], timeout=60)
     dt = time.monotonic() - t0
     procs[killed].communicate(timeout=30)
     print(f"2 processes, kill -9 of process {killed}: the other exited {dt:.2f} s later")
@@ -726,3 +726,23 @@ def test_7_two_processes_one_killed_the_other_ends_failed(
     assert f"pretrain: done at step {steps}" in result.stdout, result.stdout
     after = state(run, "pretrain")
     assert after["run_id"] == st["run_id"] and "lost_process" not in after, after
+
+
+def test_7_a_stage_whose_run_lost_a_process_is_resumable(initialized: Path, tmp_path: Path):
+    """What process 0 records when its run lost a process (`failed` with `lost_process`) is
+    continued by `pdctl resume` and `pdctl run`; a `failed` stage without it is not (its
+    cause was the stage's own). A fresh start clears it."""
+    from pdctl.project import Project
+    from pdctl.stages import pipeline
+    from pdctl.stages.common import how_to_finish
+
+    run = _copy(initialized, tmp_path)
+    proj = Project.load(run / "pdctl.toml")
+    fields = {"fingerprint": proj.fingerprint("pretrain"), "run_id": "r1", "step": 7}
+    proj.update_stage("pretrain", status="failed", lost_process=1, **fields)
+    proj = Project.load(run / "pdctl.toml")
+    assert pipeline.resumable(proj, "pretrain")
+    assert ("pretrain", "resume") in pipeline.plan(proj)
+    assert "a process of its run was lost" in how_to_finish(proj, "pretrain")
+    proj.update_stage("pretrain", lost_process=None)
+    assert not pipeline.resumable(Project.load(run / "pdctl.toml"), "pretrain")
