@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 log = logging.getLogger("pdctl")
 
 KEY = "pdctl/peers"  # the key-value entry: "<port> <token>" of process 0's listener
-CONNECT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 30.0  # for process 0's port in the key-value store, then to connect
 
 _lost: int | None = None  # the first process seen gone
 _seen = threading.Event()
@@ -65,7 +65,12 @@ def start(process_id: int, num_processes: int, coordinator: str) -> None:
         return
     try:
         if process_id == 0:
-            _listen(client, num_processes)
+            try:
+                _listen(client, num_processes)
+            except Exception:
+                with contextlib.suppress(Exception):  # the others need not wait for it
+                    client.key_value_set(KEY, "none")
+                raise
         else:
             _connect(client, process_id, coordinator)
     except Exception as e:  # no route, a firewall, a key that never came
@@ -89,7 +94,10 @@ def _listen(client, num_processes: int) -> None:
 
 
 def _connect(client, process_id: int, coordinator: str) -> None:
-    port, token = client.blocking_key_value_get(KEY, int(CONNECT_TIMEOUT_S * 1000)).split()
+    value = client.blocking_key_value_get(KEY, int(CONNECT_TIMEOUT_S * 1000))
+    if value == "none":
+        raise RuntimeError("process 0 could not listen")
+    port, token = value.split()
     host = coordinator.rsplit(":", 1)[0].strip("[]")
     conn = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
     conn.settimeout(None)

@@ -541,8 +541,9 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
         try:
             try:
                 yield
-            except Exception:
-                peers.settle()  # a collective that failed because a process died: say that
+            except Exception as e:
+                if not isinstance(e, PdctlError):  # a collective failed: did a process die?
+                    peers.settle()
                 moved = project.moved()
                 if moved:  # whatever failed first (a checkpoint, a state write) failed for that
                     raise RunDirMoved(f"{stage}: {moved}") from None
