@@ -328,6 +328,11 @@ def _stage_project(ctx: typer.Context):
 
     proj = _project(ctx)
     supervisor.adopt(proj)  # supervised: the parent process holds the run directory's lock
+    from pdctl.engine import peers
+
+    # supervised: the parent keeps copies of the connections to the other processes, to tell
+    # after an abort whether another process had died first
+    peers.report_to(supervisor.share_peer, lambda pid: supervisor.tell(left=pid))
     runtime.setup_logging()
     runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None)
     return proj

@@ -135,6 +135,16 @@ def tell(**msg: Any) -> None:
         _sock.sendall((json.dumps(msg) + "\n").encode())
 
 
+def share_peer(pid: int, conn: socket.socket) -> None:
+    """Hand the parent a copy of this process's connection to process `pid` of its run
+    (`engine.peers`): should this process die by an abort, the parent can still tell whether
+    that process had gone first (no-op when not supervised)."""
+    if _sock is None:
+        return
+    with _ask, contextlib.suppress(OSError):
+        socket.send_fds(_sock, [(json.dumps({"peer": pid}) + "\n").encode()], [conn.fileno()])
+
+
 def tell_stopping(signum: int) -> None:
     tell(stopping=int(signum))
 
@@ -209,17 +219,16 @@ class _Child:
         self.stopping: int | None = None
         self.said: int | None = None  # the child printed its `error:` line, to exit with this
         self.lost: int | None = None  # the child saw that process of its run die (engine.peers)
+        self.fds: list[int] = []  # descriptors received, not yet matched with their message
+        self.peers: dict[int, socket.socket] = {}  # copies of the child's peer connections
+        self.left: set[int] = set()  # processes that said they leave on purpose
         self.proc: subprocess.Popen | None = None
         self.holder: Any = None  # the Project whose lock this process holds for the child
         self.held = 0
 
     def read(self, sock: socket.socket) -> None:
-        with sock, sock.makefile("rb") as f:
-            for line in f:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
+        with sock:
+            for msg in _messages(sock, self.fds):
                 if "op" in msg:
                     with contextlib.suppress(OSError):
                         sock.sendall((json.dumps(self._lock_op(msg)) + "\n").encode())
@@ -231,6 +240,10 @@ class _Child:
                     self.said = int(msg["said"])
                 if "lost" in msg:
                     self.lost = int(msg["lost"])
+                if "peer" in msg and self.fds:
+                    self.peers[int(msg["peer"])] = socket.socket(fileno=self.fds.pop(0))
+                if "left" in msg:
+                    self.left.add(int(msg["left"]))
                 if msg.get("ready"):
                     with self.lock:
                         self.ready = True
@@ -319,6 +332,61 @@ def run_child(args: list[str]) -> int:
                 child.holder.release_lock()
 
 
+def _messages(sock: socket.socket, fds: list[int]):
+    """The child's JSON lines, with the descriptors that come along appended to `fds`."""
+    buf = b""
+    while True:
+        try:
+            data, got, _, _ = socket.recv_fds(sock, 65536, 8)
+        except OSError:
+            return
+        fds.extend(got)
+        if not data:
+            return
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
+def _peer_gone(child: _Child, wait_s: float = 1.0) -> int | None:
+    """After the child died by an abort: the process of its run whose connection (the copy
+    the child shared) had closed without a `bye`, or that process 0 named as lost; None when
+    every one is still there after `wait_s` (the abort was the child's own)."""
+    import select
+    import time
+
+    deadline = time.monotonic() + wait_s
+    live = dict(child.peers)
+    while live:
+        ready, _, _ = select.select(
+            list(live.values()), [], [], max(deadline - time.monotonic(), 0)
+        )
+        if not ready:
+            return None
+        for pid, conn in list(live.items()):
+            if conn not in ready:
+                continue
+            try:
+                data = conn.recv(256, socket.MSG_PEEK)
+            except OSError:
+                data = b""
+            words = data.decode(errors="replace").split()
+            if words[:1] == ["lost"] and len(words) > 1 and words[1].isdigit():
+                return int(words[1])
+            if data.startswith(b"bye") or pid in child.left:
+                del live[pid]
+                continue
+            if not data:
+                return pid
+            with contextlib.suppress(OSError):  # something else unread: skip past it
+                conn.recv(256)
+    return None
+
+
 def _ignore_stop_signals() -> None:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
@@ -332,6 +400,12 @@ def _import_project() -> None:
 def _outcome(child: _Child, rc: int) -> int:
     """The exit code for a child that ended with `rc` (negative: killed by that signal)."""
     died = signal.Signals(-rc).name if rc < 0 else None
+    if died == "SIGABRT" and child.lost is None and child.peers:
+        # XLA or gloo aborts a process whose peer died, often before pdctl's own thread in it
+        # could say so: the connections it shared tell
+        child.lost = _peer_gone(child)
+    for conn in child.peers.values():
+        conn.close()
     stop = child.stopping or (child.forwarded[0] if child.forwarded else None)
     info = child.stage
     if info is None:
@@ -357,10 +431,7 @@ def _outcome(child: _Child, rc: int) -> int:
             return 3
         if child.lost is not None:  # e.g. process 0 died, and JAX's agent aborted this one
             whose = "what process 0 last recorded" if child.lost == 0 else "process 0's record"
-            _say(
-                f"{stage}: process {child.lost} of the run is gone (killed, or crashed: see its "
-                f"output), and this process then {how}; `pdctl status` shows {whose}"
-            )
+            _say(f"{_gone(child, info)}, and this process then {how}; `pdctl status` shows {whose}")
             return 1
         _say(f"{stage}: this process {how} ({why})")
         return 1
@@ -407,13 +478,12 @@ def _outcome(child: _Child, rc: int) -> int:
             if latest is not None
             else "no checkpoint of this run was saved; `pdctl resume` starts it over"
         )
-        line = (
-            f"{stage}: process {child.lost} of the run is gone (killed, or crashed: see its "
-            f"output), and this process then {how}; {kept} (with any number of processes)"
-        )
+        line = f"{_gone(child, info)}, and this process then {how}; {kept}"
+        line += " (with any number of processes)"
         fields = {"status": "failed", "error": line[:300], "checkpoint": latest,
                   "lost_process": child.lost}  # fmt: skip
         code = 1
+        _drop_unfinished(project.checkpoint_dir(stage))
     else:
         kept = (
             f"the last good checkpoint is step {latest} (continue with `pdctl {cli} --resume`)"
@@ -455,6 +525,25 @@ def latest_checkpoint(project: Any, stage: str, st: dict[str, Any]) -> int | Non
         if isinstance(meta, dict) and meta.get("run_id") == st.get("run_id"):
             return step
     return latest
+
+
+def _gone(child: _Child, info: dict[str, Any]) -> str:
+    """'<stage>: process K of N is gone (...)', as the child would have said it."""
+    n = info.get("processes", "the run")
+    return (
+        f"{info['stage']}: process {child.lost} of {n} is gone (killed, or crashed: see its output)"
+    )
+
+
+def _drop_unfinished(directory: Path) -> None:
+    """Delete the temporary directories of saves in progress when the child died (orbax's
+    suffix; read without orbax), so that nothing partial stays."""
+    import shutil
+
+    with contextlib.suppress(OSError):
+        for p in directory.iterdir():
+            if ".orbax-checkpoint-tmp" in p.name and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _say(line: str) -> None:

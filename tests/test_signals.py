@@ -703,22 +703,23 @@ def test_7_two_processes_one_killed_the_other_ends_failed(
     assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err[-3000:]
     st = state(run, "pretrain")
     ckpts = _ckpts(run, "pretrain")
+    # Said by the survivor itself, or, when XLA or gloo aborted it first (gloo can, on a
+    # peer's death; JAX's agent does when process 0's coordination service vanishes), by its
+    # pdctl, from the copy of its connection to the other process: "..., and this process
+    # then died by SIGABRT; ...". One line either way, naming the lost process.
+    assert lines[0].startswith(
+        f"error: pretrain: process {killed} of 2 is gone (killed, or crashed: see its output)"
+    ), lines
     if killed == 1:
-        assert lines[0] == (
-            "error: pretrain: process 1 of 2 is gone (killed, or crashed: see its output), so "
-            "the run cannot go on; nothing partial was saved, the last checkpoint is step "
-            f"{st['checkpoint']}; continue with `pdctl resume` (with any number of processes)"
-        ), lines
+        assert (
+            f"the last checkpoint is step {st['checkpoint']}; continue with `pdctl resume` "
+            "(with any number of processes)"
+        ) in lines[0], lines
         assert st["status"] == "failed" and st["lost_process"] == 1, st
         assert st["checkpoint"] == ckpts[-1], (st, ckpts)
         left = sorted(p.name for p in (run / "checkpoints" / "pretrain").iterdir())
         assert left == sorted(str(c) for c in ckpts), left  # no unfinished save
     else:
-        # The survivor's own line; or, when JAX's agent aborts it first (it sees process 0's
-        # coordination service vanish as fast), its pdctl's line: one line either way.
-        assert lines[0].startswith(
-            ("error: pretrain: process 0 of ", "error: pretrain: this process died by SIGABRT")
-        ), lines
         assert st["status"] == "running", st
         report = json.loads(_ok("--project", run, "status", "--json").stdout)["pretrain"]
         assert report["crashed"] is True, report

@@ -47,6 +47,23 @@ _acted: Callable[[int], None] | None = None  # the handler that ran
 _conns: dict[int, socket.socket] = {}  # process 0: the others' connections; others: {0: ...}
 _send = threading.Lock()
 _started = False
+# Told of each connection made (process id, socket) and of each `bye` (process id): the
+# supervising parent keeps copies (`pdctl.supervisor.share_peer`), see `report_to`.
+_on_connect: Callable[[int, socket.socket], None] | None = None
+_on_bye: Callable[[int], None] | None = None
+
+
+def report_to(on_connect: Callable[[int, socket.socket], None], on_bye: Callable[[int], None]):
+    """Call `on_connect(process_id, socket)` for each connection to another process, and
+    `on_bye(process_id)` when one says it leaves on purpose (set before `start`)."""
+    global _on_connect, _on_bye
+    _on_connect, _on_bye = on_connect, on_bye
+
+
+def _tell(fn, *args) -> None:
+    if fn is not None:
+        with contextlib.suppress(Exception):
+            fn(*args)
 
 
 def _client():
@@ -103,6 +120,7 @@ def _connect(client, process_id: int, coordinator: str) -> None:
     conn.settimeout(None)
     conn.sendall(f"hello {process_id} {token}\n".encode())
     _conns[0] = conn
+    _tell(_on_connect, 0, conn)
     threading.Thread(target=_follow, args=(conn,), name="pdctl: peers", daemon=True).start()
 
 
@@ -132,6 +150,7 @@ def _serve(server: socket.socket, token: str, num_processes: int) -> None:
             pid = ids[s]
             if data.startswith(b"bye"):
                 left.add(pid)
+                _tell(_on_bye, pid)
             if not data:  # closed: after its bye, or it died
                 del ids[s]
                 with _send:
@@ -162,6 +181,7 @@ def _introduce(s, pending, ids, data: bytes, token: str, num_processes: int) -> 
         ids[s] = int(words[1])
         with _send:
             _conns[ids[s]] = s
+        _tell(_on_connect, ids[s], s)
     else:
         s.close()
 
@@ -183,6 +203,7 @@ def _follow(conn: socket.socket) -> None:
             line, buf = buf.split(b"\n", 1)
             words = line.decode(errors="replace").split()
             if words[:1] == ["bye"]:
+                _tell(_on_bye, 0)
                 return
             if len(words) == 2 and words[0] == "lost" and words[1].isdigit():
                 _found(int(words[1]))

@@ -536,8 +536,9 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
 
     with runtime.stop_signals(), peers.watch(lambda lost: _peer_lost(project, stage, lost)):
         supervisor.tell(
-            stage=stage, cli=CLI_NAME[stage], toml=str(project.path), writer=runtime.is_writer()
-        )
+            stage=stage, cli=CLI_NAME[stage], toml=str(project.path), writer=runtime.is_writer(),
+            processes=jax.process_count(),
+        )  # fmt: skip
         try:
             try:
                 yield
