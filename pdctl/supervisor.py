@@ -18,9 +18,11 @@ Typer app called in-process (tests, `typer.testing.CliRunner`) runs stages direc
 does `PDCTL_SUPERVISOR=0`. Parent and child talk over a socket pair, one JSON object a line.
 The child says `ready` (its signal handlers are in: forwarded signals are now stop requests),
 `stage` (a stage began: its run directory and whether this process writes the state),
-`stopping` (it acts on a stop request), `lost` (another process of its run died) and `said`
-(its `error:` line is out), and asks `op` = acquire / release / free about the
-lock, which the parent answers.
+`stopping` (it acts on a stop request), `lost` (another process of its run died), `said`
+(its `error:` line is out), `peer` (with a copy of its connection to another process of its
+run, `engine.peers`, so that the parent can tell a lost process after an abort) and `left`
+(that process said it leaves), and asks `op` = acquire / release / free about the lock, which
+the parent answers.
 """
 
 from __future__ import annotations
