@@ -632,6 +632,10 @@ def _peer_lost(project: Project, stage: str, lost: int) -> None:
     sys.stdout.flush()
     print(f"error: {line}", file=sys.stderr, flush=True)
     supervisor.tell_said(1)
+    # the last line: what JAX's agent may log while the process ends (process 0's service
+    # gone) would only repeat it
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     os._exit(1)
 
 
