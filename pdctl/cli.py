@@ -191,6 +191,8 @@ def status(
             status_txt += " (stale)"
         if st.get("crashed"):
             status_txt += " (crashed: `pdctl resume`)"
+        if st["status"] == "failed" and st.get("lost_process") is not None:
+            status_txt += f" (process {st['lost_process']} lost: `pdctl resume`)"
         steps = st.get("steps")
         step = f"{st.get('step', '')}" + (f"/{steps}" if steps else "")
         compile_s = st.get("compile_s")
@@ -359,6 +361,11 @@ def _stage_project(ctx: typer.Context):
 
     proj = _project(ctx)
     supervisor.adopt(proj)  # supervised: the parent process holds the run directory's lock
+    from pdctl.engine import peers
+
+    # supervised: the parent keeps copies of the connections to the other processes, to tell
+    # after an abort whether another process had died first
+    peers.report_to(supervisor.share_peer, lambda pid: supervisor.tell(left=pid))
     runtime.setup_logging()
     runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None, root=proj.root)
     return proj
@@ -813,11 +820,20 @@ def main() -> None:
         app(prog_name="pdctl")
     except SystemExit as e:
         runtime = sys.modules.get("pdctl.engine.runtime")
+        peers = sys.modules.get("pdctl.engine.peers")
+        code = e.code if isinstance(e.code, int) else 1
         if runtime is not None and runtime.abandoned():
-            code = e.code if isinstance(e.code, int) else 1
             sys.stdout.flush()
             sys.stderr.flush()
+            if peers is not None:
+                peers.say_bye()
             runtime.leave_together()
+            os._exit(code)
+        if peers is not None and peers.lost() is not None:
+            # another process of the run died after this one's stage ended: JAX's shutdown
+            # at exit would wait for it until the heartbeat timeout, then abort
+            sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(code)
         raise
 

@@ -219,7 +219,11 @@ class DistributedConfig(Section):
     )
     init_timeout_s: Pos = Field(300, description="seconds to wait for every process to join")
     heartbeat_timeout_s: Pos = Field(
-        100, description="seconds of silence after which a lost process stops the others"
+        100,
+        description=(
+            "seconds of silence after which JAX gives a process up (a host or network gone "
+            "quiet); a process that dies is noticed within a second without it"
+        ),
     )
 
 

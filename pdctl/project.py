@@ -22,6 +22,7 @@ import errno
 import fcntl
 import os
 import re
+import threading
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,6 +57,9 @@ _NO_LINKS = {
     "harvest": 1,
 }
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+# Held around every write of the state: a thread that must write last (a lost process ends the
+# stage from pdctl's watchdog thread, `stages.common`) takes it and keeps it.
+WRITE_LOCK = threading.RLock()
 _STATE_HEADER = re.compile(r"^[ \t]*\[\[?[ \t]*state[ \t]*[.\]]", re.MULTILINE)
 
 
@@ -101,7 +105,8 @@ def _parses(text: str) -> bool:
 # "imported": [state.pretrain] of a target pdctl does not train (a Hugging Face model).
 STATUSES = ("pending", "running", "done", "failed", "interrupted", "imported")
 # The fields pdctl itself reads back, with the types it writes (others are informational).
-_INT_FIELDS = ("step", "steps", "checkpoint")
+# `lost_process`: a `failed` stage whose run lost that process (`pdctl resume` continues it)
+_INT_FIELDS = ("step", "steps", "checkpoint", "lost_process")
 _NUM_FIELDS = ("wall_s", "step_ms", "mfu")
 _STR_FIELDS = ("fingerprint", "run_id", "wandb_id", "error")
 _TABLE_FIELDS = ("compile_s", "metrics", "eval", "upstream")
@@ -308,7 +313,7 @@ class Project:
         are this process's."""
         if not self.writer:
             return
-        with self.locked():
+        with WRITE_LOCK, self.locked():
             try:
                 on_disk = self.path.read_bytes().decode("utf-8")
             except FileNotFoundError:

@@ -17,9 +17,12 @@ Only the real entry point (`cli.main`, i.e. `pdctl` and `python -m pdctl`) super
 Typer app called in-process (tests, `typer.testing.CliRunner`) runs stages directly, and so
 does `PDCTL_SUPERVISOR=0`. Parent and child talk over a socket pair, one JSON object a line.
 The child says `ready` (its signal handlers are in: forwarded signals are now stop requests),
-`stage` (a stage began: its run directory and whether this process writes the state) and
-`stopping` (it acts on a stop request), and asks `op` = acquire / release / free about the
-lock, which the parent answers.
+`stage` (a stage began: its run directory and whether this process writes the state),
+`stopping` (it acts on a stop request), `lost` (another process of its run died), `said`
+(its `error:` line is out), `peer` (with a copy of its connection to another process of its
+run, `engine.peers`, so that the parent can tell a lost process after an abort) and `left`
+(that process said it leaves), and asks `op` = acquire / release / free about the lock, which
+the parent answers.
 """
 
 from __future__ import annotations
@@ -134,6 +137,16 @@ def tell(**msg: Any) -> None:
         _sock.sendall((json.dumps(msg) + "\n").encode())
 
 
+def share_peer(pid: int, conn: socket.socket) -> None:
+    """Hand the parent a copy of this process's connection to process `pid` of its run
+    (`engine.peers`): should this process die by an abort, the parent can still tell whether
+    that process had gone first (no-op when not supervised)."""
+    if _sock is None:
+        return
+    with _ask, contextlib.suppress(OSError):
+        socket.send_fds(_sock, [(json.dumps({"peer": pid}) + "\n").encode()], [conn.fileno()])
+
+
 def tell_stopping(signum: int) -> None:
     tell(stopping=int(signum))
 
@@ -207,17 +220,17 @@ class _Child:
         self.stage: dict[str, Any] | None = None
         self.stopping: int | None = None
         self.said: int | None = None  # the child printed its `error:` line, to exit with this
+        self.lost: int | None = None  # the child saw that process of its run die (engine.peers)
+        self.fds: list[int] = []  # descriptors received, not yet matched with their message
+        self.peers: dict[int, socket.socket] = {}  # copies of the child's peer connections
+        self.left: set[int] = set()  # processes that said they leave on purpose
         self.proc: subprocess.Popen | None = None
         self.holder: Any = None  # the Project whose lock this process holds for the child
         self.held = 0
 
     def read(self, sock: socket.socket) -> None:
-        with sock, sock.makefile("rb") as f:
-            for line in f:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
+        with sock:
+            for msg in _messages(sock, self.fds):
                 if "op" in msg:
                     with contextlib.suppress(OSError):
                         sock.sendall((json.dumps(self._lock_op(msg)) + "\n").encode())
@@ -227,6 +240,12 @@ class _Child:
                     self.stopping = int(msg["stopping"])
                 if "said" in msg:
                     self.said = int(msg["said"])
+                if "lost" in msg:
+                    self.lost = int(msg["lost"])
+                if "peer" in msg and self.fds:
+                    self.peers[int(msg["peer"])] = socket.socket(fileno=self.fds.pop(0))
+                if "left" in msg:
+                    self.left.add(int(msg["left"]))
                 if msg.get("ready"):
                     with self.lock:
                         self.ready = True
@@ -315,6 +334,61 @@ def run_child(args: list[str]) -> int:
                 child.holder.release_lock()
 
 
+def _messages(sock: socket.socket, fds: list[int]):
+    """The child's JSON lines, with the descriptors that come along appended to `fds`."""
+    buf = b""
+    while True:
+        try:
+            data, got, _, _ = socket.recv_fds(sock, 65536, 8)
+        except OSError:
+            return
+        fds.extend(got)
+        if not data:
+            return
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
+def _peer_gone(child: _Child, wait_s: float = 1.0) -> int | None:
+    """After the child died by an abort: the process of its run whose connection (the copy
+    the child shared) had closed without a `bye`, or that process 0 named as lost; None when
+    every one is still there after `wait_s` (the abort was the child's own)."""
+    import select
+    import time
+
+    deadline = time.monotonic() + wait_s
+    live = dict(child.peers)
+    while live:
+        ready, _, _ = select.select(
+            list(live.values()), [], [], max(deadline - time.monotonic(), 0)
+        )
+        if not ready:
+            return None
+        for pid, conn in list(live.items()):
+            if conn not in ready:
+                continue
+            try:
+                data = conn.recv(256, socket.MSG_PEEK)
+            except OSError:
+                data = b""
+            words = data.decode(errors="replace").split()
+            if words[:1] == ["lost"] and len(words) > 1 and words[1].isdigit():
+                return int(words[1])
+            if data.startswith(b"bye") or pid in child.left:
+                del live[pid]
+                continue
+            if not data:
+                return pid
+            with contextlib.suppress(OSError):  # something else unread: skip past it
+                conn.recv(256)
+    return None
+
+
 def _ignore_stop_signals() -> None:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
@@ -328,6 +402,12 @@ def _import_project() -> None:
 def _outcome(child: _Child, rc: int) -> int:
     """The exit code for a child that ended with `rc` (negative: killed by that signal)."""
     died = signal.Signals(-rc).name if rc < 0 else None
+    if died == "SIGABRT" and child.lost is None and child.peers:
+        # XLA or gloo aborts a process whose peer died, often before pdctl's own thread in it
+        # could say so: the connections it shared tell
+        child.lost = _peer_gone(child)
+    for conn in child.peers.values():
+        conn.close()
     stop = child.stopping or (child.forwarded[0] if child.forwarded else None)
     info = child.stage
     if info is None:
@@ -351,6 +431,10 @@ def _outcome(child: _Child, rc: int) -> int:
         if stop is not None:  # the run was stopping (it is process 0 that records it)
             _say(f"{stage}: stopped by {signal.Signals(stop).name}; this process then {how}")
             return 3
+        if child.lost is not None:  # e.g. process 0 died, and JAX's agent aborted this one
+            whose = "what process 0 last recorded" if child.lost == 0 else "process 0's record"
+            _say(f"{_gone(child, info)}, and this process then {how}; `pdctl status` shows {whose}")
+            return 1
         _say(f"{stage}: this process {how} ({why})")
         return 1
     try:
@@ -378,7 +462,7 @@ def _outcome(child: _Child, rc: int) -> int:
         _say(f"{stage}: the process {how} after it had recorded its state ({st.get('status')})")
         return 3 if st.get("status") == "interrupted" else 1
     cli = info.get("cli", stage)
-    latest = _latest_checkpoint(project, stage, st)
+    latest = latest_checkpoint(project, stage, st)
     why = f" ({_WHY.get(died, 'a fatal signal')})" if died else ""
     if stop is not None:
         name = signal.Signals(stop).name
@@ -390,6 +474,18 @@ def _outcome(child: _Child, rc: int) -> int:
         line = f"{stage}: stopped by {name}, and the process then {how}{why}; {kept}"
         fields: dict[str, Any] = {"status": "interrupted", "checkpoint": latest}
         code = 3
+    elif child.lost is not None:  # it saw another process die, then died before saying so
+        kept = (
+            f"the last checkpoint is step {latest}; continue with `pdctl resume`"
+            if latest is not None
+            else "no checkpoint of this run was saved; `pdctl resume` starts it over"
+        )
+        line = f"{_gone(child, info)}, and this process then {how}; {kept}"
+        line += " (with any number of processes)"
+        fields = {"status": "failed", "error": line[:300], "checkpoint": latest,
+                  "lost_process": child.lost}  # fmt: skip
+        code = 1
+        _drop_unfinished(project.checkpoint_dir(stage))
     else:
         kept = (
             f"the last good checkpoint is step {latest} (continue with `pdctl {cli} --resume`)"
@@ -408,7 +504,7 @@ def _outcome(child: _Child, rc: int) -> int:
     return code
 
 
-def _latest_checkpoint(project: Any, stage: str, st: dict[str, Any]) -> int | None:
+def latest_checkpoint(project: Any, stage: str, st: dict[str, Any]) -> int | None:
     """The newest complete checkpoint of the stage's current run: the one its state names, or
     a newer one whose save completed after that state was written (orbax writes
     `_CHECKPOINT_METADATA` last; the meta names the run). Read without orbax or JAX."""
@@ -431,6 +527,25 @@ def _latest_checkpoint(project: Any, stage: str, st: dict[str, Any]) -> int | No
         if isinstance(meta, dict) and meta.get("run_id") == st.get("run_id"):
             return step
     return latest
+
+
+def _gone(child: _Child, info: dict[str, Any]) -> str:
+    """'<stage>: process K of N is gone (...)', as the child would have said it."""
+    n = info.get("processes", "the run")
+    return (
+        f"{info['stage']}: process {child.lost} of {n} is gone (killed, or crashed: see its output)"
+    )
+
+
+def _drop_unfinished(directory: Path) -> None:
+    """Delete the temporary directories of saves in progress when the child died (orbax's
+    suffix; read without orbax), so that nothing partial stays."""
+    import shutil
+
+    with contextlib.suppress(OSError):
+        for p in directory.iterdir():
+            if ".orbax-checkpoint-tmp" in p.name and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _say(line: str) -> None:

@@ -653,6 +653,7 @@ def test_13_out_of_memory_fails_the_stage(
     [
         ("status", "5", "state.pretrain.status: must be one of"),
         ("wall_s", '"x"', "state.pretrain.wall_s: must be a number"),
+        ("lost_process", '"1"', "state.pretrain.lost_process: must be an integer >= 0"),
     ],
 )
 def test_13_state_with_wrong_types(

@@ -135,11 +135,18 @@ def item_tree(directory: Path, step: int, name: str) -> Any:
 def remove_unfinished(directory: Path) -> None:
     """Delete the temporary directories (`<step>.orbax-checkpoint-tmp*`) of saves that never
     finished, before a manager is opened on `directory`; process 0 deletes, all wait."""
-    if jax.process_index() == 0 and directory.is_dir():
-        for p in directory.iterdir():
-            if TMP_SUFFIX in p.name and p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
+    if jax.process_index() == 0:
+        drop_unfinished(directory)
     _barrier(f"pdctl-cleanup-{directory.name}")
+
+
+def drop_unfinished(directory: Path) -> None:
+    """Delete the temporary directories of saves in progress or that never finished."""
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if TMP_SUFFIX in p.name and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _barrier(name: str) -> None:

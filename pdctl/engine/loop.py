@@ -49,7 +49,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pdctl.engine import donation, measure, runtime
+from pdctl.engine import donation, measure, peers, runtime
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.tracking import Tracker
 from pdctl.errors import EXIT_INTERRUPTED, PdctlError, StageFailed
@@ -448,6 +448,8 @@ class Loop:
     ) -> NoReturn:
         """Status `failed`, the last good checkpoint kept (every save is checked finite), and
         one line saying so (exit 1)."""
+        if cause is not None:  # a collective whose peer died: the lost process is the news
+            peers.settle()
         with contextlib.suppress(Exception):  # a save in flight finishes, or is abandoned
             self.checkpointer.wait()
         latest = self.checkpointer.latest_step()

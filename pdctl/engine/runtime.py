@@ -222,7 +222,20 @@ def initialize(
             heartbeat_timeout_seconds=d.heartbeat_timeout_s,
         )
     check_backend()
+    if jax.process_count() > 1:
+        _watch_peers()
     _initialized = True
+
+
+def _watch_peers() -> None:
+    """Connections between the processes that tell within a second when one dies
+    (`engine.peers`); JAX alone notices only after `heartbeat_timeout_s`."""
+    import jax
+
+    from pdctl.engine import peers
+
+    state = sys.modules["jax._src.distributed"].global_state
+    peers.start(jax.process_index(), jax.process_count(), state.coordinator_address or "")
 
 
 def _check_address(address: str, key: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,18 +18,19 @@ from jax.sharding import Mesh
 
 from pdctl import __version__
 from pdctl.config import AUTO_SCAN_LAYERS, Config, fingerprint, match_sites, stage_dependencies
-from pdctl.engine import runtime, sharding
+from pdctl.engine import peers, runtime, sharding
 from pdctl.engine.checkpoint import (
     Checkpointer,
     CheckpointUnreadable,
     complete_steps,
+    drop_unfinished,
     read_meta,
     rematerialize,
 )
 from pdctl.engine.loop import Interrupted, describe_exception
 from pdctl.engine.tracking import JsonlTracker, Tracker, make_tracker
 from pdctl.errors import PdctlError, StageFailed
-from pdctl.project import Project, RunDirMoved, now
+from pdctl.project import WRITE_LOCK, Project, RunDirMoved, now
 from pdctl.science.targets import Target, build_target
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -227,6 +229,7 @@ class StageEnv:
             "pdctl_version": __version__,
             "jax_version": jax.__version__,
             "error": None,
+            "lost_process": None,
         }
         if fresh or not proj.stage(self.stage).get("run_id"):
             base["run_id"] = uuid.uuid4().hex[:12]
@@ -418,6 +421,9 @@ def how_to_finish(project: Project, stage: str) -> str:
         if project.lock_is_free():
             return f"it crashed; continue it with `pdctl {cli} --resume` (or `pdctl resume`)"
         return "it is running in another pdctl process; wait for it to finish"
+    if status == "failed" and project.stage(stage).get("lost_process") is not None:
+        how = f"`pdctl {cli} --resume` (or `pdctl resume`)"
+        return f"a process of its run was lost; continue it with {how}"
     if status == "failed":
         return (
             f"it failed; fix the cause and start it over with `pdctl {cli} --fresh`, or "
@@ -541,14 +547,17 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
     was; any other failure leaves status `failed` and one line (exit 1), never `running`."""
     from pdctl import supervisor
 
-    with runtime.stop_signals():
+    with runtime.stop_signals(), peers.watch(lambda lost: _peer_lost(project, stage, lost)):
         supervisor.tell(
-            stage=stage, cli=CLI_NAME[stage], toml=str(project.path), writer=runtime.is_writer()
-        )
+            stage=stage, cli=CLI_NAME[stage], toml=str(project.path), writer=runtime.is_writer(),
+            processes=jax.process_count(),
+        )  # fmt: skip
         try:
             try:
                 yield
-            except Exception:
+            except Exception as e:
+                if not isinstance(e, PdctlError):  # a collective failed: did a process die?
+                    peers.settle()
                 moved = project.moved()
                 if moved:  # whatever failed first (a checkpoint, a state write) failed for that
                     raise RunDirMoved(f"{stage}: {moved}") from None
@@ -582,6 +591,65 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
                 f"{stage}: stopped by {name} after it ended ({status} at step "
                 f"{project.stage(stage).get('step')}); continue with `pdctl resume`"
             )
+
+
+def _peer_lost(project: Project, stage: str, lost: int) -> None:
+    """Another process of the run is gone (`engine.peers`), so this stage cannot go on.
+    Process 0 records it `failed` at its last complete checkpoint with `lost_process`, which
+    `pdctl resume` continues (with any number of processes); nothing partial is kept (a save
+    in progress is dropped, no stop checkpoint is taken). Every process says one line and
+    ends at once with os._exit(1): it may be waiting in a barrier or a collective that ends
+    only with JAX's heartbeat timeout, and so would JAX's shutdown at exit. A stage that had
+    already ended here is left as it is (the process then ends at exit: `cli.main`).
+
+    Runs on pdctl's watchdog thread (or on the main thread, from a failure path): it takes
+    the state's write lock and keeps it, so no write of the main thread follows its own."""
+    from pdctl import supervisor
+
+    supervisor.tell(lost=lost)
+    WRITE_LOCK.acquire()
+    st = project.stage(stage)
+    began = stage in project.attempts
+    if began and st.get("status") != "running":  # it ended here: nothing left to stop
+        WRITE_LOCK.release()
+        return
+    who = (
+        f"{stage}: process {lost} of {jax.process_count()} is gone (killed, or crashed: see "
+        "its output), so the run cannot go on"
+    )
+    if not began:
+        line = f"{who}; it had not begun the stage here: nothing was written"
+    elif project.writer:
+        latest = supervisor.latest_checkpoint(project, stage, st)
+        with contextlib.suppress(Exception):
+            drop_unfinished(project.checkpoint_dir(stage))
+        kept = (
+            f"the last checkpoint is step {latest}; continue with `pdctl resume`"
+            if latest is not None
+            else "no checkpoint of this run was saved; `pdctl resume` starts it over"
+        )
+        line = f"{who}; nothing partial was saved, {kept} (with any number of processes)"
+        try:
+            project.update_stage(
+                stage, status="failed", error=line[:300], checkpoint=latest, lost_process=lost
+            )
+        except Exception as e:
+            line += f" (its state could not be written: {e})"
+    elif lost == 0:
+        line = (
+            f"{who}; only process 0 writes the stage's state, so this one writes nothing: "
+            "`pdctl status` shows what process 0 last recorded"
+        )
+    else:
+        line = f"{who}; process 0 records the stage's state (see its output, or `pdctl status`)"
+    sys.stdout.flush()
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    supervisor.tell_said(1)
+    # the last line: what JAX's agent may log while the process ends (process 0's service
+    # gone) would only repeat it
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os._exit(1)
 
 
 def _left_running(project: Project, stage: str, e: runtime.StopNow) -> str:

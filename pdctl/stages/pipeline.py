@@ -30,8 +30,12 @@ def _stage_module(stage: str):
 
 
 def resumable(project: Project, stage: str) -> bool:
-    """Interrupted, or `running` with nobody holding the lock (a crash)."""
-    status = project.stage(stage).get("status")
+    """Interrupted, `running` with nobody holding the lock (a crash), or `failed` because a
+    process of its run was lost (`lost_process`: nothing was wrong with the stage itself)."""
+    st = project.stage(stage)
+    status = st.get("status")
+    if status == "failed":
+        return st.get("lost_process") is not None
     return status == "interrupted" or (status == "running" and project.lock_is_free())
 
 
