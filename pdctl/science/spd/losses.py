@@ -315,11 +315,18 @@ def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     `_get_linear_annealed_p`: p before the start, p_final from the end on."""
     if loss_cfg.p_final is None:
         return loss_cfg.p
-    start, end = loss_cfg.p_anneal_start, loss_cfg.p_anneal_end
+    c = loss_cfg
+    return _linear_anneal(c.p, c.p_final, c.p_anneal_start, c.p_anneal_end, step_frac)
+
+
+def _linear_anneal(
+    first: float, final: float, start: float, end: float, step_frac: Array | float
+) -> Array:
+    """`first` before fraction `start` of training, `final` from `end` on, linear between."""
     step_frac = jnp.asarray(step_frac, jnp.float32)
     progress = jnp.clip((step_frac - start) / max(end - start, 1e-12), 0.0, 1.0)
     progress = jnp.where(step_frac >= end, 1.0, progress)
-    return loss_cfg.p + (loss_cfg.p_final - loss_cfg.p) * progress
+    return first + (final - first) * progress
 
 
 def gamma_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
@@ -329,11 +336,10 @@ def gamma_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     p's step / steps)."""
     if loss_cfg.gamma_final is None:
         return loss_cfg.gamma
-    start, end = loss_cfg.gamma_anneal_start, loss_cfg.gamma_anneal_end
-    step_frac = jnp.asarray(step_frac, jnp.float32)
-    progress = jnp.clip((step_frac - start) / max(end - start, 1e-12), 0.0, 1.0)
-    progress = jnp.where(step_frac >= end, 1.0, progress)
-    return loss_cfg.gamma + (loss_cfg.gamma_final - loss_cfg.gamma) * progress
+    c = loss_cfg
+    return _linear_anneal(
+        c.gamma, c.gamma_final, c.gamma_anneal_start, c.gamma_anneal_end, step_frac
+    )
 
 
 def lp_penalty(p: Array | float, eps: float) -> Callable[[Array], Array]:
