@@ -643,12 +643,17 @@ def _peer_lost(project: Project, stage: str, lost: int) -> None:
     else:
         line = f"{who}; process 0 records the stage's state (see its output, or `pdctl status`)"
     sys.stdout.flush()
-    print(f"error: {line}", file=sys.stderr, flush=True)
-    supervisor.tell_said(1)
-    # the last line: what JAX's agent may log while the process ends (process 0's service
-    # gone) would only repeat it
+    sys.stderr.flush()
+    # The last line: what JAX's agent may log while the process ends (process 0's service
+    # gone) would only repeat it. Its threads write to fd 2 at any moment, so fd 2 goes to
+    # /dev/null first and the line is written whole, in one write, to a copy of the old one.
+    out = 2
     with contextlib.suppress(OSError):
+        out = os.dup(2)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    with contextlib.suppress(OSError):
+        os.write(out, f"error: {line}\n".encode())
+    supervisor.tell_said(1)
     os._exit(1)
 
 
