@@ -22,10 +22,16 @@ Pareto; written as JSON and a PNG of the curves (`--out DIR`).
 
     python benchmarks/lm_ab.py --gguf PATH --text DIR --out DIR [--steps 10000] [--batch 16]
         [--seq 256] [--eval-every 1000] [--deadline-s 0] [--arms A B] [--imp 1e-5]
+        [--state DIR] [--compile-cache DIR]
 
 `--deadline-s` (wall seconds from the start): both arms stop at the same step when the next
 round of steps would pass it (the schedules were set for `--steps`; the output says where they
-stopped). Long: a benchmark, never a test.
+stopped). With `--state DIR` a run stopped by its deadline saves every arm's train state, logs,
+evaluations and the batch sampler there, and the same command started again resumes from it at
+the next step (the same batches as an unbroken run; the arms' schedules run to `--steps`): a run
+longer than one command may last (a 10-minute call on a borrowed TPU) goes in segments. With
+`--compile-cache DIR` XLA's executables are kept there, so a resumed segment does not compile
+again. Long: a benchmark, never a test.
 """
 
 from __future__ import annotations
@@ -46,17 +52,20 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
     site = f"model.layers.{args.layer}.mlp.*"
     if arm == "A":
         return {
-            "decomp": {"sites": [{"pattern": site, "C": 1024}]},
-            "warmup": {"steps": args.warmup_steps},
+            "decomp": {"sites": [{"pattern": site, "C": 1024}], "sigmoid": "leaky_hard"},
+            "warmup": {"steps": args.warmup_steps, "lr": 0.002, "weight_decay": 0.0},
             "train": {
+                "optim": {"lr": 1e-3},
                 "loss": {
                     "importance_minimality": 2e-5,
                     "p": 2.0,
                     "p_final": 0.4,
                     "beta": 0.5,
+                    "stochastic_recon": 0.0,
+                    "stochastic_recon_layerwise": 0.0,
                     "stochastic_recon_subset": 1.0,
                     "ci_masked_recon": 1.0,
-                }
+                },
             },
         }
     if arm == "B":
@@ -99,6 +108,38 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
     raise SystemExit(f"unknown arm {arm!r}")
 
 
+# The smollm2 template ships arm B's recipe: arm A takes these of its keys back to their defaults
+# (random init, the lp penalty, no PPGD sources, no clipping of the CI functions' gradients).
+ARM_A_DROP = {
+    "decomp": ["init"],
+    "train": {
+        "ppgd": None,
+        "ci_optim": ["grad_clip"],
+        "loss": [
+            "sparsity",
+            "gamma_final",
+            "gamma_anneal_end",
+            "frequency",
+            "frequency_ema_halflife",
+            "merged_recon",
+            "adv_fraction",
+        ],
+    },
+}
+
+
+def _drop(raw: dict, drop: dict) -> dict:
+    out = dict(raw)
+    for k, v in drop.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, list):
+            out[k] = {kk: vv for kk, vv in out[k].items() if kk not in v}
+        else:
+            out[k] = _drop(out[k], v)
+    return out
+
+
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -117,6 +158,8 @@ def arm_config(arm: str, args: argparse.Namespace):
         "mesh": {"data": 1, "fsdp": 1},
         "train": {"steps": args.steps, "batch_size": args.batch},
     }
+    if arm == "A":
+        raw = _drop(raw, ARM_A_DROP)
     raw = _merge(_merge(raw, common), arm_overrides(arm, args))
     return parse_config(raw)
 
@@ -138,7 +181,9 @@ def corpus(cfg, split: str):
 class Arm:
     """One arm's config, programs and state; `step(batch)` advances it."""
 
-    def __init__(self, name: str, args: argparse.Namespace, mesh, params_cache: dict):
+    def __init__(
+        self, name: str, args: argparse.Namespace, mesh, params_cache: dict, resume: bool = False
+    ):
         import jax
 
         from pdctl.engine.precision import Policy
@@ -161,7 +206,7 @@ class Arm:
         dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
         components = dict(dec["components"])
         self.warmup_s, self.warmup_floor = 0.0, None
-        if cfg.decomp.init == "nonlinearity_aligned":
+        if cfg.decomp.init == "nonlinearity_aligned" and not resume:
             sites = decomposed_sites(cfg, target)
             weights = target.site_weights(params)
             keys = jax.random.split(stream_key(cfg, STREAM_DECOMP), len(sites))
@@ -171,7 +216,7 @@ class Arm:
                     comps_mod.aligned_site_components(keys[i], weights[path], C, side),
                     self.prog.state_shardings["trainable"]["components"][path],
                 )
-        if cfg.warmup.steps:
+        if cfg.warmup.steps and not resume:
             wprog = warmup.program(cfg, mesh, target)
             wstep, wstate = wprog.jit(), wprog.jit_make_state()(components)
             t = time.perf_counter()
@@ -186,6 +231,38 @@ class Arm:
         self.compile_s = 0.0
         self.log: list[dict] = []
         self.evals: list[dict] = []
+
+    def save(self, path: Path) -> None:
+        """The train state's leaves (PRNG keys as their key data) in one .npz."""
+        import jax
+        import numpy as np
+
+        leaves = jax.device_get(
+            [
+                jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+                for x in jax.tree.leaves(self.state)
+            ]
+        )
+        np.savez(path, *[np.asarray(x) for x in leaves])
+
+    def restore(self, path: Path) -> None:
+        """Put the saved leaves in place of the fresh state's, with its shardings and dtypes."""
+        import jax
+        import numpy as np
+
+        fresh, treedef = jax.tree.flatten(self.state)
+        with np.load(path) as z:
+            saved = [z[f"arr_{i}"] for i in range(len(z.files))]
+        if len(saved) != len(fresh):
+            raise SystemExit(f"{path}: {len(saved)} arrays, the state has {len(fresh)}")
+        out = []
+        for old, new in zip(fresh, saved, strict=True):
+            if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
+                data = jax.device_put(new, old.sharding)
+                out.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(old)))
+            else:
+                out.append(jax.device_put(new.view(old.dtype).reshape(old.shape), old.sharding))
+        self.state = jax.tree.unflatten(treedef, out)
 
     def compile(self, batch) -> None:
         t = time.perf_counter()
@@ -214,6 +291,40 @@ class Arm:
         row = {"step": step, **{k: float(v) for k, v in {**lm, **stats}.items()}}
         self.evals.append(row)
         return row
+
+
+# what must match for a saved run to be resumed by this command
+RUN_KEYS = ("arms", "steps", "batch", "seq", "layer", "imp", "lr_b", "warmup_steps", "eval_batch")
+
+
+def save_segment(state_dir: Path, args, arms: list[Arm], done: int, stepping: float, rng) -> None:
+    """Every arm's state (.npz) and the rest (meta.json), meta written last: a run killed while
+    saving resumes from the previous segment's files or not at all, never from a mix."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "args": vars(args),
+        "done": done,
+        "stepping_s": stepping,
+        "rng": rng,
+        "arms": {
+            a.name: {
+                "log": a.log,
+                "evals": a.evals,
+                "warmup_s": a.warmup_s,
+                "warmup_floor": a.warmup_floor,
+            }
+            for a in arms
+        },
+    }
+    old = state_dir / "meta.json"
+    if old.exists():
+        old.unlink()
+    for a in arms:
+        tmp = state_dir / f"{a.name}.tmp.npz"
+        a.save(tmp)
+        tmp.replace(state_dir / f"{a.name}.npz")
+    (state_dir / "meta.json.tmp").write_text(json.dumps(meta))
+    (state_dir / "meta.json.tmp").replace(state_dir / "meta.json")
 
 
 def sites_of(row: dict, key: str) -> dict[str, float]:
@@ -293,6 +404,9 @@ def main() -> None:
     ap.add_argument("--eval-batch", type=int, default=16)
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--deadline-s", type=float, default=0.0)
+    ap.add_argument("--state", help="save / resume the run here (segments across commands)")
+    ap.add_argument("--segment-steps", type=int, default=0, help="stop (and save) after N steps")
+    ap.add_argument("--compile-cache", help="XLA's persistent compilation cache directory")
     args = ap.parse_args()
     if not args.gguf:
         sys.exit("--gguf PATH (or PDCTL_SMOLLM2_GGUF) is required")
@@ -304,12 +418,25 @@ def main() -> None:
 
     from pdctl.engine import sharding
 
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    state_dir = Path(args.state) if args.state else None
+    meta_path = state_dir / "meta.json" if state_dir else None
+    meta = json.loads(meta_path.read_text()) if meta_path and meta_path.exists() else None
+    if meta is not None:
+        same = {k: meta["args"][k] for k in RUN_KEYS} == {k: vars(args)[k] for k in RUN_KEYS}
+        if not same:
+            sys.exit(f"{meta_path}: saved with other settings of {RUN_KEYS}; use another --state")
+        print(f"# resuming after step {meta['done']} from {state_dir}", flush=True)
     dev = jax.devices()[0]
     machine = f"{dev.platform} {getattr(dev, 'device_kind', '?')}, jax {jax.__version__}"
     print(f"# {machine}; layer {args.layer}, {args.batch} x {args.seq} tokens, {args.steps} steps")
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     cache: dict = {}
-    arms = [Arm(a, args, mesh, cache) for a in args.arms]
+    arms = [Arm(a, args, mesh, cache, resume=meta is not None) for a in args.arms]
+    t_setup = {"load": time.perf_counter() - T0}
     base = arms[0].cfg
     train_ids = np.asarray(corpus(base, "train"))
     eval_ids = np.asarray(corpus(base, "eval"))
@@ -317,6 +444,15 @@ def main() -> None:
     n_eval = min(args.eval_batch, len(eval_ids) // S)
     eval_batch = {"tokens": jax.numpy.asarray(eval_ids[: n_eval * S].reshape(n_eval, S))}
     rng = np.random.default_rng(0)
+    start, stepping = 1, 0.0
+    if meta is not None:
+        for a in arms:
+            a.restore(state_dir / f"{a.name}.npz")
+            m = meta["arms"][a.name]
+            a.log, a.evals = m["log"], m["evals"]
+            a.warmup_s, a.warmup_floor = m["warmup_s"], m["warmup_floor"]
+        rng.bit_generator.state = meta["rng"]
+        start, stepping = meta["done"] + 1, meta["stepping_s"]
 
     def batch_at():
         starts = rng.integers(0, len(train_ids) - S, args.batch)
@@ -325,13 +461,16 @@ def main() -> None:
 
     first = batch_at()
 
-    def prepare(a: Arm) -> dict:
+    def prepare(a: Arm) -> dict | None:
         a.compile(first)
-        return a.evaluate(0, eval_batch)  # compiles the evaluation's programs too
+        if meta is None:
+            return a.evaluate(0, eval_batch)  # compiles the evaluation's programs too
+        return None
 
     with ThreadPoolExecutor(len(arms)) as pool:  # XLA compiles the arms side by side
         step0 = list(pool.map(prepare, arms))
     setup_s = time.perf_counter() - T0
+    print(f"# setup: GGUF, init and warmup {t_setup['load']:.0f} s; all {setup_s:.0f} s")
     for a in arms:
         print(
             f"# {a.name}: train compile {a.compile_s:.0f} s, warmup {a.warmup_s:.0f} s "
@@ -340,13 +479,16 @@ def main() -> None:
         )
     print(HEADER)
     for a, r in zip(arms, step0, strict=True):
-        print(fmt_eval(a.name, r), flush=True)
-    stepping, done, batch = 0.0, 0, first
-    for step in range(1, args.steps + 1):
-        if args.deadline_s and done:
+        print(fmt_eval(a.name, r if r is not None else a.evals[-1]), flush=True)
+    done, batch, rng_before = start - 1, first, None
+    for step in range(start, args.steps + 1):
+        if args.segment_steps and done - start + 1 >= args.segment_steps:
+            print(f"# segment: stopped after step {done} of {args.steps}", flush=True)
+            break
+        if args.deadline_s and done >= start:
             left = args.deadline_s - (time.perf_counter() - T0)
             # the next logging window and a final evaluation must fit
-            if left < stepping / done * args.log_every + 20:
+            if left < stepping / done * args.log_every + 20 + 10 * bool(state_dir):
                 print(f"# deadline: stopped after step {done} of {args.steps}", flush=True)
                 break
         t = time.perf_counter()
@@ -356,6 +498,7 @@ def main() -> None:
                 m = jax.device_get(m)
                 scalars = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
                 a.log.append({"step": step, **scalars})
+        rng_before = dict(rng.bit_generator.state)
         batch = batch_at()
         if step % args.log_every == 0:
             jax.block_until_ready([a.state for a in arms])
@@ -365,6 +508,11 @@ def main() -> None:
             for a in arms:
                 print(fmt_eval(a.name, a.evaluate(step, eval_batch)), flush=True)
     jax.block_until_ready([a.state for a in arms])
+    if state_dir is not None and done < args.steps:
+        # the sampler's state after the batch drawn for step done + 1 (`batch`): the resumed run
+        # draws that batch again from the state before it, so the state saved is the earlier one
+        save_segment(state_dir, args, arms, done, stepping, rng_before)
+        print(f"# saved after step {done} to {state_dir}; the same command goes on", flush=True)
     for a in arms:
         if not a.evals or a.evals[-1]["step"] != done:
             print(fmt_eval(a.name, a.evaluate(done, eval_batch)), flush=True)
