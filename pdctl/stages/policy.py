@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # for annotations only: env imports this module
 
 
 def config_snapshot(cfg: Config, stage: str) -> dict[str, Any]:
+    """{dotted key: value} of every config key `stage`'s result depends on: what its checkpoints
+    record, so that a refusal can name the keys that changed (`changed_keys`)."""
     dumped = cfg.model_dump(mode="json", by_alias=True)
     out: dict[str, Any] = {}
 
