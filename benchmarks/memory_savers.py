@@ -77,7 +77,7 @@ def child_memory(side: str, layers: int) -> dict:
 
     from pdctl.engine import sharding
     from pdctl.stages import train
-    from pdctl.stages.common import target_from_config
+    from pdctl.stages.inputs import target_from_config
     from pdctl.stages.inspect import memory_report
 
     cfg = smol_config(side, layers)

@@ -30,7 +30,7 @@ from typing import Any
 
 import tomli_w
 
-from pdctl.config import STAGES, Config, fingerprint, parse_config
+from pdctl.config import Config, fingerprint, parse_config
 from pdctl.errors import PdctlError, StageFailed
 from pdctl.files import (
     atomic_write,
@@ -38,6 +38,7 @@ from pdctl.files import (
     refuse_links,
     refuse_links_between,
 )
+from pdctl.stages.registry import STAGES
 
 PROJECT_FILE = "pdctl.toml"
 LOCK_FILE = ".pdctl.lock"
@@ -58,7 +59,7 @@ _NO_LINKS = {
 }
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 # Held around every write of the state: a thread that must write last (a lost process ends the
-# stage from pdctl's watchdog thread, `stages.common`) takes it and keeps it.
+# stage from pdctl's watchdog thread, `stages.policy`) takes it and keeps it.
 WRITE_LOCK = threading.RLock()
 _STATE_HEADER = re.compile(r"^[ \t]*\[\[?[ \t]*state[ \t]*[.\]]", re.MULTILINE)
 

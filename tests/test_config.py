@@ -15,7 +15,6 @@ from pydantic import BaseModel
 
 from pdctl.config import (
     EXAMPLE_COMMAND,
-    STAGES,
     CiFnConfig,
     Config,
     LlamaTarget,
@@ -32,6 +31,7 @@ from pdctl.config import (
     parse_config,
 )
 from pdctl.errors import PdctlError
+from pdctl.stages.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "pdctl.toml.example"
@@ -339,7 +339,7 @@ def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
 
     from pdctl.config import AUTO_SCAN_LAYERS
     from pdctl.science.targets.hf import HFCausalLM, read_hf_config
-    from pdctl.stages.common import scan_layers
+    from pdctl.stages.inputs import scan_layers
 
     base = {"schema": 1, "target": {"kind": "hf", "path": "unused"}, "data": {"path": "unused"}}
     cfgs = {}

@@ -28,22 +28,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from pdctl.config import STAGES
 from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
-from pdctl.engine.loop import Loop, LoopResult, _flatten, _non_finite, _one_line, _to_float
+from pdctl.engine.loop import Loop, LoopResult, flatten_metrics, non_finite_keys, to_float
 from pdctl.engine.tracking import NoopTracker, Tracker
-from pdctl.errors import PdctlError, StageFailed
+from pdctl.errors import PdctlError, StageFailed, notify, one_line
 from pdctl.project import Project
-from pdctl.stages import pipeline
-from pdctl.stages.common import (
-    StageEnv,
-    guarded,
-    notify,
-    peak_flops,
-    resume_point,
-    target_from_config,
-)
+from pdctl.stages import pipeline, registry
+from pdctl.stages.env import StageEnv
+from pdctl.stages.inputs import peak_flops, target_from_config
+from pdctl.stages.policy import guarded, resume_point
+from pdctl.stages.registry import STAGES
 from pdctl.sweep import hyper
 from pdctl.sweep import stacked as st
 from pdctl.sweep.spec import Member, Sweep
@@ -169,11 +164,11 @@ class MemberRun:
 
 
 def run_members(ms, stage: str, strategy: str, *, resume: bool) -> list[LoopResult]:
-    spec = pipeline._stage_module(stage).SPEC
+    spec = registry.stage(stage).load().SPEC
     with contextlib.ExitStack() as stack:
         for _, p in ms:
             stack.enter_context(guarded(p, stage))
-        envs = [stack.enter_context(StageEnv.open(p, stage, requires=spec.requires)) for _, p in ms]
+        envs = [stack.enter_context(StageEnv.open(p, stage)) for _, p in ms]
         return _run_members(spec, [m.name for m, _ in ms], envs, strategy, resume)
 
 
@@ -348,7 +343,7 @@ class SweepLoop(Loop):
                 rec.update(self.members[i].lr_fn(step))
             self.members[i].metrics = rec
             self.members[i].tracker.log(rec, step=step)
-        mean = {k: _to_float(v) for k, v in host.items()}
+        mean = {k: to_float(v) for k, v in host.items()}
         return {**mean, **extra}
 
     def _check_bad_steps(self, steps: list[tuple[int, Any]], metrics: dict[str, float]) -> None:
@@ -394,10 +389,10 @@ class SweepLoop(Loop):
             except runtime.StopNow:
                 raise
             except Exception as e:
-                self._fail_member(i, step, f"evaluation at step {step} failed ({_one_line(e)})")
+                self._fail_member(i, step, f"evaluation at step {step} failed ({one_line(e, 200)})")
                 continue
-            r.tracker.log(_flatten(ev, "eval"), step=step)
-            bad = _non_finite(ev)
+            r.tracker.log(flatten_metrics(ev, "eval"), step=step)
+            bad = non_finite_keys(ev)
             if bad:
                 self._fail_member(
                     i,
