@@ -632,22 +632,18 @@ def inspect_sharding(
     ] = None,
 ) -> None:
     """Show each array's shape, PartitionSpec and bytes per device, without allocating."""
-    import sys
-
+    from pdctl import inspect as insp
     from pdctl.engine import runtime
-    from pdctl.stages import inspect as insp
 
     runtime.configure_devices()  # the devices a stage would see
     runtime.check_backend()  # JAX_PLATFORMS=gpu without a GPU: one line, exit 2
 
-    from pdctl.stages import fit
-
     stage = insp.parse_stage(stage)
     override = insp.parse_mesh(mesh)
-    budget = fit.device_budget(device_memory, device_kind)
+    budget = insp.fit.device_budget(device_memory, device_kind)
     proj = _project(ctx)
     if devices is not None and insp.needs_child(devices, proj.config, override):
-        child = insp.run_child(
+        code, died = insp.relay(
             devices,
             ctx.obj.project if ctx.obj else None,
             stage,
@@ -659,13 +655,9 @@ def inspect_sharding(
             device_memory=device_memory,
             device_kind=device_kind,
         )
-        sys.stdout.write(child.stdout)
-        sys.stderr.write(child.stderr)
-        died = insp.child_death(devices, child.returncode, child.stderr)
         if died:
             err_console.print(f"error: {died}", markup=False)
-            raise typer.Exit(1)
-        raise typer.Exit(child.returncode)
+        raise typer.Exit(code)
     report = insp.inspect(
         proj.config,
         stage,
