@@ -24,9 +24,9 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from pdctl.errors import PdctlError
+from pdctl.stages import registry
 
 SCHEMA_VERSION = 1
-STAGES = ("init_weights", "pretrain", "warmup", "train")
 
 Pos = Annotated[int, Field(gt=0)]
 NonNeg = Annotated[int, Field(ge=0)]
@@ -800,26 +800,6 @@ class Config(Section):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
 
 
-# Which config tables each stage's result depends on (cumulative: a stage is stale when anything
-# upstream of it changed). Mesh, tracking, checkpoint cadence and compile cache do not change
-# results.
-_STAGE_DEPS = {
-    "init_weights": ("run", "target", "data", "decomp", "precision"),
-    "pretrain": ("pretrain",),
-    "warmup": ("warmup",),
-    "train": ("train",),
-}
-
-
-def stage_dependencies(stage: str) -> tuple[str, ...]:
-    deps: list[str] = []
-    for s in STAGES:
-        deps.extend(_STAGE_DEPS[s])
-        if s == stage:
-            return tuple(deps)
-    raise KeyError(stage)
-
-
 def _keep_tags(full: Any, lean: Any) -> Any:
     """`lean` (a dump without defaults) with every union tag (`kind`) of `full` put back, so
     two table variants left at their defaults still differ."""
@@ -845,7 +825,7 @@ def fingerprint(cfg: Config, stage: str) -> str:
     # How the train step runs, not what it computes (train resumes across it, `stages.train.
     # restore`): not part of any fingerprint.
     dumped.get("train", {}).pop("scan_layers", None)
-    deps = stage_dependencies(stage)
+    deps = registry.dependencies(stage)
     if cfg.target.kind == "hf":  # an imported target is not trained: [pretrain] changes nothing
         deps = tuple(d for d in deps if d != "pretrain")
     tables: dict[str, Any] = {k: dumped.get(k, {}) for k in deps}

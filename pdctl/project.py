@@ -30,7 +30,7 @@ from typing import Any
 
 import tomli_w
 
-from pdctl.config import STAGES, Config, fingerprint, parse_config
+from pdctl.config import Config, fingerprint, parse_config
 from pdctl.errors import PdctlError, StageFailed
 from pdctl.files import (
     atomic_write,
@@ -38,6 +38,7 @@ from pdctl.files import (
     refuse_links,
     refuse_links_between,
 )
+from pdctl.stages.registry import STAGES
 
 PROJECT_FILE = "pdctl.toml"
 LOCK_FILE = ".pdctl.lock"

@@ -11,8 +11,8 @@ from helpers import pdctl_process
 from typer.testing import CliRunner
 
 from pdctl.cli import app
-from pdctl.config import STAGES
 from pdctl.project import Project
+from pdctl.stages.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = (

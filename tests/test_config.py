@@ -15,7 +15,6 @@ from pydantic import BaseModel
 
 from pdctl.config import (
     EXAMPLE_COMMAND,
-    STAGES,
     CiFnConfig,
     Config,
     LlamaTarget,
@@ -32,6 +31,7 @@ from pdctl.config import (
     parse_config,
 )
 from pdctl.errors import PdctlError
+from pdctl.stages.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "pdctl.toml.example"

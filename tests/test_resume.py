@@ -40,13 +40,13 @@ from helpers import (
     session_compile_cache_dir,
 )
 
-from pdctl.config import STAGES
 from pdctl.engine import checkpoint, donation, sharding
 from pdctl.engine.checkpoint import Checkpointer, join_items, rematerialize
 from pdctl.engine.sharding import path_str
 from pdctl.project import Project
 from pdctl.stages import train
 from pdctl.stages.common import StageEnv, pretrained_target, target_from_config
+from pdctl.stages.registry import STAGES
 
 EXIT_INTERRUPTED = 3
 

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pydantic import ValidationError
 
-from pdctl.config import STAGES, Config, MeshConfig
+from pdctl.config import Config, MeshConfig
 from pdctl.engine import sharding
 from pdctl.errors import PdctlError
 from pdctl.stages.common import (
@@ -30,6 +30,7 @@ from pdctl.stages.common import (
     decomp_layout,
     target_from_config,
 )
+from pdctl.stages.registry import STAGES
 
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
 KIND_LABEL = {

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from pdctl import __version__
-from pdctl.config import STAGES
 from pdctl.errors import EXIT_INTERRUPTED, PdctlError
 from pdctl.harvest.run import harvest_line
 from pdctl.project import Project, split_state
@@ -27,6 +26,7 @@ from pdctl.report import load as L
 from pdctl.report import page as P
 from pdctl.report.status import INDEX, MANIFEST
 from pdctl.science.spd import evaluate
+from pdctl.stages.registry import STAGES
 
 REPORT_STAGES = ("pretrain", "warmup", "train")
 

@@ -22,7 +22,8 @@ from pdctl.project import Project
 from pdctl.science.spd import components as comp_mod
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import l0_per_site
-from pdctl.stages.common import CLI_NAME, STREAM_TRAIN, stream_key, target_from_config
+from pdctl.stages.common import STREAM_TRAIN, stream_key, target_from_config
+from pdctl.stages.registry import command
 
 HIST_BINS = 50
 HIST_EDGES = np.linspace(0.0, 1.0, HIST_BINS + 1)
@@ -86,7 +87,7 @@ def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, 
     found = ocp.step.standard_name_format().find_all(directory) if directory.is_dir() else []
     steps = sorted(found, key=lambda m: m.step)
     if not steps:
-        raise LookupError(f"{stage} has no checkpoint (run `pdctl {CLI_NAME[stage]}`)")
+        raise LookupError(f"{stage} has no checkpoint (run `pdctl {command(stage)}`)")
     latest = steps[-1]
     try:
         step = int(latest.step)
@@ -334,9 +335,9 @@ def describe_missing_stage(project: Project, stage: str) -> str | None:
     step, steps = st.get("step"), st.get("steps")
     where = f" at step {step}" + (f" of {steps}" if steps else "") if step is not None else ""
     hint = {
-        "pending": f"run `pdctl {CLI_NAME[stage]}`",
+        "pending": f"run `pdctl {command(stage)}`",
         "interrupted": "continue it with `pdctl resume`",
-        "failed": f"see `pdctl status`; rerun with `pdctl {CLI_NAME[stage]} --fresh`",
+        "failed": f"see `pdctl status`; rerun with `pdctl {command(stage)} --fresh`",
         "running": "still running (or crashed: see `pdctl status`)",
     }.get(status, "see `pdctl status`")
     return f"{stage} is {status}{where}: {hint}"

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pdctl.config import STAGES
 from pdctl.errors import PdctlError
 from pdctl.project import Project
+from pdctl.stages.registry import STAGES
 
 DEFAULT_DIR = "report"  # <run>/report/ unless --out says otherwise
 MANIFEST = "report.json"  # what a report wrote, and the stage state it was written from

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pdctl import __version__
-from pdctl.config import AUTO_SCAN_LAYERS, Config, fingerprint, match_sites, stage_dependencies
+from pdctl.config import AUTO_SCAN_LAYERS, Config, fingerprint, match_sites
 from pdctl.engine import peers, runtime, sharding
 from pdctl.engine.checkpoint import (
     Checkpointer,
@@ -32,14 +32,10 @@ from pdctl.engine.tracking import JsonlTracker, Tracker, make_tracker
 from pdctl.errors import PdctlError, StageFailed
 from pdctl.project import WRITE_LOCK, Project, RunDirMoved, now
 from pdctl.science.targets import Target, build_target
+from pdctl.stages import registry
+from pdctl.stages.registry import command
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-CLI_NAME = {
-    "init_weights": "init-weights",
-    "pretrain": "pretrain",
-    "warmup": "warmup",
-    "train": "train",
-}
 
 # Independent random streams of a run, all derived from [run] seed.
 STREAM_TARGET, STREAM_DECOMP, STREAM_PRETRAIN, STREAM_WARMUP, STREAM_TRAIN = range(5)
@@ -155,20 +151,23 @@ class StageEnv:
         cls,
         project: Project,
         stage: str,
-        requires: tuple[str, ...] = (),
+        requires: tuple[str, ...] | None = None,
         devices: list[Any] | None = None,
     ) -> StageEnv:
+        """`requires`: the stages that must be done first; by default the registry's."""
+        if requires is None:
+            requires = registry.stage(stage).requires if stage in registry.STAGES else ()
         for req in requires:
             st = project.stage(req)
             if not project.is_done(req):
                 raise PdctlError(
-                    f"{CLI_NAME[stage]} needs {CLI_NAME[req]} first "
+                    f"{command(stage)} needs {command(req)} first "
                     f"({req} is {st.get('status', 'pending')}): {how_to_finish(project, req)}"
                 )
             if project.is_stale(req):
                 raise PdctlError(
                     f"{req} is stale ({stale_reason(project, req)}): rerun "
-                    f"`pdctl {CLI_NAME[req]}` before `pdctl {CLI_NAME[stage]}`"
+                    f"`pdctl {command(req)}` before `pdctl {command(stage)}`"
                 )
         project.writer = runtime.is_writer()
         if project.writer:  # one writer per run directory, until the stage closes
@@ -321,7 +320,7 @@ class StageEnv:
         steps = complete_steps(directory)  # no manager yet: it would create the directory
         if not steps:
             raise PdctlError(
-                f"{stage} has no checkpoint in {directory}; rerun `pdctl {CLI_NAME[stage]}`"
+                f"{stage} has no checkpoint in {directory}; rerun `pdctl {command(stage)}`"
             )
         step = steps[-1]
         ckpt = self.checkpointer(stage)
@@ -333,7 +332,7 @@ class StageEnv:
         except Exception as e:
             raise PdctlError(
                 f"{stage}'s checkpoint {step} does not restore ({_one_line(e)}); rerun "
-                f"`pdctl {CLI_NAME[stage]} --fresh`"
+                f"`pdctl {command(stage)} --fresh`"
             ) from None
         finally:
             ckpt.close()
@@ -361,7 +360,7 @@ class StageEnv:
         except CheckpointUnreadable as e:
             raise PdctlError(
                 f"{self.stage}: no checkpoint restores ({'; '.join(e.errors)[:300]}); start over "
-                f"with `pdctl {CLI_NAME[self.stage]} --fresh`"
+                f"with `pdctl {command(self.stage)} --fresh`"
             ) from None
         finally:
             ckpt.close()
@@ -391,7 +390,7 @@ def config_snapshot(cfg: Config, stage: str) -> dict[str, Any]:
         else:
             out[prefix] = v
 
-    for table in stage_dependencies(stage):
+    for table in registry.dependencies(stage):
         walk(table, dumped[table])
     return out
 
@@ -409,7 +408,7 @@ def _one_line(e: BaseException, limit: int = 160) -> str:
 
 def how_to_finish(project: Project, stage: str) -> str:
     """What to run so that `stage` ends `done`, as its status stands."""
-    cli = CLI_NAME[stage]
+    cli = command(stage)
     status = project.stage(stage).get("status", "pending")
     if status == "pending":
         return f"run `pdctl {cli}`"
@@ -482,7 +481,7 @@ def own_steps(env: StageEnv) -> list[int]:
 def resume_point(env: StageEnv, *, resume: bool, fresh: bool) -> int | None:
     """The checkpoint step to continue from, or None to start fresh; refuses to drop progress
     and to continue a run under a config other than the one it started with."""
-    stage, cli = env.stage, CLI_NAME[env.stage]
+    stage, cli = env.stage, command(env.stage)
     if resume and fresh:
         raise PdctlError("--resume and --fresh: choose one (continue the stage, or start it over)")
     if fresh:
@@ -527,7 +526,7 @@ def refuse_if_stale(env: StageEnv, latest: int) -> None:
     results): refuse, naming what changed and the two ways on."""
     if not is_stale_run(env):
         return
-    stage, cli = env.stage, CLI_NAME[env.stage]
+    stage, cli = env.stage, command(env.stage)
     meta = read_meta(env.project.checkpoint_dir(stage), latest) or {}
     changed = changed_keys(meta.get("config"), env.config_snapshot())
     reason = stale_reason(env.project, stage, changed)
@@ -549,7 +548,7 @@ def guarded(project: Project, stage: str) -> Iterator[None]:
 
     with runtime.stop_signals(), peers.watch(lambda lost: _peer_lost(project, stage, lost)):
         supervisor.tell(
-            stage=stage, cli=CLI_NAME[stage], toml=str(project.path), writer=runtime.is_writer(),
+            stage=stage, cli=command(stage), toml=str(project.path), writer=runtime.is_writer(),
             processes=jax.process_count(),
         )  # fmt: skip
         try:
@@ -890,12 +889,11 @@ def text_batch_spec(cfg: Config, target: Target, batch_size: int, mesh: Mesh) ->
 
 @dataclass(frozen=True)
 class StageSpec:
-    """What a training stage is, besides its program: which stages it needs, what a fresh run
+    """What a training stage is, besides its program: what a fresh run
     starts from (the upstream arrays `make_state` takes), its frozen arguments (the trained
     target, for warmup and train) and, optionally, how it evaluates."""
 
-    name: str
-    requires: tuple[str, ...]
+    name: str  # in the registry, which says what it requires
     program: Callable[..., Any]  # (cfg, mesh, target, **options) -> StepProgram
     fresh_inputs: Callable[[StageEnv, Any], tuple[Any, ...]]
     frozen: Callable[[StageEnv, Any], tuple[Any, ...]] | None = None
@@ -918,7 +916,7 @@ def run_stage(
 ):
     """Run any training stage: open the run, find where to start (fresh or a checkpoint), build
     the stage's program, make or restore its state, feed it batches and hand it to the loop."""
-    with StageEnv.open(project, spec.name, requires=spec.requires) as env:
+    with StageEnv.open(project, spec.name) as env:
         return _run_stage(env, spec, until, resume, fresh, profile, overrides, program_options)
 
 

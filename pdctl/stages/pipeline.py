@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from pdctl import __version__
-from pdctl.config import STAGES
 from pdctl.engine import runtime
 from pdctl.engine.checkpoint import complete_steps, has_key, read_host
 from pdctl.engine.sharding import path_str
@@ -18,15 +17,9 @@ from pdctl.errors import PdctlError
 from pdctl.files import atomic_output
 from pdctl.project import Project
 from pdctl.science.spd.stacked import per_site_tree
-from pdctl.stages.common import CLI_NAME, checkpoint_changes, guarded, stale_reason
-
-
-def _stage_module(stage: str):
-    from pdctl.stages import init_weights, pretrain, train, warmup
-
-    return {"init_weights": init_weights, "pretrain": pretrain, "warmup": warmup, "train": train}[
-        stage
-    ]
+from pdctl.stages import registry
+from pdctl.stages.common import checkpoint_changes, guarded, stale_reason
+from pdctl.stages.registry import STAGES, command
 
 
 def resumable(project: Project, stage: str) -> bool:
@@ -43,7 +36,7 @@ def run_stage(project: Project, stage: str, **kwargs: Any) -> Any:
     """One stage, guarded: a clean stop on SIGTERM/SIGINT from its first instruction, `failed`
     and one line for any failure, its state put back after a user mistake."""
     with guarded(project, stage):
-        return _stage_module(stage).run(project, **kwargs)
+        return registry.stage(stage).load().run(project, **kwargs)
 
 
 def plan(project: Project) -> list[tuple[str, str]]:
@@ -72,7 +65,7 @@ def plan(project: Project) -> list[tuple[str, str]]:
             action = "fresh"
             latest = _progress(project, stage)
             if latest is not None:
-                cli = CLI_NAME[stage]
+                cli = command(stage)
                 if not stale:
                     why, undo = "a stage before it runs again first", ""
                 elif project.rerun_upstream(stage):
@@ -228,12 +221,6 @@ def summary(project: Project) -> str:
     return "eval: " + ", ".join(parts) if parts else "train: no evaluation recorded"
 
 
-_EXPORT_ITEMS = {
-    "init_weights": ("target", "components", "ci_fns", "sources"),
-    "pretrain": ("params",),
-    "warmup": ("components",),
-    "train": ("trainable", "sources"),
-}
 EXPORT_FORMATS = ("npz", "safetensors")
 
 
@@ -280,7 +267,7 @@ def export(
     arrays: dict[str, np.ndarray] = {}
     if stage in ("warmup", "train") and not imported:  # the target they decomposed
         arrays.update(_load(project, "pretrain", ("params",), rename={"params": "target"}))
-    items = _EXPORT_ITEMS[stage]
+    items = registry.stage(stage).exports
     if imported:
         items = tuple(i for i in items if i != "target")
     if stage == "train" and not _has_latest(project, stage, "sources"):
@@ -419,7 +406,7 @@ def _load(
         reason = " ".join(str(e).split())[:160] or type(e).__name__
         raise PdctlError(
             f"{stage}'s checkpoint {step} does not restore ({type(e).__name__}: {reason}); "
-            f"rerun `pdctl {CLI_NAME[stage]} --fresh`"
+            f"rerun `pdctl {command(stage)} --fresh`"
         ) from None
     flat = {}
     for name, tree in items.items():

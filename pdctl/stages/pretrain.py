@@ -108,9 +108,7 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
     return (items["target"],)
 
 
-SPEC = StageSpec(
-    name="pretrain", requires=("init_weights",), program=program, fresh_inputs=fresh_inputs
-)
+SPEC = StageSpec(name="pretrain", program=program, fresh_inputs=fresh_inputs)
 
 
 def run(

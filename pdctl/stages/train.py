@@ -465,7 +465,6 @@ def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
 
 SPEC = StageSpec(
     name="train",
-    requires=("init_weights", "pretrain", "warmup"),
     program=program,
     fresh_inputs=fresh_inputs,
     frozen=frozen_target,

@@ -138,7 +138,6 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
 
 SPEC = StageSpec(
     name="warmup",
-    requires=("init_weights", "pretrain"),
     program=program,
     fresh_inputs=fresh_inputs,
     frozen=frozen_target,

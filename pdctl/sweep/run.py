@@ -28,14 +28,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from pdctl.config import STAGES
 from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
 from pdctl.engine.loop import Loop, LoopResult, _flatten, _non_finite, _one_line, _to_float
 from pdctl.engine.tracking import NoopTracker, Tracker
 from pdctl.errors import PdctlError, StageFailed
 from pdctl.project import Project
-from pdctl.stages import pipeline
+from pdctl.stages import pipeline, registry
 from pdctl.stages.common import (
     StageEnv,
     guarded,
@@ -44,6 +43,7 @@ from pdctl.stages.common import (
     resume_point,
     target_from_config,
 )
+from pdctl.stages.registry import STAGES
 from pdctl.sweep import hyper
 from pdctl.sweep import stacked as st
 from pdctl.sweep.spec import Member, Sweep
@@ -169,11 +169,11 @@ class MemberRun:
 
 
 def run_members(ms, stage: str, strategy: str, *, resume: bool) -> list[LoopResult]:
-    spec = pipeline._stage_module(stage).SPEC
+    spec = registry.stage(stage).load().SPEC
     with contextlib.ExitStack() as stack:
         for _, p in ms:
             stack.enter_context(guarded(p, stage))
-        envs = [stack.enter_context(StageEnv.open(p, stage, requires=spec.requires)) for _, p in ms]
+        envs = [stack.enter_context(StageEnv.open(p, stage)) for _, p in ms]
         return _run_members(spec, [m.name for m, _ in ms], envs, strategy, resume)
 
 

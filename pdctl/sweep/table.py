@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from pdctl.config import STAGES
 from pdctl.errors import PdctlError
+from pdctl.stages.registry import STAGES
 from pdctl.sweep.spec import Member, Sweep, _fmt, short_keys
 
 
