@@ -147,9 +147,9 @@ def main() -> None:
     from pdctl.engine import sharding
     from pdctl.harvest import run as hv
     from pdctl.project import Project
-    from pdctl.report import load
     from pdctl.science.spd import evaluate
-    from pdctl.stages.common import StageEnv, corpus_tokens
+    from pdctl.stages import decomposition as load
+    from pdctl.stages.env import StageEnv, corpus_tokens
 
     project = Project.load(run / "pdctl.toml")
     cfg = project.config

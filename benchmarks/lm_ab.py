@@ -145,8 +145,9 @@ class Arm:
         from pdctl.science.spd import components as comps_mod
         from pdctl.science.targets import imported
         from pdctl.stages import train, warmup
-        from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
-        from pdctl.stages.init_weights import aligned_sites, decomposed_sites, init_decomposition
+        from pdctl.stages.decomposition import aligned_sites, decomposed_sites
+        from pdctl.stages.init_weights import init_decomposition
+        from pdctl.stages.inputs import STREAM_DECOMP, stream_key, target_from_config
 
         self.name, self.args = name, args
         self.cfg = cfg = arm_config(name, args)

@@ -73,8 +73,8 @@ def child(
     from pdctl.science import data
     from pdctl.science.targets import imported
     from pdctl.stages import train
-    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
     from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP, stream_key, target_from_config
     from pdctl.templates import templates_root
 
     raw = tomllib.loads((templates_root() / "smollm2" / "pdctl.toml").read_text())

@@ -78,7 +78,7 @@ def child_memory(side: str, layers: int) -> dict:
     from pdctl.engine import sharding
     from pdctl.inspect import memory_report
     from pdctl.stages import train
-    from pdctl.stages.common import target_from_config
+    from pdctl.stages.inputs import target_from_config
 
     cfg = smol_config(side, layers)
     mesh = sharding.make_mesh(-1, 1)

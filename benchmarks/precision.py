@@ -105,8 +105,8 @@ def main() -> None:
     from pdctl.science.spd import evaluate
     from pdctl.science.targets import imported
     from pdctl.stages import train, warmup
-    from pdctl.stages.common import STREAM_DECOMP, stream_key, target_from_config
     from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP, stream_key, target_from_config
 
     print(f"# {_machine()}; layer {args.layer} C={args.C}, {args.batch} x {args.seq} tokens")
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])

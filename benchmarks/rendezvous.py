@@ -126,14 +126,9 @@ def measure(run: Path, args: argparse.Namespace) -> dict:
     from pdctl.engine import runtime, sharding
     from pdctl.project import Project
     from pdctl.stages import train
-    from pdctl.stages.common import (
-        STREAM_DECOMP,
-        STREAM_TARGET,
-        StageEnv,
-        stream_key,
-        target_from_config,
-    )
+    from pdctl.stages.env import StageEnv
     from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 
     proj = Project.load(run / "pdctl.toml")
     cfg = proj.config

@@ -88,7 +88,7 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
     from pdctl.engine import sharding
     from pdctl.science.spd import evaluate
     from pdctl.stages import train
-    from pdctl.stages.common import with_scan
+    from pdctl.stages.inputs import with_scan
 
     cfg = parse_config(tiny_raw(n_layers, scan))
     mesh, target, prog, params, state, batch, n_sites = fresh_train(cfg)

@@ -33,7 +33,7 @@ def lowered_text(n_layers: int) -> tuple[str, float]:
     from pdctl.config import parse_config
     from pdctl.engine import sharding
     from pdctl.stages import train
-    from pdctl.stages.common import target_from_config
+    from pdctl.stages.inputs import target_from_config
 
     cfg = parse_config(scan_compile.tiny_raw(n_layers, scan=True))
     mesh = sharding.make_mesh(-1, 1)

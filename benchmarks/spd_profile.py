@@ -27,13 +27,8 @@ import jax
 from pdctl.config import parse_config
 from pdctl.engine import runtime, sharding
 from pdctl.stages import train
-from pdctl.stages.common import (
-    STREAM_DECOMP,
-    STREAM_TARGET,
-    stream_key,
-    target_from_config,
-)
 from pdctl.stages.init_weights import init_decomposition
+from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 from pdctl.templates import templates_root
 
 TERMS = ("importance_minimality", "stochastic_recon", "stochastic_recon_layerwise")

@@ -42,8 +42,8 @@ def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -
     from pdctl.engine.loop import MAX_AHEAD
     from pdctl.project import Project
     from pdctl.stages import train, warmup
-    from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
     from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
     from pdctl.templates import create_run
 
     with tempfile.TemporaryDirectory() as tmp:

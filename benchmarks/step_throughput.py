@@ -69,7 +69,7 @@ def main() -> None:
     from helpers import make_loop, make_run, pretrain_on  # the tests' builders of the step
 
     from pdctl.engine import sharding
-    from pdctl.stages.common import text_batches
+    from pdctl.stages.env import text_batches
 
     devices = jax.devices()[: args.devices]
     mesh = sharding.make_mesh(len(devices), 1, devices)

@@ -46,8 +46,8 @@ def child(template: str, n: int, d: int, batch: int, strategy: str, pad: bool = 
 
     from pdctl.project import Project
     from pdctl.stages import train
-    from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
     from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
     from pdctl.sweep import stacked as st
     from pdctl.templates import create_run
 

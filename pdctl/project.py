@@ -59,7 +59,7 @@ _NO_LINKS = {
 }
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 # Held around every write of the state: a thread that must write last (a lost process ends the
-# stage from pdctl's watchdog thread, `stages.common`) takes it and keeps it.
+# stage from pdctl's watchdog thread, `stages.policy`) takes it and keeps it.
 WRITE_LOCK = threading.RLock()
 _STATE_HEADER = re.compile(r"^[ \t]*\[\[?[ \t]*state[ \t]*[.\]]", re.MULTILINE)
 

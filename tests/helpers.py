@@ -28,7 +28,8 @@ from pdctl.engine.program import StepProgram
 from pdctl.engine.tracking import JsonlTracker
 from pdctl.project import Project, split_state
 from pdctl.stages import pretrain
-from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
+from pdctl.stages.env import StageEnv
+from pdctl.stages.inputs import STREAM_TARGET, stream_key, target_from_config
 from pdctl.templates import create_run
 
 TEMPLATES = ("llama-mlp", "resid-mlp", "tms")
@@ -357,8 +358,8 @@ def fresh_train_state(cfg: Any, mesh: Any, tokens: np.ndarray) -> tuple[Any, ...
     (B, T + 1), number of sites) for `cfg` on `mesh`: a train step ready to run, no run
     directory (an imported target needs only its config.json)."""
     from pdctl.stages import train
-    from pdctl.stages.common import STREAM_DECOMP
     from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP
 
     target = target_from_config(cfg, need_weights=False)
     prog = train.program(cfg, mesh, target)

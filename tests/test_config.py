@@ -339,7 +339,7 @@ def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
 
     from pdctl.config import AUTO_SCAN_LAYERS
     from pdctl.science.targets.hf import HFCausalLM, read_hf_config
-    from pdctl.stages.common import scan_layers
+    from pdctl.stages.inputs import scan_layers
 
     base = {"schema": 1, "target": {"kind": "hf", "path": "unused"}, "data": {"path": "unused"}}
     cfgs = {}

@@ -21,14 +21,9 @@ from helpers import cli, edit_config, error_lines, make_run, pdctl_process, stat
 from pdctl.engine import donation, sharding
 from pdctl.project import Project
 from pdctl.stages import train, warmup
-from pdctl.stages.common import (
-    STREAM_DECOMP,
-    STREAM_TARGET,
-    StageEnv,
-    stream_key,
-    target_from_config,
-)
+from pdctl.stages.env import StageEnv
 from pdctl.stages.init_weights import init_decomposition
+from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 
 # TMS 5-2 with C=8 (divides 4, so V/U shard at fsdp=4), every array above 16 elements sharded,
 # and PPGD on, so sources and their Adam state are part of the donated train state.

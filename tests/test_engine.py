@@ -24,8 +24,8 @@ from pdctl.engine.loop import guard_update, loop_counters
 from pdctl.engine.optim import adamw
 from pdctl.errors import PdctlError
 from pdctl.project import Project
-from pdctl.stages.common import target_from_config
-from pdctl.stages.init_weights import init_decomposition_abstract
+from pdctl.stages.decomposition import abstract_decomposition as init_decomposition_abstract
+from pdctl.stages.inputs import target_from_config
 
 MESHES = {  # name: (data, fsdp); "1" is one device, the others use all 4
     "1": (1, 1),

@@ -436,7 +436,7 @@ def test_8_sigterm_while_restoring_a_fresh_start(initialized: Path, tmp_path: Pa
     """SIGTERM while the stage restores init-weights (before anything is compiled): exit 3,
     `interrupted` with a checkpoint at step 0, and `pdctl resume` finishes it."""
     run = _copy(initialized, tmp_path)
-    hook = f"import pdctl.stages.common as c; patch(c.StageEnv, 'restore_items', {_SIGTERM_NOW})"
+    hook = f"import pdctl.stages.env as c; patch(c.StageEnv, 'restore_items', {_SIGTERM_NOW})"
     proc = _inject(run, hook, "pretrain")
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
     assert "stopped by SIGTERM at step 0" in proc.stderr and "Traceback" not in proc.stderr
@@ -449,7 +449,7 @@ def test_8_sigterm_while_restoring_a_fresh_start(initialized: Path, tmp_path: Pa
 def test_8_sigterm_while_restoring_a_resume(initialized: Path, tmp_path: Path) -> None:
     run = _copy(initialized, tmp_path)
     _ok("--project", run, "pretrain", "--until", "7")
-    hook = f"import pdctl.stages.common as c; patch(c.StageEnv, 'restore_state', {_SIGTERM_NOW})"
+    hook = f"import pdctl.stages.env as c; patch(c.StageEnv, 'restore_state', {_SIGTERM_NOW})"
     proc = _inject(run, hook, "pretrain", "--resume")
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
     assert "stopped by SIGTERM at step 7" in proc.stderr

@@ -325,9 +325,9 @@ def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, assets):
 
     from pdctl.harvest.effect import top_changes
     from pdctl.project import Project
-    from pdctl.report.load import load_decomposition
     from pdctl.science.spd import evaluate
     from pdctl.science.spd.losses import masked_forward
+    from pdctl.stages.decomposition import load_decomposition
 
     run = _run(tmp_path, assets)
     assert cli("--project", run, "run").exit_code == 0
@@ -348,7 +348,7 @@ def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, assets):
     project = Project.load(run / "pdctl.toml")
     dec = load_decomposition(project, "train")
     from pdctl.engine import sharding
-    from pdctl.stages.common import StageEnv, corpus_tokens
+    from pdctl.stages.env import StageEnv, corpus_tokens
 
     T = project.config.data.seq_len
     env = StageEnv(project, "train", sharding.make_mesh(1, 1, jax.devices()[:1]), dec.target)

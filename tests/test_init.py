@@ -22,13 +22,10 @@ from pdctl.engine import init as engine_init
 from pdctl.engine import sharding
 from pdctl.science.spd import components as comps
 from pdctl.stages import init_weights
-from pdctl.stages.common import target_from_config
-from pdctl.stages.init_weights import (
-    decomposed_sites,
-    init_decomposition,
-    init_decomposition_abstract,
-    source_shape,
-)
+from pdctl.stages.decomposition import abstract_decomposition as init_decomposition_abstract
+from pdctl.stages.decomposition import decomposed_sites, source_shape
+from pdctl.stages.init_weights import init_decomposition
+from pdctl.stages.inputs import target_from_config
 
 MIN_SIZE = 16  # small enough that CI weights and sources shard too, not only V/U
 

@@ -14,7 +14,8 @@ from pdctl.engine import sharding
 from pdctl.engine.checkpoint import complete_steps, read_host
 from pdctl.project import Project
 from pdctl.stages import train
-from pdctl.stages.common import StageEnv, target_from_config
+from pdctl.stages.env import StageEnv
+from pdctl.stages.inputs import target_from_config
 
 RUN = {"warmup": {"steps": 4}, "train": {"steps": 6, "batch_size": 32, "eval_every": 6}}
 TINY_SITES = TINY["tms"]["decomp"]
@@ -102,7 +103,7 @@ def test_init_from_errors_are_one_line(parent: Path, tmp_path: Path) -> None:
 
 def _fake_parent(root: Path, status: str = "done", steps: tuple[int, ...] = (3, 6)) -> Path:
     from pdctl.engine.checkpoint import Checkpointer
-    from pdctl.stages.warmup import abstract_decomposition
+    from pdctl.stages.decomposition import abstract_decomposition
 
     run = make_run(root, "tms", "parent", **RUN)
     proj = Project.load(run / "pdctl.toml")
@@ -173,7 +174,7 @@ def test_8_a_rerun_of_the_parent_makes_the_child_stale(tmp_path: Path) -> None:
     proj = Project.load(child / "pdctl.toml")
     assert proj.is_stale("train")
     assert dict(pipeline.plan(proj))["train"] == "fresh"
-    from pdctl.stages.common import stale_reason
+    from pdctl.stages.policy import stale_reason
 
     assert stale_reason(proj, "train") == (
         "the train of train.init_from's run ran again since train started"

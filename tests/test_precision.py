@@ -17,7 +17,7 @@ from pdctl.engine import sharding
 from pdctl.engine.precision import Policy
 from pdctl.errors import PdctlError
 from pdctl.stages import train, warmup
-from pdctl.stages.common import target_from_config
+from pdctl.stages.inputs import target_from_config
 from pdctl.templates import templates_root
 
 DOT = re.compile(r"stablehlo\.dot_general.*?precision = \[(\w+), (\w+)\].*?loc\((#loc\d+)\)")
@@ -94,8 +94,8 @@ def test_faithfulness_compares_stored_values_under_bf16_compute() -> None:
     import numpy as np
 
     from pdctl.science.spd.losses import faithfulness_loss
-    from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key
     from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key
 
     cfg = _cfg("llama-mlp", {"compute_dtype": "bfloat16"})
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])

@@ -155,7 +155,7 @@ def test_train_step_with_the_prefix_skip_equals_it_without(tmp_path, monkeypatch
     from pdctl.engine import sharding
     from pdctl.science.spd.components import init_decomposition_reference
     from pdctl.stages import train
-    from pdctl.stages.init_weights import decomposed_sites, source_shape
+    from pdctl.stages.decomposition import decomposed_sites, source_shape
 
     target = _hf(tmp_path, num_hidden_layers=4)
     cfg = _cfg(scan_layers=False, grad_accum_steps=2)

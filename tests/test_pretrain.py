@@ -29,7 +29,7 @@ from helpers import (
 from pdctl.engine import sharding
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.project import Project
-from pdctl.stages.common import STREAM_TARGET, stream_key, target_from_config
+from pdctl.stages.inputs import STREAM_TARGET, stream_key, target_from_config
 
 STEPS = 20  # TINY: 20 steps, log_every 5, checkpoint.every 10 (the templates keep 2)
 

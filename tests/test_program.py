@@ -13,8 +13,8 @@ from pdctl import inspect as insp
 from pdctl.config import parse_config
 from pdctl.engine import sharding
 from pdctl.stages import pretrain, train
-from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 from pdctl.stages.init_weights import init_decomposition
+from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 from pdctl.templates import templates_root
 
 SETTINGS = {

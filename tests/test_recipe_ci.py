@@ -269,7 +269,7 @@ def test_pdctl_run_with_aligned_init_no_warmup_transformer_ci_and_clamp(tmp_path
     from helpers import cli, make_run
 
     from pdctl.project import Project
-    from pdctl.stages.common import StageEnv
+    from pdctl.stages.env import StageEnv
 
     d_mlp = 64
     run = make_run(
@@ -310,11 +310,11 @@ def test_pdctl_run_with_aligned_init_no_warmup_transformer_ci_and_clamp(tmp_path
     assert all(np.isfinite(m["total"]) for m in lines if "total" in m)
     # warmup (0 steps) saved the aligned components: V U = W bit for bit, from the TRAINED
     # target (pretrain ran after init-weights)
-    from pdctl.stages import warmup as warmup_stage
-    from pdctl.stages.common import pretrained_target
+    from pdctl.stages.decomposition import abstract_decomposition
+    from pdctl.stages.env import pretrained_target
 
     with StageEnv.open(Project.load(run / "pdctl.toml"), "report") as env:
-        dec = warmup_stage.abstract_decomposition(env.cfg, env.target)
+        dec = abstract_decomposition(env.cfg, env.target)
         items, _ = env.restore_items("warmup", {"components": dec["components"]})
         weights = env.target.site_weights(pretrained_target(env))
     for p, c in items["components"].items():
@@ -451,8 +451,8 @@ def test_bad_recipe_keys_are_one_line_errors_naming_the_key(over, key):
 def test_aligned_init_without_mlp_sites_is_refused_before_anything_is_written():
     from pdctl.config import parse_config
     from pdctl.errors import PdctlError
-    from pdctl.stages.common import target_from_config
-    from pdctl.stages.init_weights import decomposed_sites
+    from pdctl.stages.decomposition import decomposed_sites
+    from pdctl.stages.inputs import target_from_config
 
     cfg = parse_config({
         "schema": 1, "decomp": {"init": "nonlinearity_aligned",

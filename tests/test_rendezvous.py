@@ -107,7 +107,8 @@ import jax, numpy as np
 from pdctl.engine import sharding
 from pdctl.project import Project
 from pdctl.stages import train
-from pdctl.stages.common import STREAM_TARGET, StageEnv, stream_key, target_from_config
+from pdctl.stages.env import StageEnv
+from pdctl.stages.inputs import STREAM_TARGET, stream_key, target_from_config
 
 dump = Path(sys.argv[1])
 out = {}

@@ -32,10 +32,10 @@ from pdctl.project import Project
 from pdctl.report import build as report_build
 from pdctl.report import build_report, eval_summary, report_line
 from pdctl.report import figures as F
-from pdctl.report.load import Decomposition
 from pdctl.science.spd import components as comp_mod
 from pdctl.science.targets import TMS
 from pdctl.stages import init_weights, pretrain, train, warmup
+from pdctl.stages.decomposition import Decomposition
 
 # Building the tiny run (init-weights, pretrain, warmup, train to 10, resumed to 20) takes
 # 20-40 s on a 2-core CPU, once per module; the tests that use it are marked slow.

@@ -45,7 +45,8 @@ from pdctl.engine.checkpoint import Checkpointer, join_items, rematerialize
 from pdctl.engine.sharding import path_str
 from pdctl.project import Project
 from pdctl.stages import train
-from pdctl.stages.common import StageEnv, pretrained_target, target_from_config
+from pdctl.stages.env import StageEnv, pretrained_target
+from pdctl.stages.inputs import target_from_config
 from pdctl.stages.registry import STAGES
 
 EXIT_INTERRUPTED = 3

@@ -18,8 +18,8 @@ from pdctl.engine.precision import Policy
 from pdctl.science.spd import components as C
 from pdctl.stages import pretrain as PT
 from pdctl.stages import train as TR
-from pdctl.stages.common import target_from_config, with_remat
-from pdctl.stages.init_weights import decomposed_sites, source_shape
+from pdctl.stages.decomposition import decomposed_sites, source_shape
+from pdctl.stages.inputs import target_from_config, with_remat
 from pdctl.templates import templates_root
 
 MESH1 = None

@@ -287,7 +287,7 @@ def test_grad_accumulation_with_stacked_units_equals_unrolled(tmp_path):
     per-batch sources included."""
     from pdctl.engine import sharding
     from pdctl.science.spd.components import init_decomposition_reference
-    from pdctl.stages.init_weights import decomposed_sites, source_shape
+    from pdctl.stages.decomposition import decomposed_sites, source_shape
 
     unrolled, _ = _targets(tmp_path, "llama", n_layers=2)
     params = jax.jit(unrolled.init)(jax.random.key(0))

@@ -299,7 +299,7 @@ def test_2_sigterm_while_tokenizing(tmp_path_factory, tmp_path: Path) -> None:
     base = _base(tmp_path_factory, "llama", "llama-mlp", [["init-weights"]])
     run = _copy(base, tmp_path)
     mark = tmp_path / "mark"
-    hook = "import pdctl.stages.common as c; slow(c, 'corpus_tokens')"
+    hook = "import pdctl.stages.env as c; slow(c, 'corpus_tokens')"
     line, _ = _stopped_within(_start(run, hook, "pretrain", mark=mark), mark)
     assert "stopped by SIGTERM while reading and tokenizing the corpus (left unfinished)" in line
     st = state(run, "pretrain")
@@ -735,15 +735,15 @@ def test_7_a_stage_whose_run_lost_a_process_is_resumable(initialized: Path, tmp_
     cause was the stage's own). A fresh start clears it."""
     from pdctl.project import Project
     from pdctl.stages import pipeline
-    from pdctl.stages.common import how_to_finish
+    from pdctl.stages.policy import how_to_finish, resumable
 
     run = _copy(initialized, tmp_path)
     proj = Project.load(run / "pdctl.toml")
     fields = {"fingerprint": proj.fingerprint("pretrain"), "run_id": "r1", "step": 7}
     proj.update_stage("pretrain", status="failed", lost_process=1, **fields)
     proj = Project.load(run / "pdctl.toml")
-    assert pipeline.resumable(proj, "pretrain")
+    assert resumable(proj, "pretrain")
     assert ("pretrain", "resume") in pipeline.plan(proj)
     assert "a process of its run was lost" in how_to_finish(proj, "pretrain")
     proj.update_stage("pretrain", lost_process=None)
-    assert not pipeline.resumable(Project.load(run / "pdctl.toml"), "pretrain")
+    assert not resumable(Project.load(run / "pdctl.toml"), "pretrain")

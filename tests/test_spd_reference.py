@@ -29,7 +29,9 @@ from pdctl.science.spd import masks as M
 from pdctl.science.spd import sources as S
 from pdctl.science.spd.ci import compute_ci
 from pdctl.stages import train, warmup
-from pdctl.stages.common import StageEnv, target_from_config
+from pdctl.stages.decomposition import site_layout
+from pdctl.stages.env import StageEnv
+from pdctl.stages.inputs import target_from_config
 
 
 def f32(a) -> jax.Array:
@@ -247,7 +249,7 @@ def test_tied_warmup_equals_two_torch_parameters_sharing_storage():
     params = jax.jit(target.init)(jax.random.PRNGKey(0))
     comps, _, _ = _decomposition(cfg, target)
     free = {"linear1": comps["linear1"]}
-    paths, ties = warmup.site_layout(cfg, target)
+    paths, ties = site_layout(cfg, target)
     assert ties == {"linear2": "linear1"} and paths == ("linear1", "linear2")
     prog = warmup.program(cfg, env.mesh, target)
     state = prog.make_state(free)

@@ -17,8 +17,8 @@ from helpers import cli, cli_fails, cli_ok, state
 
 from pdctl.project import Project
 from pdctl.stages import pretrain, train
-from pdctl.stages.common import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 from pdctl.stages.init_weights import init_decomposition
+from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
 from pdctl.sweep import hyper, spec
 from pdctl.sweep import stacked as st
 from pdctl.sweep.spec import Sweep

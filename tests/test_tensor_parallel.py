@@ -85,7 +85,7 @@ def test_mesh_shape_with_tp():
 def test_the_target_must_have_a_layout_the_tp_axis_divides(tmp_path: Path):
     from pdctl.science.targets import TMS
     from pdctl.science.targets.hf import HFCausalLM, read_hf_config
-    from pdctl.stages.common import check_tensor_parallel
+    from pdctl.stages.inputs import check_tensor_parallel
 
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "num_key_value_heads": 2}))
     llama = HFCausalLM(spec=read_hf_config(tmp_path, need_weights=False), seq_len=8)
@@ -117,7 +117,7 @@ def _trajectory(raw: dict, data: int, fsdp: int, tp: int, steps: int = 5):
     from helpers import fresh_train_state
 
     from pdctl.config import parse_config
-    from pdctl.stages.common import check_tensor_parallel, target_from_config
+    from pdctl.stages.inputs import check_tensor_parallel, target_from_config
 
     cfg = parse_config(raw)
     mesh = sharding.make_mesh(data, fsdp, jax.devices()[: data * fsdp * tp], tp=tp)

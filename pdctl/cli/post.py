@@ -162,7 +162,7 @@ def export(
     """Write a stage's final arrays (target, V/U per site, CI functions, sources) to an .npz
     file, or to a .safetensors file with V/U under each site's own name and the config
     fingerprints in its metadata."""
-    from pdctl.stages import pipeline
+    from pdctl.stages import export as exporting
 
-    shapes = pipeline.export(project(ctx), stage, out, fmt)
+    shapes = exporting.export(project(ctx), stage, out, fmt)
     console.print(f"wrote {len(shapes)} arrays to {out}")

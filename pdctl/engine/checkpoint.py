@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pdctl.errors import one_line
 from pdctl.files import refuse_links
 
 log = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ class Checkpointer:
             try:
                 return step, restore(step)
             except Exception as e:  # orbax/tensorstore raise many kinds; all mean "unreadable"
-                reason = _one_line(e)
+                reason = one_line(e)
                 errors.append(f"step {step}: {reason}")
                 older = [s for s in steps if s < step]
                 if warn is not None:
@@ -394,12 +395,6 @@ class CheckpointUnreadable(Exception):
         self.directory = directory
         self.errors = errors
         super().__init__(f"{directory}: no checkpoint restores ({'; '.join(errors) or 'none'})")
-
-
-def _one_line(e: BaseException, limit: int = 160) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    text = f"{type(e).__name__}: {text}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def tree_is_finite(tree: Any) -> bool:

@@ -52,7 +52,7 @@ from rich.progress import (
 from pdctl.engine import donation, measure, peers, runtime
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.engine.tracking import Tracker
-from pdctl.errors import EXIT_INTERRUPTED, PdctlError, StageFailed
+from pdctl.errors import EXIT_INTERRUPTED, PdctlError, StageFailed, one_line
 
 
 class Interrupted(PdctlError):
@@ -404,8 +404,10 @@ class Loop:
             # compiles its programs on the first call, and can run long: stays interruptible
             ev = runtime.interruptible(self.eval_fn, state, what=f"evaluating step {step}")
         except Exception as e:
-            self._fail(step, f"evaluation at step {step} failed ({_one_line(e)})", metrics, cause=e)
-        bad = _non_finite(ev)
+            self._fail(
+                step, f"evaluation at step {step} failed ({one_line(e, 200)})", metrics, cause=e
+            )
+        bad = non_finite_keys(ev)
         if bad:
             self._log_eval(step, ev)
             self._fail(
@@ -478,7 +480,7 @@ class Loop:
     def _log(self, step: int, metrics: Any, t_log: float, n: int) -> dict[str, float]:
         host = jax.device_get(metrics)  # the only device->host sync, at the logging cadence
         dt = (time.perf_counter() - t_log) / max(n, 1)
-        rec: dict[str, float] = {k: _to_float(v) for k, v in host.items()}
+        rec: dict[str, float] = {k: to_float(v) for k, v in host.items()}
         rec["step_ms"] = dt * 1e3
         if self.examples_per_step:
             rec["samples_per_s"] = self.examples_per_step / dt
@@ -496,7 +498,7 @@ class Loop:
         return rec
 
     def _log_eval(self, step: int, ev: dict[str, Any]) -> None:
-        flat = _flatten(ev, "eval")
+        flat = flatten_metrics(ev, "eval")
         self.tracker.log(flat, step=step)
 
     def _info(self, m: dict[str, float]) -> str:
@@ -557,12 +559,12 @@ def state_is_finite(state: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def _non_finite(d: Any, prefix: str = "") -> list[str]:
+def non_finite_keys(d: Any, prefix: str = "") -> list[str]:
     """The keys of an evaluation whose numbers are not finite."""
     out: list[str] = []
     if isinstance(d, dict):
         for k, v in d.items():
-            out += _non_finite(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+            out += non_finite_keys(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
         return out
     try:
         arr = np.asarray(d, dtype=np.float64)
@@ -571,12 +573,6 @@ def _non_finite(d: Any, prefix: str = "") -> list[str]:
     if not np.all(np.isfinite(arr)):
         out.append(prefix or "value")
     return out
-
-
-def _one_line(e: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(e).split())
-    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def describe_exception(stage: str, e: BaseException) -> str:
@@ -588,20 +584,20 @@ def describe_exception(stage: str, e: BaseException) -> str:
             f"out of memory ({first}); lower {stage}.batch_size, raise "
             f"{stage}.grad_accum_steps, or shard over more devices ([mesh])"
         )
-    return f"{_one_line(e)} (PDCTL_TRACEBACK=1 shows where)"
+    return f"{one_line(e, 200)} (PDCTL_TRACEBACK=1 shows where)"
 
 
-def _to_float(v: Any) -> float:
+def to_float(v: Any) -> float:
     arr = np.asarray(v)
     return float(arr) if arr.size == 1 else float(arr.mean())
 
 
-def _flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+def flatten_metrics(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}/{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key))
+            out.update(flatten_metrics(v, key))
         else:
             out[key] = v
     return out

@@ -3,7 +3,7 @@
 Each stage module builds its `StepProgram` from (config, mesh, target) alone, no files and no
 devices touched: the pure step, the function that makes a fresh state, the abstract state and
 its shardings, the frozen (non-donated) leading arguments, the batch, the precision policy. The
-stage run (`stages.common.run_stage`), `inspect-sharding --compile`, the benchmarks and the tests
+stage run (`stages.runner.run_stage`), `inspect-sharding --compile`, the benchmarks and the tests
 then all jit it here, in one place, so they compile exactly the same program: the same
 in/out shardings, the same donation, the same remat, precision and accumulation settings.
 

@@ -42,8 +42,8 @@ FILES_CSP = "sandbox"
 
 def _decoder(project: Project) -> Callable[[list[int]], str]:
     try:
-        from pdctl.report.load import token_decoder
-        from pdctl.stages.common import target_from_config
+        from pdctl.stages.decomposition import token_decoder
+        from pdctl.stages.inputs import target_from_config
 
         target = target_from_config(project.config, project.root, need_weights=False)
         return token_decoder(project, target)[0]

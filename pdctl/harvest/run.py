@@ -2,9 +2,9 @@
 every batch's CI counted by `accumulate.Harvest`, the result written to
 `<run>/harvest/harvest.db` (`db`).
 
-What it reads: the decomposition of the stage's latest checkpoint (`report.load`: V / U and
-the CI functions, never the optimizer state) and the target's weights. LMs: `--tokens` tokens
-of the eval split (default: all of it) in corpus order, as consecutive windows of
+What it reads: the decomposition of the stage's latest checkpoint (`stages.decomposition`:
+V / U and the CI functions, never the optimizer state) and the target's weights. LMs:
+`--tokens` tokens of the eval split (default: all of it) in corpus order, as consecutive windows of
 `data.seq_len`; toys: `--tokens` inputs drawn as the train stage draws them, and the CI of each
 one-hot feature. The CI program is the evaluation's (`evaluate.compute_ci_jit`) over this
 process's devices, the batch split across them; each batch's CI goes straight into the
@@ -272,15 +272,16 @@ def _harvest(
     on_batch: Callable[[int, int], None] | None = None,
 ) -> Result:
     from pdctl.engine import runtime, sharding
-    from pdctl.report import load
     from pdctl.science.spd import evaluate
-    from pdctl.stages.common import STREAM_TRAIN, StageEnv, corpus_tokens, stream_key
+    from pdctl.stages import decomposition
+    from pdctl.stages.env import StageEnv, corpus_tokens
+    from pdctl.stages.inputs import STREAM_TRAIN, stream_key
 
     check_options(stage=stage, n_tokens=n_tokens, batch_size=batch_size, split=split,
                   top_k=top_k, effects=effects, cooc_max=cooc_max)  # fmt: skip
     try:
         dec = runtime.interruptible(
-            load.load_decomposition, project, stage, what="restoring the decomposition"
+            decomposition.load_decomposition, project, stage, what="restoring the decomposition"
         )
     except LookupError as e:
         raise PdctlError(f"harvest: {e}") from None

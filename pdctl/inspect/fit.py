@@ -79,7 +79,7 @@ def eval_programs(p: Any) -> dict[str, Any]:
         return {}
     from pdctl.science.spd import evaluate
     from pdctl.stages import train
-    from pdctl.stages.common import STREAM_TRAIN, scan_layers, stream_key, with_scan
+    from pdctl.stages.inputs import STREAM_TRAIN, scan_layers, stream_key, with_scan
 
     cfg, prog = p.cfg, p.program
     target = with_scan(p.target, scan_layers(cfg, p.target))  # as the train stage evaluates

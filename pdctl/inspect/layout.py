@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from pdctl.config import Config, MeshConfig
 from pdctl.engine import sharding
 from pdctl.errors import PdctlError
-from pdctl.stages.common import (
+from pdctl.stages.inputs import (
     abstract_target,
     check_tensor_parallel,
     decomp_layout,
@@ -141,14 +141,15 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     """The abstract arguments of `stage`'s step (or, for init_weights, what it creates), from
     the stage's own `program` (the one the stage compiles); `root` is the run directory (an
     imported model's relative path starts there)."""
-    from pdctl.stages import init_weights, pretrain, train, warmup
+    from pdctl.stages import pretrain, train, warmup
+    from pdctl.stages.decomposition import abstract_decomposition
 
     target = target_from_config(cfg, root, need_weights=False)  # shapes only: no weights read
     check_tensor_parallel(target, mesh)
     decomp = decomp_layout(cfg, mesh, target)
     if stage == "init_weights":
         abstract_params = abstract_target(cfg, target)
-        dec = init_weights.init_decomposition_abstract(cfg, target)
+        dec = abstract_decomposition(cfg, target)
         return Plan(
             stage,
             cfg,
@@ -190,7 +191,7 @@ def layer_notes(cfg: Config, stage: str, target: Any) -> list[str]:
         return []
     from pdctl.config import AUTO_SCAN_LAYERS, match_sites
     from pdctl.science.spd.losses import prefix_layer
-    from pdctl.stages.common import scan_layers
+    from pdctl.stages.inputs import scan_layers
 
     sites = list(match_sites(cfg, target.site_paths()))
     notes = []

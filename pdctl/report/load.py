@@ -16,13 +16,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from pdctl.config import match_sites
 from pdctl.errors import PdctlError
 from pdctl.project import Project
-from pdctl.science.spd import components as comp_mod
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import l0_per_site
-from pdctl.stages.common import STREAM_TRAIN, stream_key, target_from_config
+from pdctl.stages.decomposition import Decomposition
+from pdctl.stages.inputs import STREAM_TRAIN, stream_key
 from pdctl.stages.registry import command
 
 HIST_BINS = 50
@@ -55,87 +54,6 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
 # ---- arrays ----------------------------------------------------------------------------------
 
 
-@dataclass
-class Decomposition:
-    """A decomposition on the host: the target and its trained parameters, every site's
-    components (tied sites expanded) and the CI functions, from checkpoint `step` of `stage`."""
-
-    target: Any
-    params: Any
-    components: dict[str, dict[str, np.ndarray]]
-    ci_fns: dict[str, Any]
-    stage: str
-    step: int
-    site_C: dict[str, int] = field(default_factory=dict)
-
-
-def _host(tree: Any) -> Any:
-    return jax.tree.map(np.asarray, tree)
-
-
-def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, Any], int]:
-    """Items of `stage`'s latest complete checkpoint, as host arrays.
-
-    Read-only on purpose: no CheckpointManager, whose opening cleans up temporary directories
-    (an in-flight save of a stage running right now) and creates missing ones."""
-    import orbax.checkpoint as ocp
-
-    from pdctl.engine.checkpoint import read_host
-    from pdctl.science.spd.stacked import per_site_tree
-
-    directory = project.checkpoint_dir(stage)
-    found = ocp.step.standard_name_format().find_all(directory) if directory.is_dir() else []
-    steps = sorted(found, key=lambda m: m.step)
-    if not steps:
-        raise LookupError(f"{stage} has no checkpoint (run `pdctl {command(stage)}`)")
-    latest = steps[-1]
-    try:
-        step = int(latest.step)
-        # a train state's stacked sites come out per site (`science.spd.stacked`)
-        return {n: per_site_tree(read_host(directory, step, n)) for n in names}, step
-    except Exception as e:  # orbax raises many kinds; the report lists it and goes on
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise LookupError(f"{stage} checkpoint {latest.step} is unreadable ({reason})") from None
-
-
-def target_params(project: Project, target: Any) -> Any:
-    """The decomposed target's parameters: pretrain's latest checkpoint, or for an imported
-    Hugging Face model its safetensors (onto the first device)."""
-    pre = project.stage("pretrain")
-    if pre.get("status") == "imported":
-        from pdctl.science.targets import imported
-
-        abstract = jax.eval_shape(target.init, jax.random.PRNGKey(0))
-        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        imported.verify(target, pre)
-        return _host(imported.load(target, jax.tree.map(lambda _: one, abstract)))
-    items, _ = _restore(project, "pretrain", ["params"])
-    return items["params"]
-
-
-def load_decomposition(project: Project, stage: str) -> Decomposition:
-    """The decomposition as `stage` (warmup or train) left it in its latest checkpoint; the
-    warmup stage's CI functions are init-weights' (warmup does not train them). Raises
-    LookupError with a one-line reason when something is not there."""
-    cfg = project.config
-    target = target_from_config(cfg, project.root)
-    site_C = match_sites(cfg, target.site_paths())
-    paths = tuple(p for p in target.site_paths() if p in site_C)
-    params = target_params(project, target)
-    if stage == "train":
-        items, step = _restore(project, "train", ["trainable"])
-        free, ci_fns = items["trainable"]["components"], items["trainable"]["ci_fns"]
-    elif stage == "warmup":
-        items, step = _restore(project, "warmup", ["components"])
-        free = items["components"]
-        ci_fns = _restore(project, "init_weights", ["ci_fns"])[0]["ci_fns"]
-    else:
-        raise ValueError(f"no decomposition in stage {stage!r}")
-    ties = comp_mod.component_ties(target.tied_sites(), site_C)
-    comps = comp_mod.expand_tied(free, ties, paths)
-    return Decomposition(target, params, comps, ci_fns, stage, step, dict(site_C))
-
-
 # ---- the evaluation batch --------------------------------------------------------------------
 
 
@@ -150,7 +68,7 @@ def eval_inputs(project: Project, target: Any) -> tuple[np.ndarray, np.ndarray |
         batch = jax.jit(lambda k: target.make_batch(k, n))(key)
         return np.asarray(target.inputs(batch)), None
     from pdctl.engine import sharding
-    from pdctl.stages.common import StageEnv, text_batches
+    from pdctl.stages.env import StageEnv, text_batches
 
     mesh = sharding.make_mesh(1, 1, jax.local_devices()[:1])
     env = StageEnv(project, "train", mesh, target)  # a view only: no lock, nothing written
@@ -268,26 +186,6 @@ def ci_stats(
 
 
 # ---- LM contexts -----------------------------------------------------------------------------
-
-
-def token_decoder(project: Project, target: Any) -> tuple[Callable[[list[int]], str], str]:
-    """(decode(token ids) -> text, how). Byte-level targets decode bytes; an imported Hugging
-    Face model uses its tokenizer.json; anything else shows the ids."""
-    if getattr(target, "vocab_size", None) == 256 and target.kind == "llama_mlp":
-        return (lambda ids: bytes(int(t) for t in ids).decode("utf-8", errors="replace")), "bytes"
-    if target.kind == "hf":
-        try:
-            from pdctl.science import data
-            from pdctl.science.targets import imported
-
-            file = imported.tokenizer_path(target)
-            tok = data.corpus_tokenizer(file).tokenizer
-            return (lambda ids: tok.decode([int(t) for t in ids], skip_special_tokens=False)), (
-                "the GGUF's tokenizer" if imported.is_gguf(target) else "tokenizer.json"
-            )
-        except Exception:  # a tokenizer that cannot be read: fall back to ids, say so
-            pass
-    return (lambda ids: "".join(f"⟨{int(t)}⟩" for t in ids)), "token ids (no decoder)"
 
 
 def top_contexts(

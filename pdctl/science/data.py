@@ -19,6 +19,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from pdctl.errors import first_line
 from pdctl.files import atomic_output
 
 log = logging.getLogger(__name__)
@@ -153,11 +154,6 @@ _SPLIT_SEED = 20_240_611  # the held-out documents' draw: fixed, so every run sp
 SPLITS = ("train", "eval")
 
 
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:200] if lines else type(error).__name__
-
-
 def corpus_files(path: str | Path, plain: bool = False) -> list[Path]:
     """The corpus files at `path`: the file itself (a .txt, .jsonl or .parquet), or every such
     file under the directory, at any depth, in path order. With `plain` (a document separator
@@ -222,7 +218,7 @@ def _jsonl_documents(file: Path, field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                raise ValueError(f"{where}: not valid JSON ({_one_line(e)})") from None
+                raise ValueError(f"{where}: not valid JSON ({first_line(e)})") from None
             if not isinstance(record, dict):
                 kind = _json_kind(record)
                 raise ValueError(f"{where}: expected an object with field {field!r}, got {kind}")
@@ -259,7 +255,7 @@ def _parquet_documents(file: Path, field: str) -> Iterator[str]:
                 yield text
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{file}: cannot read parquet ({_one_line(e)})") from None
+        raise ValueError(f"{file}: cannot read parquet ({first_line(e)})") from None
 
 
 def _documents(files: list[Path], field: str, separator: str = "") -> Iterator[str]:
@@ -299,7 +295,7 @@ def _load_tokenizer(file: Path):
         try:
             tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises a bare Exception
-            raise ValueError(f"{file}: not a readable tokenizer.json ({_one_line(e)})") from None
+            raise ValueError(f"{file}: not a readable tokenizer.json ({first_line(e)})") from None
     # A tokenizer.json saved with truncation or padding on would cut or pad every document;
     # transformers switches both off for a plain `tokenizer(text)` call, and so do we.
     tokenizer.no_truncation()
@@ -351,7 +347,7 @@ def _read_json(file: Path) -> dict[str, Any]:
     try:
         value = json.loads(file.read_bytes())
     except ValueError as e:
-        raise ValueError(f"{file}: not valid JSON ({_one_line(e)})") from None
+        raise ValueError(f"{file}: not valid JSON ({first_line(e)})") from None
     return value if isinstance(value, dict) else {}
 
 
@@ -502,7 +498,7 @@ def _read_cache(file: Path, vocab_size: int, eos_id: int) -> np.ndarray | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        log.warning("ignoring unreadable token cache %s (%s)", file, _one_line(e))
+        log.warning("ignoring unreadable token cache %s (%s)", file, first_line(e))
         return None
     if tokens.dtype != np.int32 or tokens.ndim != 1 or tokens.size == 0:
         log.warning("ignoring token cache %s: %s %s", file, tokens.dtype, tokens.shape)

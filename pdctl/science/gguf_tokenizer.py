@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from pdctl.errors import first_line
+
 if TYPE_CHECKING:
     import gguf
 
@@ -420,12 +422,7 @@ def _scan_fields(path: Path) -> dict[str, tuple[int, Any]]:
     except (OSError, ValueError) as e:
         if isinstance(e, ValueError) and str(e).startswith(f"{path}: "):
             raise
-        raise ValueError(f"{path}: not a readable GGUF file ({_one_line(e)})") from None
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:200] if lines else type(error).__name__
+        raise ValueError(f"{path}: not a readable GGUF file ({first_line(e)})") from None
 
 
 class _GGUFScan:
@@ -539,7 +536,7 @@ def _reader_fields(reader, path: Path) -> dict[str, tuple[int, Any]]:
         try:
             value = field.contents()
         except Exception as e:
-            raise ValueError(f"{path}: {key} is unreadable ({_one_line(e)})") from None
+            raise ValueError(f"{path}: {key} is unreadable ({first_line(e)})") from None
         if types[0] == _ARRAY:
             fields[key] = ((_ARRAY, types[1] if len(types) > 1 else _STRING), list(value))
         else:

@@ -54,7 +54,7 @@ def parent_checkpoint(root: Path, init_from: str, at_step: int | None = None) ->
     train is done, or `at_step` (`train.init_from_step`); a one-line error naming the key
     otherwise."""
     from pdctl.project import Project
-    from pdctl.stages.common import resolve
+    from pdctl.stages.inputs import resolve
 
     run = resolve(root, init_from)
     toml = run / "pdctl.toml"
@@ -135,10 +135,10 @@ def check_parent(root: Path, cfg: Any, abstract: Any) -> Parent:
         )
         shapes = per_site_tree(shapes)
     except Exception as e:  # orbax raises many kinds; all mean "unreadable"
-        from pdctl.stages.common import _one_line
+        from pdctl.errors import one_line
 
         raise PdctlError(
-            f"train.init_from: {parent.where} does not restore ({_one_line(e)})"
+            f"train.init_from: {parent.where} does not restore ({one_line(e)})"
         ) from None
     check_structure(shapes, abstract, parent.where)
     return parent
@@ -152,9 +152,9 @@ def parent_decomposition(root: Path, cfg: Any, abstract: Any, shardings: Any):
     try:
         host = per_site_tree(read_host(parent.directory, parent.step, ITEM))  # stacked split
     except Exception as e:  # orbax/tensorstore raise many kinds; all mean "unreadable"
-        from pdctl.stages.common import _one_line
+        from pdctl.errors import one_line
 
-        raise PdctlError(f"train.init_from: {where} does not restore ({_one_line(e)})") from None
+        raise PdctlError(f"train.init_from: {where} does not restore ({one_line(e)})") from None
     check_structure(host, abstract, where)
     bad = [
         sharding.path_str(p)

@@ -15,72 +15,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from pdctl.config import Config, match_sites, ppgd_source_layout
+from pdctl.config import Config
 from pdctl.engine import sharding
 from pdctl.engine.init import grouped_init
-from pdctl.errors import PdctlError
+from pdctl.errors import notify
 from pdctl.project import Project
 from pdctl.science.spd import components as comps
 from pdctl.science.targets import Target
-from pdctl.stages.common import (
-    STREAM_DECOMP,
-    STREAM_TARGET,
-    StageEnv,
-    decomp_layout,
-    notify,
-    pretrained_target,
-    stream_key,
-)
-
-
-def source_shape(cfg: Config, C: int) -> tuple[int, ...]:
-    """One site's persistent PPGD source: leading axes by scope, then C (+1 delta)."""
-    n = C + 1 if cfg.decomp.delta_component else C
-    return (*ppgd_source_layout(cfg)["leading"], n)
-
-
-def decomposed_sites(cfg: Config, target: Target) -> dict[str, tuple[int, int, int]]:
-    """{path: (d_in, d_out, C)} of the configured sites, in the target's forward order.
-
-    Sites whose matrices the target ties (TMS linear2 = linear1.T) get tied components, so both
-    need the same C."""
-    shapes = target.site_shapes()
-    sites = {p: (*shapes[p], C) for p, C in match_sites(cfg, target.site_paths()).items()}
-    if cfg.decomp.init == "nonlinearity_aligned":
-        aligned_sites(cfg, target, sites)
-    for tied, src in comps.component_ties(target.tied_sites(), sites).items():
-        if sites[tied][2] != sites[src][2]:
-            raise PdctlError(
-                f"decomp.sites: {tied} is {src} transposed in this {target.kind} target, so "
-                f"their components are tied and need the same C (got {sites[tied][2]} and "
-                f"{sites[src][2]})"
-            )
-    return sites
-
-
-def aligned_sites(
-    cfg: Config, target: Target, sites: dict[str, tuple[int, int, int]]
-) -> dict[str, str]:
-    """{site: side of W its MLP neurons index} of the decomposed sites that `decomp.init =
-    "nonlinearity_aligned"` aligns (the MLP projections; other sites keep the random init).
-    A config with none of them, or with more components than a site has entries, is an error."""
-    sides = target.mlp_neuron_sides()
-    out = {p: sides[p] for p in sites if p in sides}
-    if not out:
-        mlp = ", ".join(list(sides)[:4]) or "none"
-        raise PdctlError(
-            "decomp.init: 'nonlinearity_aligned' aligns components with MLP neurons, but no "
-            f"decomposed site of this {target.kind} target is an MLP projection (its MLP "
-            f"sites: {mlp})"
-        )
-    for p in out:
-        d_in, d_out, C = sites[p]
-        if d_in * d_out < C:
-            raise PdctlError(
-                f"decomp.sites: {p} has C = {C}, more components than its {d_in} x {d_out} "
-                "matrix has entries; nonlinearity_aligned init gives every component some"
-            )
-    return out
+from pdctl.stages.decomposition import aligned_sites, decomposed_sites, source_shape
+from pdctl.stages.env import StageEnv, pretrained_target
+from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, decomp_layout, stream_key
 
 
 def nonlinearity_aligned(env: Any, components: dict[str, Any]) -> dict[str, Any]:
@@ -255,30 +199,3 @@ def imported_checkpoint(target: Target, cfg: Config) -> dict[str, Any] | None:
     from pdctl.science.targets import imported
 
     return imported.check(target, cfg.data.eos_id)
-
-
-def init_decomposition_abstract(cfg: Config, target: Target) -> dict[str, Any]:
-    """Shapes and dtypes of what `init_decomposition` returns, without computing anything."""
-    sites = decomposed_sites(cfg, target)
-    dtype = jax.numpy.dtype(cfg.precision.param_dtype)
-    hidden = cfg.decomp.ci_fn.arch()
-    key = jax.random.PRNGKey(0)
-
-    ties = comps.component_ties(target.tied_sites(), sites)
-
-    def build(key):
-        return {
-            "components": {
-                p: _components(key, *s, dtype=dtype) for p, s in sites.items() if p not in ties
-            },
-            "ci_fns": {
-                p: comps.init_ci_fn(key, cfg.decomp.ci_fn.type, s[0], s[2], hidden)
-                for p, s in sites.items()
-            },
-            "sources": {
-                p: comps.init_source(key, source_shape(cfg, s[2]), cfg.train.ppgd.sigmoid)
-                for p, s in sites.items()
-            },
-        }
-
-    return jax.eval_shape(build, key)

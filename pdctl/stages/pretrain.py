@@ -19,16 +19,15 @@ from pdctl.engine.program import StepProgram
 from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.targets import Target
-from pdctl.stages.common import (
+from pdctl.stages.env import StageEnv
+from pdctl.stages.inputs import (
     STREAM_PRETRAIN,
-    StageEnv,
-    StageSpec,
     abstract_target,
-    run_stage,
     stream_key,
     text_batch_spec,
     with_remat,
 )
+from pdctl.stages.runner import StageSpec, run_stage
 
 
 def make_step(

@@ -20,6 +20,7 @@ from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw, schedule
 from pdctl.engine.precision import Policy
 from pdctl.engine.program import StepProgram
+from pdctl.errors import notify
 from pdctl.science.arrays import is_traced
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.components import component_ties
@@ -36,23 +37,19 @@ from pdctl.science.spd.losses import (
 )
 from pdctl.science.spd.stacked import Stacking, is_stacked, members, per_site
 from pdctl.science.targets import Target
-from pdctl.stages.common import (
+from pdctl.stages.decomposition import abstract_decomposition
+from pdctl.stages.env import StageEnv, frozen_target, text_batches
+from pdctl.stages.inputs import (
     STREAM_TRAIN,
-    StageEnv,
-    StageSpec,
     abstract_target,
     decomp_layout,
-    frozen_target,
-    notify,
-    run_stage,
     scan_layers,
     stream_key,
     text_batch_spec,
-    text_batches,
     with_remat,
     with_scan,
 )
-from pdctl.stages.warmup import abstract_decomposition
+from pdctl.stages.runner import StageSpec, run_stage
 
 
 def optimizer(cfg, steps: int) -> optax.GradientTransformation:

@@ -18,19 +18,13 @@ from pdctl.engine.loop import all_finite, guard_update, loop_counters
 from pdctl.engine.optim import adamw
 from pdctl.engine.precision import Policy
 from pdctl.engine.program import StepProgram
-from pdctl.science.spd.components import component_ties, expand_tied, fold_tied
+from pdctl.science.spd.components import expand_tied, fold_tied
 from pdctl.science.spd.losses import faithfulness_loss
 from pdctl.science.targets import Target
-from pdctl.stages.common import (
-    STREAM_WARMUP,
-    StageEnv,
-    StageSpec,
-    abstract_target,
-    decomp_layout,
-    frozen_target,
-    run_stage,
-    stream_key,
-)
+from pdctl.stages.decomposition import abstract_decomposition, site_layout
+from pdctl.stages.env import StageEnv, frozen_target
+from pdctl.stages.inputs import STREAM_WARMUP, abstract_target, decomp_layout, stream_key
+from pdctl.stages.runner import StageSpec, run_stage
 
 
 def optimizer(cfg: Config, steps: int) -> optax.GradientTransformation:
@@ -107,22 +101,6 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
         frozen_shardings=(shardings(abstract_params),),
         lr_fn=lambda s: {"lr": cfg.warmup.lr},
     )
-
-
-def site_layout(cfg: Config, target: Target) -> tuple[tuple[str, ...], dict[str, str]]:
-    """(decomposed site paths in forward order, {tied site: source site})."""
-    from pdctl.stages.init_weights import decomposed_sites
-
-    sites = decomposed_sites(cfg, target)
-    paths = tuple(p for p in target.site_paths() if p in sites)
-    return paths, component_ties(target.tied_sites(), sites)
-
-
-def abstract_decomposition(cfg: Config, target: Target) -> dict[str, Any]:
-    """Abstract {"components", "ci_fns", "sources"} as init-weights creates them."""
-    from pdctl.stages.init_weights import init_decomposition_abstract
-
-    return init_decomposition_abstract(cfg, target)
 
 
 def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:

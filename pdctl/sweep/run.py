@@ -30,19 +30,14 @@ import numpy as np
 
 from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
-from pdctl.engine.loop import Loop, LoopResult, _flatten, _non_finite, _one_line, _to_float
+from pdctl.engine.loop import Loop, LoopResult, flatten_metrics, non_finite_keys, to_float
 from pdctl.engine.tracking import NoopTracker, Tracker
-from pdctl.errors import PdctlError, StageFailed
+from pdctl.errors import PdctlError, StageFailed, notify, one_line
 from pdctl.project import Project
 from pdctl.stages import pipeline, registry
-from pdctl.stages.common import (
-    StageEnv,
-    guarded,
-    notify,
-    peak_flops,
-    resume_point,
-    target_from_config,
-)
+from pdctl.stages.env import StageEnv
+from pdctl.stages.inputs import peak_flops, target_from_config
+from pdctl.stages.policy import guarded, resume_point
 from pdctl.stages.registry import STAGES
 from pdctl.sweep import hyper
 from pdctl.sweep import stacked as st
@@ -348,7 +343,7 @@ class SweepLoop(Loop):
                 rec.update(self.members[i].lr_fn(step))
             self.members[i].metrics = rec
             self.members[i].tracker.log(rec, step=step)
-        mean = {k: _to_float(v) for k, v in host.items()}
+        mean = {k: to_float(v) for k, v in host.items()}
         return {**mean, **extra}
 
     def _check_bad_steps(self, steps: list[tuple[int, Any]], metrics: dict[str, float]) -> None:
@@ -394,10 +389,10 @@ class SweepLoop(Loop):
             except runtime.StopNow:
                 raise
             except Exception as e:
-                self._fail_member(i, step, f"evaluation at step {step} failed ({_one_line(e)})")
+                self._fail_member(i, step, f"evaluation at step {step} failed ({one_line(e, 200)})")
                 continue
-            r.tracker.log(_flatten(ev, "eval"), step=step)
-            bad = _non_finite(ev)
+            r.tracker.log(flatten_metrics(ev, "eval"), step=step)
+            bad = non_finite_keys(ev)
             if bad:
                 self._fail_member(
                     i,

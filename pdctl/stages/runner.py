@@ -1,0 +1,168 @@
+"""The one way a training stage runs: `run_stage(project, spec)` opens the run (`StageEnv`),
+finds where to start (`policy.resume_point`), builds the stage's program, makes or restores its
+state, feeds it batches and hands it to `engine.loop.Loop`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdctl.engine import runtime
+from pdctl.engine.loop import Loop
+from pdctl.project import Project
+from pdctl.stages.env import StageEnv, batches_state, text_batches
+from pdctl.stages.inputs import peak_flops
+from pdctl.stages.policy import resume_point
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a training stage is, besides its program: what a fresh run
+    starts from (the upstream arrays `make_state` takes), its frozen arguments (the trained
+    target, for warmup and train) and, optionally, how it evaluates."""
+
+    name: str  # in the registry, which says what it requires
+    program: Callable[..., Any]  # (cfg, mesh, target, **options) -> StepProgram
+    fresh_inputs: Callable[[StageEnv, Any], tuple[Any, ...]]
+    frozen: Callable[[StageEnv, Any], tuple[Any, ...]] | None = None
+    evaluation: Callable[[StageEnv, tuple[Any, ...], Any], Callable[[Any], dict]] | None = None
+    # (env, step, program) -> (state, meta); default `env.restore_state` into the program's
+    # abstract state (train converts an older checkpoint layout)
+    restore: Callable[[StageEnv, int, Any], tuple[Any, dict[str, Any]]] | None = None
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How this run of a stage goes, from the command line: where it stops, whether it continues
+    or starts over, what it profiles, and config keys it overrides (`--steps`)."""
+
+    until: int | None = None
+    resume: bool = False
+    fresh: bool = False
+    profile: tuple[int, int] | None = None
+    # {"pretrain.steps": 3}: part of the stage's fingerprint and its checkpoints' config
+    overrides: dict[str, Any] = field(default_factory=dict)
+    program_options: dict[str, Any] = field(default_factory=dict)  # spec.program(..., **these)
+
+
+@dataclass
+class _Start:
+    """Where the loop starts: the state, the frozen arguments, the step, and what feeds it."""
+
+    state: Any
+    frozen: tuple[Any, ...]
+    step: int
+    batches: Any = None
+    eval_fn: Callable[[Any], dict] | None = None
+
+
+def run_stage(
+    project: Project,
+    spec: StageSpec,
+    *,
+    until: int | None = None,
+    resume: bool = False,
+    fresh: bool = False,
+    profile: tuple[int, int] | None = None,
+    overrides: dict[str, Any] | None = None,
+    program_options: dict[str, Any] | None = None,
+):
+    """Run any training stage: open the run, find where to start (fresh or a checkpoint), build
+    the stage's program, make or restore its state, feed it batches and hand it to the loop."""
+    opts = RunOptions(until, resume, fresh, profile, overrides or {}, program_options or {})
+    with StageEnv.open(project, spec.name) as env:
+        return _run_stage(env, spec, opts)
+
+
+def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
+    env.overrides.update(opts.overrides)
+    cfg = env.cfg
+    prog = spec.program(cfg, env.mesh, env.target, **opts.program_options)
+    ckpt_step = resume_point(env, resume=opts.resume, fresh=opts.fresh)
+    # Restores, tokenization and the compiles inside them are long calls into C++: each runs
+    # `interruptible`, so a stop request is acted on within seconds (runtime.StopNow).
+    later = runtime.interruptible
+    frozen = later(spec.frozen, env, prog, what="restoring the target") if spec.frozen else ()
+    data_state = None
+    if ckpt_step is None:
+        env.begin(fresh=True, steps=prog.total_steps)
+        state = later(
+            lambda: prog.jit_make_state()(*spec.fresh_inputs(env, prog)),
+            what="restoring the stage's inputs",
+        )
+        step = 0
+    else:
+        env.begin(fresh=False, steps=prog.total_steps)
+        if spec.restore is not None:
+            state, meta = later(
+                spec.restore, env, ckpt_step, prog, what=f"restoring checkpoint {ckpt_step}"
+            )
+        else:
+            state, meta = later(
+                env.restore_state,
+                ckpt_step,
+                prog.abstract_state,
+                prog.state_shardings,
+                what=f"restoring checkpoint {ckpt_step}",
+            )
+        step, data_state = int(meta["step"]), meta.get("data")
+    start = _Start(state, frozen, step)
+    if not prog.makes_own_batch:
+        start.batches = later(
+            text_batches,
+            env,
+            prog.examples_per_step,
+            seed=cfg.run.seed,
+            state=data_state,
+            sharding=prog.batch_shardings["tokens"],
+            what="reading and tokenizing the corpus",
+        )
+    if spec.evaluation:
+        start.eval_fn = later(spec.evaluation, env, frozen, prog, what="preparing the evaluation")
+    result = _loop(env, spec, prog, start, opts)
+    if result.status == "done" and result.eval:
+        env.on_state(eval=result.eval)
+    return result
+
+
+def _loop(env: StageEnv, spec: StageSpec, prog: Any, start: _Start, opts: RunOptions):
+    """Run the engine loop on the stage's program with this stage's checkpointer, state writer
+    and trackers; its cadences and bad-step limit come from the stage's config table."""
+    table = getattr(env.cfg, spec.name)
+    step_fn = prog.jit()
+    tracker = env.tracker(start.step)
+    batches = start.batches
+    examples = prog.examples_per_step
+    is_text = env.target.output_kind == "logits"
+    try:
+        return Loop(
+            stage=env.stage,
+            step_fn=step_fn,
+            state=start.state,
+            frozen=start.frozen,
+            total_steps=prog.total_steps,
+            start_step=start.step,
+            until=opts.until,
+            checkpointer=env.checkpointer(),
+            on_state=env.on_state,
+            tracker=tracker,
+            log_every=table.log_every,
+            checkpoint_every=env.cfg.checkpoint.every,
+            batches=batches,
+            batches_state=batches_state(batches) if batches is not None else None,
+            max_bad_steps=table.max_bad_steps,
+            eval_fn=start.eval_fn,
+            eval_every=getattr(table, "eval_every", 0),
+            examples_per_step=examples,
+            tokens_per_step=examples * env.target.n_tokens_per_example() if is_text else 0,
+            lr_fn=prog.lr_fn,
+            peak_flops=peak_flops(env.cfg),
+            profile=opts.profile,
+            profile_dir=env.project.profiles_dir / env.stage,
+            meta=env.run_meta() if isinstance(env.project, Project) else {},
+        ).run()
+    finally:
+        tracker.finish()
+        if batches is not None:
+            batches.close()
