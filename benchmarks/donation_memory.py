@@ -98,8 +98,8 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import jax
 
+    from pdctl import inspect as insp
     from pdctl.engine import sharding
-    from pdctl.stages import inspect as insp
 
     cfg = config(args.mesh)
     override = insp.parse_mesh(args.mesh) or {"data": 1, "fsdp": -1}

@@ -76,9 +76,9 @@ def child_memory(side: str, layers: int) -> dict:
     import jax
 
     from pdctl.engine import sharding
+    from pdctl.inspect import memory_report
     from pdctl.stages import train
     from pdctl.stages.inputs import target_from_config
-    from pdctl.stages.inspect import memory_report
 
     cfg = smol_config(side, layers)
     mesh = sharding.make_mesh(-1, 1)

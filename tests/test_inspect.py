@@ -353,9 +353,9 @@ def test_fit_check_arithmetic_and_verdict(tmp_path: Path) -> None:
     0 either way). The step's figures equal the plain --compile report's."""
     import jax
 
+    from pdctl import inspect as insp
+    from pdctl.inspect import fit
     from pdctl.project import Project
-    from pdctl.stages import fit
-    from pdctl.stages import inspect as insp
 
     run = tiny_llama(tmp_path, data=2, fsdp=2)
     cfg = Project.load(run / "pdctl.toml").config
@@ -403,7 +403,7 @@ def sharding_mesh(cfg, n: int):
 
 
 def test_fit_check_cli(tmp_path: Path) -> None:
-    from pdctl.stages import fit
+    from pdctl.inspect import fit
 
     assert fit.parse_memory("80GiB") == 80 * 2**30
     assert fit.parse_memory("40 GB") == 40 * 10**9
@@ -500,7 +500,7 @@ def test_tensor_parallel_layout_is_shown_and_a_tp_the_heads_refuse_is_one_line(
 
 
 def test_a_child_that_dies_ends_with_one_error_line():
-    from pdctl.stages.inspect import child_death
+    from pdctl.inspect import child_death
 
     for code in (0, 1, 2, 3):  # done, or pdctl already said why
         assert child_death(64, code, "x") is None

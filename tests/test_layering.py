@@ -39,9 +39,6 @@ KNOWN = {
     ("pdctl.report.build", "pdctl.harvest.run"): (
         "report/build.py takes harvest_line from harvest/run.py (issue 38: move it below both)"
     ),
-    ("pdctl.stages.fit", "pdctl.stages.inspect"): (
-        "stages/inspect.py and stages/fit.py import each other (issue 38: pdctl/inspect/ package)"
-    ),
 }
 
 

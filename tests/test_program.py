@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import TINY, merge
 
+from pdctl import inspect as insp
 from pdctl.config import parse_config
 from pdctl.engine import sharding
-from pdctl.stages import inspect as insp
 from pdctl.stages import pretrain, train
 from pdctl.stages.init_weights import init_decomposition
 from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config

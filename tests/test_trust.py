@@ -28,6 +28,7 @@ import pytest
 from helpers import cli_fails, cli_ok, edit_config, make_run, pdctl_env
 
 import pdctl
+from pdctl import inspect as insp
 from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, CheckpointMismatch, CheckpointUnreadable
 from pdctl.engine.loop import loop_counters
@@ -35,7 +36,6 @@ from pdctl.engine.tracking import JsonlTracker
 from pdctl.errors import PdctlError
 from pdctl.files import UnsafePath, atomic_write
 from pdctl.project import LOCK_FILE, Project
-from pdctl.stages import inspect as insp
 
 PDCTL_ROOT = Path(pdctl.__file__).resolve().parent.parent  # the pdctl under test
 

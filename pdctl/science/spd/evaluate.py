@@ -36,7 +36,7 @@ Array = jax.Array
 TOY_INPUT_MAGNITUDE = 0.75
 
 
-def _paths(target: Any, components: Mapping[str, Any]) -> tuple[str, ...]:
+def unit_order(target: Any, components: Mapping[str, Any]) -> tuple[str, ...]:
     """The keys of `components` (site paths, or stacked units: a scanned train state's groups)
     in the target's order of their (first) sites."""
     rank = {p: i for i, p in enumerate(target.site_paths())}
@@ -55,7 +55,10 @@ EVAL_KEY = 20250701
 
 
 @lru_cache(maxsize=32)
-def _ci_fn(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sampling: str):
+def ci_program(target: Any, paths: tuple[str, ...], kind: str, sigmoid: str, sampling: str):
+    """The jitted CI evaluation of the units `paths` (as `unit_order` gives them), cached:
+    `compute_ci_jit` runs it, the fit check (`pdctl.inspect.fit`) lowers it."""
+
     def run(target_params, components, ci_fns, x):
         # (no masked forward follows: nothing to keep for one)
         site_inputs = clean_forward(target, target_params, x, paths, prefix=False).site_inputs
@@ -75,7 +78,7 @@ def compute_ci_jit(
     """(ci_lower, ci_upper) for the sites in `components` (all sites, tied ones expanded; or
     stacked units, whose CI comes back stacked), under a cached jit."""
     d = cfg.decomp
-    fn = _ci_fn(target, _paths(target, components), d.ci_fn.type, d.sigmoid, d.sampling)
+    fn = ci_program(target, unit_order(target, components), d.ci_fn.type, d.sigmoid, d.sampling)
     return fn(target_params, components, ci_fns, x)
 
 
@@ -320,7 +323,7 @@ def fresh_pgd_sources(
 
 
 @lru_cache(maxsize=8)
-def _lm_eval_fn(
+def lm_eval_program(
     target: Any,
     paths: tuple[str, ...],
     kind: str,
@@ -330,6 +333,9 @@ def _lm_eval_fn(
     rounding: float,
     pgd: FreshPgd | None = None,
 ):
+    """The jitted masked-forwards evaluation of an LM (`lm_eval` runs it, the fit check lowers
+    it), cached per target and options."""
+
     def ce(logits: Array, labels: Array) -> Array:
         return jnp.mean(
             optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
@@ -413,9 +419,9 @@ def lm_eval(
     x = target.inputs(batch)
     labels = batch["tokens"][:, 1:]
     d = cfg.decomp
-    fn = _lm_eval_fn(
+    fn = lm_eval_program(
         target,
-        _paths(target, components),
+        unit_order(target, components),
         d.ci_fn.type,
         d.sigmoid,
         d.sampling,

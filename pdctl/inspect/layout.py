@@ -1,21 +1,15 @@
-"""`pdctl inspect-sharding`: how a stage's arrays are laid out on the mesh, without allocating.
+"""How a stage's arrays are laid out on the mesh, without allocating: `plan` (the stage's step
+arguments, abstract), `array_rows` / `group_rows` (one row per array: shape, PartitionSpec, bytes
+per device, the sharding rule that gave it), `totals`, and `compile_step`.
 
-Everything here is abstract: `jax.eval_shape` through the stages' own `build` functions gives the
-shapes, `sharding.tree_specs` gives the PartitionSpecs the stage will use, and bytes per device
-are shape x itemsize / shards. Nothing takes the run lock or reads checkpoints, so it works on a
-fresh run directory and next to a running stage. `--compile` lowers and compiles the stage's
-donating step from `jax.ShapeDtypeStruct`s carrying their shardings and reports XLA's
-`memory_analysis()`; `--devices N` previews another device count in a child process with N
-simulated CPU devices.
+Everything here is abstract: `jax.eval_shape` through the stages' own `program` functions gives
+the shapes, `sharding.tree_specs` the PartitionSpecs the stage will use, and bytes per device are
+shape x itemsize / shards.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from pydantic import ValidationError
 
 from pdctl.config import Config, MeshConfig
-from pdctl.engine import donation, sharding
+from pdctl.engine import sharding
 from pdctl.errors import PdctlError
 from pdctl.stages.inputs import (
     abstract_target,
@@ -49,7 +43,6 @@ KIND_LABEL = {
     "batch": "batch",
     "other": "other",
 }
-CHILD_ENV = "PDCTL_INSPECT_CHILD"
 N_LARGEST = 5
 
 
@@ -442,288 +435,3 @@ def compile_step(p: Plan, donate: bool = True) -> tuple[Any, float]:
     t0 = time.perf_counter()
     compiled = p.program.lower(donate).compile()
     return compiled, time.perf_counter() - t0
-
-
-def memory_report(compiled: Any, donated_bytes: int) -> dict[str, Any]:
-    """XLA's per-device sizes, the estimated peak and how much of the donated state aliases."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return {"available": False}
-    arg, out = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
-    alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
-    frac = alias / donated_bytes if donated_bytes else 1.0
-    rep = {
-        "available": True,
-        "argument_bytes": arg,
-        "output_bytes": out,
-        "alias_bytes": alias,
-        "temp_bytes": temp,
-        "generated_code_bytes": int(m.generated_code_size_in_bytes),
-        "peak_bytes_estimate": arg + out + temp - alias,
-        "donated_bytes": donated_bytes,
-        "alias_fraction": frac,
-        "donation_ok": frac >= donation.THRESHOLD,
-    }
-    xla_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
-    if xla_peak:
-        rep["xla_peak_bytes"] = xla_peak
-    return rep
-
-
-# ---- the whole report ----------------------------------------------------------------------------
-def inspect(
-    cfg: Config,
-    stage: str = "train",
-    mesh_override: dict[str, int] | None = None,
-    compile: bool = False,
-    expand: bool = False,
-    devices: list[Any] | None = None,
-    root: Path | None = None,
-    budget: tuple[int, str] | None = None,
-) -> dict[str, Any]:
-    """The `inspect-sharding` report as a JSON-ready dict: rows, totals and (with `compile`)
-    the compiled step's memory; with a device `budget` (bytes, as given) also the fit check
-    (`stages.fit`: the step and the evaluation's programs against it)."""
-    compile = compile or budget is not None
-    stage = parse_stage(stage)
-    devices = list(jax.devices() if devices is None else devices)
-    mc = mesh_config(cfg, mesh_override)
-    check_mesh_fits(mc, len(devices), from_flag=bool(mesh_override))
-    cfg = cfg.model_copy(update={"mesh": mc})
-    mesh = sharding.mesh_from_config(mc, devices)
-    p = plan(cfg, stage, mesh, root)
-    rows = array_rows(p)
-    report: dict[str, Any] = {
-        "stage": stage,
-        "devices": len(devices),
-        "platform": devices[0].platform,
-        "mesh": sharding.describe_mesh(mesh),
-        "fsdp_min_param_size": mc.fsdp_min_param_size,
-        # the axes V / U shard over by their component axis ([mesh] decomposition)
-        "decomposition": list(p.decomp.axes) if p.decomp else ["fsdp"],
-        "rows": rows if expand else group_rows(rows),
-        "grouped": not expand,
-        "totals": totals(rows, p),
-        "notes": list(p.notes),
-    }
-    if compile:
-        if p.program is None:
-            report["notes"].append("--compile: init_weights has no step to compile")
-            report["memory"] = None
-        else:
-            compiled, secs = compile_step(p)
-            report["memory"] = memory_report(compiled, report["totals"]["donated_per_device"])
-            report["memory"]["compile_s"] = round(secs, 3)
-            if budget is not None:
-                from pdctl.stages import fit
-
-                programs = fit.compile_all(p, compiled, secs)
-                report["fit"] = fit.check(p, programs, budget, rows)
-    return report
-
-
-# ---- --devices N: a child process with N simulated devices ---------------------------------------
-def needs_child(n: int, cfg: Config, override: dict[str, int] | None) -> bool:
-    """Whether `--devices N` needs a child process (JAX here sees another device count); checks
-    N and an explicit --mesh against N first, so a bad preview fails without starting one."""
-    if n < 1:
-        raise PdctlError(f"--devices: must be >= 1, got {n}")
-    if override:
-        check_mesh_fits(mesh_config(cfg, override), n, from_flag=True)
-    have = jax.device_count()
-    if have == n:
-        return False
-    if os.environ.get(CHILD_ENV):
-        raise PdctlError(f"--devices: asked for {n} simulated devices but JAX sees {have}")
-    return True
-
-
-def child_env(n: int) -> dict[str, str]:
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={n}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env[CHILD_ENV] = "1"
-    # The child imports the pdctl this process runs, also when that one is importable only
-    # from the directory this process was started in (a source checkout).
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in _import_path():
-        env["PYTHONPATH"] = os.pathsep.join(
-            [root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
-        )
-    return env
-
-
-def _import_path() -> set[str]:
-    """The directories on this interpreter's import path that a child started with `-P` has
-    too: all but the current or script directory Python put first."""
-    entries = sys.path if sys.flags.safe_path else sys.path[1:]
-    return {os.path.realpath(p) for p in entries if p}
-
-
-CHILD_CWD = "/"  # not the run directory: nothing there is imported, even via PYTHONPATH=":..."
-
-
-def child_argv(project: Path | None) -> list[str]:
-    """`python -P -m pdctl --project RUN`: `-P` keeps the current directory off the child's
-    import path (a `typer.py` or `jax.py` next to someone else's pdctl.toml would otherwise
-    run), and the run directory is named explicitly since the child does not start in it.
-    Not `-I`: that would also drop PYTHONPATH and the user site, where pdctl may live."""
-    from pdctl.project import find_project_file
-
-    path = find_project_file(explicit=Path(project)) if project is not None else find_project_file()
-    return [sys.executable, "-P", "-m", "pdctl", "--project", str(path)]
-
-
-def child_death(n: int, returncode: int, stderr: str) -> str | None:
-    """The one line to end with when the child died instead of exiting (0 done, 1 pdctl's own
-    error line already printed, 2 a user mistake): a signal or a C++ abort gives no error
-    line of pdctl's. Seen: 64 simulated devices of an 8B model, where XLA:CPU's LLVM ran out
-    of section memory after 7.5 min ("LLVM ERROR: Unable to allocate section memory!", exit
-    250) with 22 GiB free: the process's memory-map count is bounded by vm.max_map_count
-    (65,530 by default); with 262,144 the same compile finished in 12.5 min."""
-    if returncode in (0, 1, 2, 3):
-        return None
-    how = f"signal {-returncode}" if returncode < 0 else f"exit {returncode}"
-    last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
-    said = f" (its last line: {last[:200]!r})" if last else ""
-    if "section memory" in stderr:  # LLVM's JIT out of memory maps, not of RAM
-        fix = (
-            "raise the memory-map limit (sysctl -w vm.max_map_count=262144) or use fewer --devices"
-        )
-    else:
-        fix = "try fewer --devices on this machine, or more memory"
-    return (
-        f"inspect-sharding: the process compiling for {n} simulated devices died ({how}){said}; "
-        + fix
-    )
-
-
-def run_child(
-    n: int,
-    project: Path | None,
-    stage: str,
-    mesh: str | None,
-    compile: bool,
-    as_json: bool,
-    expand: bool,
-    columns: int | None = None,
-    device_memory: str | None = None,
-    device_kind: str | None = None,
-) -> subprocess.CompletedProcess:
-    """Rerun this inspection in `sys.executable -P -m pdctl` with N simulated CPU devices,
-    started outside the run directory with the current directory off its import path."""
-    argv = child_argv(project)
-    argv += ["inspect-sharding", "--stage", stage, "--devices", str(n)]
-    if mesh is not None:
-        argv += ["--mesh", mesh]
-    argv += [f for f, on in (("--compile", compile), ("--json", as_json), ("--all", expand)) if on]
-    for flag, value in (("--device-memory", device_memory), ("--device-kind", device_kind)):
-        if value:
-            argv += [flag, value]
-    env = child_env(n)
-    if columns:
-        env["COLUMNS"] = str(columns)
-    return subprocess.run(argv, env=env, cwd=CHILD_CWD, capture_output=True, text=True, check=False)
-
-
-# ---- text output -------------------------------------------------------------------------------
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def render(report: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    mesh = report["mesh"]
-    t = report["totals"]
-    console.print(
-        f"{report['stage']}: {report['devices']} {report['platform']} devices, mesh "
-        f"data={mesh['data']} x fsdp={mesh['fsdp']} x tp={mesh.get('tp', 1)}, "
-        "fsdp_min_param_size="
-        f"{report['fsdp_min_param_size']}, components over "
-        f"{' x '.join(report['decomposition'])}, {t['arrays']} arrays",
-        markup=False,
-    )
-    table = Table(title_justify="left")
-    for col, just in (
-        ("path", "left"),
-        ("n", "right"),
-        ("shape", "left"),
-        ("dtype", "left"),
-        ("spec", "left"),
-        ("bytes", "right"),
-        ("per device", "right"),
-        ("layout", "left"),
-        ("rule", "left"),
-    ):
-        table.add_column(col, justify=just, overflow="fold")
-    for r in report["rows"]:
-        layout = f"sharded /{r['shards']}" if r["sharded"] else "replicated"
-        if r["donated"]:
-            layout += ", donated"
-        table.add_row(
-            r["path"],
-            str(r["count"]),
-            str(tuple(r["shape"])),
-            r["dtype"],
-            r["spec_str"],
-            fmt_bytes(r["bytes"]),
-            fmt_bytes(r["bytes_per_device"]),
-            layout,
-            r["rule"],
-        )
-    console.print(table)
-    if report["grouped"]:
-        console.print("(rows with n > 1 group same-shaped sites/layers; --all lists every array)")
-    kinds = Table(title="per device", title_justify="left")
-    kinds.add_column("kind")
-    kinds.add_column("per device", justify="right")
-    kinds.add_column("total", justify="right")
-    for k, v in t["per_device"].items():
-        kinds.add_row(KIND_LABEL[k], fmt_bytes(v), fmt_bytes(t["bytes"][k]))
-    kinds.add_row("all", fmt_bytes(t["per_device_total"]), fmt_bytes(t["bytes_total"]))
-    console.print(kinds)
-    console.print(
-        f"sharded {fmt_bytes(t['sharded_per_device'])} / replicated "
-        f"{fmt_bytes(t['replicated_per_device'])} per device; donated state "
-        f"{fmt_bytes(t['donated_per_device'])} per device",
-        markup=False,
-    )
-    if t["largest_replicated"]:
-        console.print("largest replicated arrays (what to shard next):", markup=False)
-        for r in t["largest_replicated"]:
-            console.print(
-                f"  {r['path']} {tuple(r['shape'])} {fmt_bytes(r['bytes_per_device'])} "
-                f"({r['why']})",
-                markup=False,
-            )
-    for note in report["notes"]:
-        console.print(f"note: {note}", markup=False)
-    m = report.get("memory")
-    if m:
-        if not m.get("available"):
-            console.print("compiled: memory_analysis() is not available here", markup=False)
-            return
-        console.print(
-            f"compiled step ({m['compile_s']:.2f} s), per device: argument "
-            f"{fmt_bytes(m['argument_bytes'])}, output {fmt_bytes(m['output_bytes'])}, alias "
-            f"{fmt_bytes(m['alias_bytes'])}, temp {fmt_bytes(m['temp_bytes'])}; estimated peak "
-            f"{fmt_bytes(m['peak_bytes_estimate'])} (argument + output + temp - alias)",
-            markup=False,
-        )
-        verdict = "ok" if m["donation_ok"] else "DONATION FAILED"
-        console.print(
-            f"donation: aliased {fmt_bytes(m['alias_bytes'])} of "
-            f"{fmt_bytes(m['donated_bytes'])} donated state = {m['alias_fraction']:.1%} "
-            f"({verdict}, threshold {donation.THRESHOLD:.0%})",
-            markup=False,
-        )
-    if report.get("fit"):
-        from pdctl.stages import fit
-
-        fit.render(report["fit"], console, fmt_bytes)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from pdctl.engine import sharding
 from pdctl.errors import PdctlError
+from pdctl.inspect.memory import fmt_bytes, memory_report
 
 GIB = 2**30
 # Memory per device (bytes) by kind: what `--device-kind` accepts.
@@ -95,7 +96,7 @@ def eval_programs(p: Any) -> dict[str, Any]:
         comps,
     ) if fns.ties else trainable["components"]  # fmt: skip
     ci_fns = trainable["ci_fns"]
-    paths = evaluate._paths(target, comps)
+    paths = evaluate.unit_order(target, comps)
     n = cfg.train.eval_batch_size
     d = cfg.decomp
     if target.output_kind == "logits":
@@ -109,12 +110,12 @@ def eval_programs(p: Any) -> dict[str, Any]:
     split = n % sharding.batch_shards(p.mesh) == 0
     x_sh = sharding.batch_sharding(p.mesh, len(shape)) if split else sharding.replicated(p.mesh)
     x = jax.ShapeDtypeStruct(shape, dtype, sharding=x_sh)
-    ci = evaluate._ci_fn(target, paths, d.ci_fn.type, d.sigmoid, d.sampling)
+    ci = evaluate.ci_program(target, paths, d.ci_fn.type, d.sigmoid, d.sampling)
     out: dict[str, Any] = {"eval: CI": ci.lower(params, comps, ci_fns, x)}
     if target.output_kind == "logits":
         key = jax.eval_shape(lambda: stream_key(cfg, STREAM_TRAIN))
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(p.mesh))
-        fn = evaluate._lm_eval_fn(
+        fn = evaluate.lm_eval_program(
             target, paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
             cfg.train.eval_rounding_threshold, evaluate.fresh_pgd_config(cfg),
         )  # fmt: skip
@@ -133,10 +134,8 @@ def compile_all(p: Any, step_compiled: Any, step_s: float) -> dict[str, tuple[An
 
 def check(p: Any, compiled: dict[str, tuple[Any, float]], budget: tuple[int, str],
           rows: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
-    """Per program XLA's per-device bytes and peak (`inspect.memory_report`, as --compile
-    reports the step); the worst against the budget."""
-    from pdctl.stages.inspect import memory_report
-
+    """Per program XLA's per-device bytes and peak (`memory_report`, as --compile reports the
+    step); the worst against the budget."""
     programs = []
     for name, (c, secs) in compiled.items():
         m = memory_report(c, donated_bytes=0)
@@ -165,7 +164,7 @@ def check(p: Any, compiled: dict[str, tuple[Any, float]], budget: tuple[int, str
     }
 
 
-def render(fit: dict[str, Any], console: Any, fmt_bytes) -> None:
+def render(fit: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     table = Table(title=f"fit check against {fit['budget']} per device", title_justify="left")

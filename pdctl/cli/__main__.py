@@ -1,0 +1,3 @@
+from pdctl.cli import main
+
+main()
