@@ -189,7 +189,7 @@ class HFCausalLM(LMTarget):
 
     def init(self, key: jax.Array) -> Params:
         """N(0, 0.02) matrices, zero biases, unit norm scales (for shapes, tests and toy runs;
-        real weights come from `hf_load`). Same-shaped matrices are drawn as one stacked array
+        real weights come from `hf.load`). Same-shaped matrices are drawn as one stacked array
         and sliced: one RNG body per distinct shape keeps the jitted init's compile small."""
         dt = self.param_dtype
         flat: dict[str, jax.Array] = {}
