@@ -1,7 +1,7 @@
 """Sharded load of a Hugging Face checkpoint: wall time and peak host memory per process.
 
 Creates a random ~150M-parameter Llama with transformers (float32, `save_pretrained` in shards
-of 200 MB), then loads it with `pdctl.science.targets.hf_load.load_hf_params` in fresh
+of 200 MB), then loads it with `pdctl.science.targets.hf.load.load_hf_params` in fresh
 processes:
   (a) 1 process with 1 CPU device (mesh data=1 x fsdp=1: the whole model on that device);
   (b) 2 processes x 2 CPU devices each, `jax.distributed` on localhost with gloo, mesh fsdp=4:
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from pdctl.engine.sharding import tree_shardings
     from pdctl.science.targets.hf import HFCausalLM
-    from pdctl.science.targets.hf_load import load_hf_params
+    from pdctl.science.targets.hf.load import load_hf_params
 
     devices = jax.devices()
     mesh = Mesh(np.array(devices).reshape(1, len(devices)), ("data", "fsdp"))
@@ -163,7 +163,7 @@ def main() -> None:
             subprocess.run([*cmd, "--layers", str(args.layers)], check=True)
         ckpt = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         n_files = len(list(model.glob("*.safetensors")))
-        from pdctl.science.targets.hf_load import read_index
+        from pdctl.science.targets.hf.load import read_index
 
         largest = max(t.nbytes for t in read_index(model).tensors.values())
         print(

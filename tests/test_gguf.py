@@ -356,7 +356,7 @@ def test_smollm2_hf_directory_saved_from_the_gguf_equals_transformers(smollm2, t
     """The Hugging Face directory transformers saves from the GGUF (weights copied into a
     fresh LlamaForCausalLM: save_pretrained refuses a GGUF-quantised model) reads into the
     same logits through pdctl's safetensors path."""
-    from pdctl.science.targets.hf_load import load_hf_params
+    from pdctl.science.targets.hf.load import load_hf_params
 
     model = smollm2["model"]
     config = transformers.LlamaConfig.from_dict(

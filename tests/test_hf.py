@@ -21,9 +21,9 @@ from safetensors.numpy import save_file
 
 from pdctl.engine.sharding import tree_shardings
 from pdctl.errors import PdctlError
-from pdctl.science.targets import hf_load
 from pdctl.science.targets.hf import HFCausalLM, read_hf_config
-from pdctl.science.targets.hf_load import load_hf_params, read_index
+from pdctl.science.targets.hf import load as hf_load
+from pdctl.science.targets.hf.load import load_hf_params, read_index
 
 SEQ = 12
 MIN_SIZE = 64  # fsdp_min_param_size for these tiny models: most leaves shard on 4 devices

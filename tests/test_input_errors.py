@@ -338,7 +338,7 @@ def test_qwen2_sliding_window_as_transformers_places_it(tmp_path):
 def test_read_with_a_plain_dict_and_numpy_scalars(tmp_path):
     """The spec functions take any mapping (GGUF metadata comes as numpy scalars)."""
     from pdctl.science.targets.hf import LLAMA as LLAMA_ARCH
-    from pdctl.science.targets.hf import _llama_spec
+    from pdctl.science.targets.hf import llama_spec as _llama_spec
 
     cfg = {k: (np.int32(v) if isinstance(v, int) and not isinstance(v, bool) else v)
            for k, v in LLAMA.items()}  # fmt: skip

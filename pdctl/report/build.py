@@ -26,6 +26,7 @@ from pdctl.report import load as L
 from pdctl.report import page as P
 from pdctl.report.status import INDEX, MANIFEST
 from pdctl.science.spd import evaluate
+from pdctl.science.spd.losses import TERMS
 from pdctl.stages.registry import STAGES
 
 REPORT_STAGES = ("pretrain", "warmup", "train")
@@ -498,23 +499,7 @@ def config_rows(project: Project) -> list[tuple[str, str]]:
     d = cfg.decomp
     tc = cfg.train
     loss = tc.loss.model_dump()
-    coeffs = [
-        f"{k} {v:g}"
-        for k, v in loss.items()
-        if k
-        in (
-            "faithfulness",
-            "importance_minimality",
-            "stochastic_recon",
-            "stochastic_recon_layerwise",
-            "stochastic_recon_subset",
-            "ppgd_recon",
-            "pgd_recon",
-            "ci_masked_recon",
-            "unmasked_recon",
-        )
-        and v
-    ]
+    coeffs = [f"{k} {v:g}" for k, v in loss.items() if k in TERMS and v]
     p = f"p {tc.loss.p:g}" + (f" → {tc.loss.p_final:g}" if tc.loss.p_final is not None else "")
     e = tc.eval_pgd
     pgd = (

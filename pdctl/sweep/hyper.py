@@ -20,17 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from pdctl.science.spd.losses import ADVERSARIAL_TERMS, TERMS
 from pdctl.sweep.spec import get_dotted
 
-_TERMS = (
-    "faithfulness",
-    "importance_minimality",
-    "stochastic_recon",
-    "stochastic_recon_layerwise",
-    "stochastic_recon_subset",
-    "ci_masked_recon",
-    "unmasked_recon",
-)
+_TERMS = tuple(t for t in TERMS if t not in ADVERSARIAL_TERMS)
 TRACED: tuple[str, ...] = (
     "data.feature_probability",
     "pretrain.optim.lr",

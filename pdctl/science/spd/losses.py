@@ -655,6 +655,9 @@ def l0_per_site(ci_lower: Dict, threshold: float, grouped: bool = False) -> dict
 # ---------------------------------------------------------------------------------------------
 # entry points for the stages
 
+# The loss terms, each a `[train.loss]` coefficient of that name: the one list that the loss,
+# the report's config table and a sweep's traced keys read. Order matters: a term's index is the
+# fold of the loss key it draws from (`_term_fold`), so a new term goes at the end.
 TERMS = (
     "faithfulness",
     "importance_minimality",
@@ -666,6 +669,10 @@ TERMS = (
     "ci_masked_recon",
     "unmasked_recon",
 )
+# The adversarial terms: PPGD / PGD settings shape the step (ppgd_recon > 0 keeps persistent
+# sources, `SpdFns.source_coeff`), so a sweep does not vary their coefficients inside one
+# program (`sweep.hyper.TRACED`).
+ADVERSARIAL_TERMS = ("ppgd_recon", "pgd_recon")
 _CI_KEY = len(TERMS)  # fold of the loss key that the CI noise (binomial sampling) uses
 # The LM recipe's terms, after the CI's fold so that every earlier draw keeps its bits.
 RECIPE_TERMS = ("frequency", "merged_recon")

@@ -1,4 +1,5 @@
-"""Models to decompose: toy TMS, toy residual MLP, and a small Llama-style LM."""
+"""Models to decompose: toy TMS, toy residual MLP, a small Llama-style LM and imported Hugging
+Face / GGUF causal LMs (`hf`), the LMs sharing `lm.LMTarget`."""
 
 from collections.abc import Callable
 from typing import Any
@@ -6,6 +7,7 @@ from typing import Any
 from pdctl.science.targets.base import Params, Target
 from pdctl.science.targets.hf import HFCausalLM, read_hf_config
 from pdctl.science.targets.llama_mlp import LlamaMLP
+from pdctl.science.targets.lm import LMTarget
 from pdctl.science.targets.resid_mlp import ResidMLP
 from pdctl.science.targets.tms import TMS
 
@@ -46,6 +48,7 @@ __all__ = [
     "TARGETS",
     "TMS",
     "HFCausalLM",
+    "LMTarget",
     "LlamaMLP",
     "Params",
     "ResidMLP",

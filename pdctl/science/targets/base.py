@@ -180,6 +180,38 @@ def first_layer(target: Any, paths: Sequence[str]) -> int | None:
     return min(layers)
 
 
+def node_at(tree: Mapping[str, Any], path: str) -> Any:
+    """The node of nested dicts at a dotted path: `node_at(p, "a.b")` is `p["a"]["b"]`."""
+    node: Any = tree
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': {'c': x}}} -> {'a.b.c': x}, in the nested dicts' order."""
+    out = {}
+    for k, v in tree.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{path}."))
+        else:
+            out[path] = v
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> Params:
+    """{'a.b.c': x} -> {'a': {'b': {'c': x}}}, keeping insertion order."""
+    out: Params = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
 def add_bias(h: jax.Array, b: jax.Array) -> jax.Array:
     return h + expand_left(b, h.ndim)
 

@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp, ollama, LM Studio) as Hugging Face targets.
 
 `gguf_spec` turns a GGUF file's metadata into the same `HfSpec` a `config.json` gives (through
-hf.py's own validation, from a config dict with transformers' names), so the forward, the site
-names (`model.layers.15.mlp.down_proj`) and everything downstream are the Hugging Face target's.
+`hf.spec`'s own validation, from a config dict with transformers' names), so the forward, the
+site names (`model.layers.15.mlp.down_proj`) and everything downstream are the Hugging Face
+target's.
 `load_gguf_params` reads the tensors with the `gguf` package (`GGUFReader`, a memory map) and
 dequantises them with `gguf.quants.dequantize` straight into sharded `jax.Array`s, one tensor at
 a time, into `param_dtype`.
@@ -28,16 +29,16 @@ import jax
 import numpy as np
 
 from pdctl.errors import PdctlError
+from pdctl.science.targets.base import flatten, unflatten
 from pdctl.science.targets.hf import (
     GPT2,
     LLAMA,
     QWEN2,
     HFCausalLM,
     HfSpec,
-    _get,
-    _gpt2_spec,
-    _llama_spec,
-    unflatten,
+    config_value,
+    gpt2_spec,
+    llama_spec,
 )
 
 SUFFIX = ".gguf"
@@ -110,7 +111,7 @@ def gguf_spec(path: Path) -> HfSpec:
         string for a number, an array for a size); one line naming it otherwise."""
         name = f"{arch}.{key}"
         v = _field(r, name, default, path)
-        return v if v is None or v is default else _get({name: v}, path, name, typ)
+        return v if v is None or v is default else config_value({name: v}, path, name, typ)
 
     vocab = get("vocab_size", int, None)
     if vocab is None:  # older converters leave it out: the embedding's rows say it
@@ -127,7 +128,7 @@ def gguf_spec(path: Path) -> HfSpec:
             n_positions=get("context_length", int),
             tie_word_embeddings="output.weight" not in names,
         )
-        return _gpt2_spec(cfg, path)
+        return gpt2_spec(cfg, path)
     d, n_heads = get("embedding_length", int), get("attention.head_count", int)
     cfg.update(
         hidden_size=d,
@@ -160,7 +161,7 @@ def gguf_spec(path: Path) -> HfSpec:
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
-    return _llama_spec(cfg, path, ARCHITECTURES[arch])
+    return llama_spec(cfg, path, ARCHITECTURES[arch])
 
 
 # ---- tensors ------------------------------------------------------------------------------------
@@ -287,13 +288,11 @@ def load_gguf_params(
     """The target's params read and dequantised from the GGUF at `path`, each leaf placed with
     its sharding (`shardings` has the params' structure). Only the rows a process's devices
     hold are dequantised, once per tensor and row range. Returns (params, info)."""
-    from pdctl.science.targets.hf_load import _flatten
-
     t0 = time.perf_counter()
     dtype = np.dtype(target.param_dtype if dtype is None else dtype)
     plan = check_gguf(path, target)
     tensors = {t.name: t for t in reader(path).tensors}
-    flat_sh = _flatten(shardings)
+    flat_sh = flatten(shardings)
     leaves, nbytes = {}, 0
     for leaf, p in plan.items():
         t = tensors[p.name]

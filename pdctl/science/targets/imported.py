@@ -2,7 +2,7 @@
 are, what init-weights checks and records, how later stages verify and read them.
 
 Two formats: a Hugging Face directory (config.json + safetensors + tokenizer.json, read by
-`hf_load`) and a GGUF file (metadata, tensors and tokenizer in one file, read by `gguf`). Stages,
+`hf.load`) and a GGUF file (metadata, tensors and tokenizer in one file, read by `gguf`). Stages,
 the data pipeline and the report ask this module, never the formats directly.
 """
 
@@ -37,7 +37,7 @@ def weight_files(target: HFCausalLM) -> list[Path]:
     """Every file the weights are read from (for the content checksum)."""
     if is_gguf(target):
         return [source(target)]
-    from pdctl.science.targets.hf_load import INDEX, read_index
+    from pdctl.science.targets.hf.load import INDEX, read_index
 
     index = read_index(source(target))
     files = sorted({s.file for s in index.tensors.values()})
@@ -58,7 +58,7 @@ def check(target: HFCausalLM, eos_id: int | None) -> dict[str, Any]:
 
         check_gguf(source(target), target)
     else:
-        from pdctl.science.targets.hf_load import check_checkpoint
+        from pdctl.science.targets.hf.load import check_checkpoint
 
         check_checkpoint(source(target), target)
         if not tokenizer_path(target).is_file():
@@ -94,7 +94,7 @@ def verify(target: HFCausalLM, recorded: dict[str, Any]) -> None:
     files = weight_files(target)
     root = where.parent if is_gguf(target) else where
     if "files" not in recorded:  # a run made before content checksums: its header checksum
-        from pdctl.science.targets.hf_load import read_index
+        from pdctl.science.targets.hf.load import read_index
 
         if is_gguf(target) or read_index(where).checksum == recorded.get("checksum"):
             return
@@ -118,7 +118,7 @@ def load(target: HFCausalLM, shardings: Any, dtype: Any = None) -> Any:
 
         params, _ = load_gguf_params(source(target), target, shardings, dtype)
     else:
-        from pdctl.science.targets.hf_load import load_hf_params
+        from pdctl.science.targets.hf.load import load_hf_params
 
         params, _ = load_hf_params(source(target), target, shardings, dtype)
     return params

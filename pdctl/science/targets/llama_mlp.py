@@ -3,20 +3,18 @@
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from pdctl.science.arrays import expand_left
-from pdctl.science.targets.base import Overrides, Params, Residual, Target, normal_init
-
-REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
+from pdctl.science.targets.base import Overrides, Params, Residual, node_at, normal_init
+from pdctl.science.targets.lm import LMTarget, rope
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LlamaMLP(Target):
+class LlamaMLP(LMTarget):
     """Sites per layer, in forward order: `layers.{i}.attn.q|k|v|o`, then `layers.{i}.mlp.up`,
     `layers.{i}.mlp.down` (with glu: `gate`, `up`, `down`). Each site's matrix lives at exactly
     that path in the params dict, so weights imported from elsewhere only need transposing into
@@ -24,7 +22,11 @@ class LlamaMLP(Target):
     """
 
     kind = "llama_mlp"
-    output_kind = "logits"
+    NEURON_SIDES: ClassVar[Mapping[str, str]] = {
+        "mlp.gate": "out",
+        "mlp.up": "out",
+        "mlp.down": "in",
+    }
 
     vocab_size: int = 256
     d_model: int = 64
@@ -41,6 +43,7 @@ class LlamaMLP(Target):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+        self._check_remat()
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(
                 f"d_model ({self.d_model}) must split into n_heads ({self.n_heads}) heads of "
@@ -54,36 +57,20 @@ class LlamaMLP(Target):
     def _mlp_names(self) -> tuple[str, ...]:
         return ("gate", "up", "down") if self.glu else ("up", "down")
 
-    def site_shapes(self) -> dict[str, tuple[int, int]]:
+    def layer_prefix(self) -> str:
+        return "layers"
+
+    def layer_sites(self) -> list[tuple[str, tuple[int, int], bool]]:
         d, m = self.d_model, self.d_mlp
         mlp_shapes = {"gate": (d, m), "up": (d, m), "down": (m, d)}
-        shapes: dict[str, tuple[int, int]] = {}
-        for i in range(self.n_layers):
-            for name in ("q", "k", "v", "o"):
-                shapes[f"layers.{i}.attn.{name}"] = (d, d)
-            for name in self._mlp_names():
-                shapes[f"layers.{i}.mlp.{name}"] = mlp_shapes[name]
-        return shapes
+        attn = [(f"attn.{name}", (d, d), False) for name in ("q", "k", "v", "o")]
+        return attn + [(f"mlp.{name}", mlp_shapes[name], False) for name in self._mlp_names()]
 
     def tp_divisors(self) -> dict[str, int]:
         return {"target.n_heads": self.n_heads, "target.d_mlp": self.d_mlp}
 
-    def mlp_neuron_sides(self) -> dict[str, str]:
-        side = {"gate": "out", "up": "out", "down": "in"}
-        return {
-            f"layers.{i}.mlp.{name}": side[name]
-            for i in range(self.n_layers)
-            for name in self._mlp_names()
-        }
-
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
-        weights: dict[str, jax.Array] = {}
-        for path in self.site_shapes():
-            node: Any = params
-            for part in path.split("."):
-                node = node[part]
-            weights[path] = node
-        return weights
+        return {path: node_at(params, path) for path in self.site_shapes()}
 
     def init(self, key: jax.Array) -> Params:
         """N(0, 0.02) matrices, unit norm scales. Same-shaped sites are drawn as one stacked
@@ -129,15 +116,9 @@ class LlamaMLP(Target):
         return x32.astype(x.dtype) * expand_left(scale, x.ndim)
 
     def _rope(self, x_BxTxNxH: jax.Array) -> jax.Array:
-        T, H = x_BxTxNxH.shape[1], x_BxTxNxH.shape[3]
+        H = x_BxTxNxH.shape[3]
         inv_freq = 1.0 / (self.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-        angle_TxH2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-        cos = jnp.cos(angle_TxH2)[None, :, None, :]
-        sin = jnp.sin(angle_TxH2)[None, :, None, :]
-        x32 = x_BxTxNxH.astype(jnp.float32)
-        x1, x2 = x32[..., : H // 2], x32[..., H // 2 :]
-        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        return rotated.astype(x_BxTxNxH.dtype)
+        return rope(x_BxTxNxH, inv_freq)
 
     def _attention(
         self, x_BxTxD: jax.Array, p: Params, prefix: str, overrides: Overrides | None
@@ -167,10 +148,6 @@ class LlamaMLP(Target):
             hidden = jax.nn.gelu(up)
         return self._site(f"{prefix}.down", hidden, p["down"], overrides)
 
-    def layer_of(self, path: str) -> int | None:
-        parts = path.split(".")
-        return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" else None
-
     def apply(
         self,
         params: Params,
@@ -195,29 +172,8 @@ class LlamaMLP(Target):
                 h = self._rms_norm(x_BxTxD, layer["mlp_norm"])
                 return x_BxTxD + self._mlp(h, layer["mlp"], f"layers.{i}.mlp", overrides)
 
-            if self.remat != "none":
-                block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat])
-            x_BxTxD = block(x_BxTxD, params["layers"][str(i)])
+            x_BxTxD = self._remat(block)(x_BxTxD, params["layers"][str(i)])
         h = self._rms_norm(x_BxTxD, params["final_norm"])
         if self.tied_embeddings:
             return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
         return jnp.einsum("btd,dv->btv", h, params["unembed"], preferred_element_type=jnp.float32)
-
-    def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
-        raise TypeError("llama_mlp reads text batches from pdctl.science.data, not make_batch")
-
-    def inputs(self, batch: Mapping[str, jax.Array]) -> jax.Array:
-        return batch["tokens"][:, :-1]
-
-    def loss(
-        self, params: Params, batch: Mapping[str, jax.Array]
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        tokens = batch["tokens"]
-        logits_BxTxV = self.apply(params, tokens[:, :-1])
-        labels_BxT = tokens[:, 1:]
-        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, labels_BxT))
-        accuracy = jnp.mean((jnp.argmax(logits_BxTxV, axis=-1) == labels_BxT).astype(jnp.float32))
-        return ce, {"ce": ce, "accuracy": accuracy}
-
-    def n_tokens_per_example(self) -> int:
-        return self.seq_len

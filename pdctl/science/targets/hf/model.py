@@ -1,29 +1,25 @@
-"""Hugging Face causal LMs (Llama, Qwen2, GPT-2) as pdctl targets, read from a local directory.
+"""The forward pass of a Hugging Face causal LM (Llama, Qwen2, GPT-2) described by an `HfSpec`.
 
-`read_hf_config` turns a model directory's `config.json` into an `HfSpec` (everything the forward
-needs, hashable); `HFCausalLM` is the forward pass over a params pytree whose nested dict keys are
-the Hugging Face module names, so a leaf's dotted path is the name of its tensor in the
-checkpoint (`model.layers.3.mlp.down_proj.weight`). Site paths are the module paths of every
-attention and MLP projection. Site weights are stored as (d_in, d_out) for `y = x @ W (+ b)`:
-torch `nn.Linear` weights are transposed on load, GPT-2's `Conv1D` weights already are (d_in,
-d_out). Everything else keeps its checkpoint layout (embeddings and `lm_head` are (vocab, d)).
-The weights themselves are read by `pdctl.science.targets.hf_load`.
+`HFCausalLM` runs over a params pytree whose nested dict keys are the Hugging Face module names,
+so a leaf's dotted path is the name of its tensor in the checkpoint
+(`model.layers.3.mlp.down_proj.weight`). Site paths are the module paths of every attention and
+MLP projection. Site weights are stored as (d_in, d_out) for `y = x @ W (+ b)`: torch
+`nn.Linear` weights are transposed on load, GPT-2's `Conv1D` weights already are (d_in, d_out).
+Everything else keeps its checkpoint layout (embeddings and `lm_head` are (vocab, d)). The spec
+comes from `hf.spec`, the weights from `hf.load`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from pdctl.errors import PdctlError
 from pdctl.science.arrays import expand_left
@@ -34,317 +30,13 @@ from pdctl.science.targets.base import (
     Residual,
     SiteDataFn,
     SiteFn,
-    Target,
     add_bias,
+    node_at,
     normal_init,
+    unflatten,
 )
-from pdctl.science.targets.llama_mlp import REMAT_POLICIES
-
-LLAMA, QWEN2, GPT2 = "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
-SUPPORTED = (LLAMA, QWEN2, GPT2)
-_BY_MODEL_TYPE = {"llama": LLAMA, "qwen2": QWEN2, "gpt2": GPT2}
-# Activation names as transformers' ACT2FN spells them.
-ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-ROPE_TYPES = ("default", "linear", "llama3")
-WEIGHTS_HELP = "model.safetensors, or *.safetensors with model.safetensors.index.json"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class HfSpec:
-    """What the forward pass needs from `config.json`; tuples only, so a target stays hashable."""
-
-    architecture: str  # one of SUPPORTED
-    config_path: str  # the config.json it was read from (for messages)
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int  # < n_heads: grouped-query attention
-    head_dim: int
-    d_mlp: int
-    act: str  # one of ACTIVATIONS
-    norm_eps: float
-    tie_word_embeddings: bool
-    # GPT-2: size of the learned position table; Llama / Qwen2: max_position_embeddings, the
-    # context it was trained for. data.seq_len may not exceed it.
-    max_positions: int
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    rope_theta: float = 10000.0
-    # (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-    rope_scaling: tuple[str, float, float, float, int] = ("default", 1.0, 1.0, 1.0, 0)
-    attn_scale_weights: bool = True  # GPT-2 scale_attn_weights
-    attn_scale_by_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx
-    checkpoint_dtype: str | None = None  # config's torch_dtype / dtype, informational
-    eos_token_ids: tuple[int, ...] = ()
-
-    @property
-    def is_gpt2(self) -> bool:
-        return self.architecture == GPT2
-
-
-def _err(msg: str) -> PdctlError:
-    return PdctlError(f"target.path: {msg}")
-
-
-def has_weights(model_dir: Path) -> bool:
-    return (model_dir / "model.safetensors").is_file() or any(model_dir.glob("*.safetensors"))
-
-
-def read_hf_config(model_dir: str | Path, need_weights: bool = True) -> HfSpec:
-    """The spec of the model in `model_dir`; a missing file or an unsupported model or feature
-    is a one-line PdctlError naming what was found and what is supported. Without
-    `need_weights` a directory holding only config.json is enough."""
-    d = Path(model_dir).expanduser()
-    if not d.is_dir():
-        raise _err(f"{d} is not a directory (expected a Hugging Face model directory)")
-    path = d / "config.json"
-    if not path.is_file():
-        raise _err(f"no config.json in {d} (expected config.json and {WEIGHTS_HELP})")
-    if need_weights and not has_weights(d):
-        raise _err(f"no weights in {d} (expected {WEIGHTS_HELP})")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _err(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
-    if not isinstance(cfg, dict):
-        raise _err(f"{path} is not a JSON object")
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type")
-    if not archs and isinstance(model_type, str) and model_type in _BY_MODEL_TYPE:
-        archs = [_BY_MODEL_TYPE[model_type]]
-    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
-    if not isinstance(arch, str) or arch not in SUPPORTED:
-        found = f"architecture {arch!r}" if arch else "no 'architectures'"
-        raise _err(f"{found} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
-    return _gpt2_spec(cfg, path) if arch == GPT2 else _llama_spec(cfg, path, arch)
-
-
-# The largest size a config may give (a JAX dimension is an int32 on some backends): a value
-# above it is a corrupt or mistyped config, not a model.
-MAX_SIZE = 2**31 - 1
-
-
-def _get(cfg: Mapping[str, Any], path: Path | str, key: str, typ: type, default: Any = ...) -> Any:
-    """`cfg[key]` of type `typ` (an int is a float too; numpy scalars, as GGUF metadata gives
-    them, count as Python ones); missing or null is `default`, or an error without one."""
-    if key not in cfg or cfg[key] is None:
-        if default is ...:
-            raise _err(f"{path} has no {key!r}")
-        return default
-    v = cfg[key]
-    if isinstance(v, bool | np.bool_):
-        ok = typ is bool
-        v = bool(v)
-    elif isinstance(v, numbers.Integral) and typ in (int, float):
-        v, ok = int(v), True
-        if typ is float:
-            try:
-                v = float(v)
-            except OverflowError:
-                ok = False
-    elif isinstance(v, numbers.Real) and typ is float:
-        v, ok = float(v), True
-    else:
-        ok = isinstance(v, typ)
-    if not ok:
-        what = _TYPE_NAMES.get(typ, typ.__name__)
-        raise _err(f"{path}: {key!r} must be {what}, got {_shown(cfg[key])}")
-    return v
-
-
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _shown(v: Any) -> str:
-    """A value for a one-line message: its repr, cut short."""
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
-def _size(
-    cfg: Mapping[str, Any], path: Path | str, key: str, default: Any = ..., least: int = 1
-) -> int:
-    """An integer size in [least, MAX_SIZE] (a count of heads, layers, a width, ...)."""
-    v = _get(cfg, path, key, int, default)
-    if not least <= v <= MAX_SIZE:
-        raise _err(f"{path}: {key!r} must be an integer in [{least}, {MAX_SIZE}], got {_shown(v)}")
-    return v
-
-
-def _number(
-    cfg: Mapping[str, Any], path: Path | str, key: str, default: Any = ..., *, zero: bool = False
-) -> float:
-    """A finite number > 0 (>= 0 with `zero`)."""
-    v = _get(cfg, path, key, float, default)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not zero):
-        raise _err(f"{path}: {key!r} must be a finite number {'>=' if zero else '>'} 0, got {v!r}")
-    return v
-
-
-def _common(cfg: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-    eos = cfg.get("eos_token_id")
-    eos_ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
-    # Types only: transformers keeps ids beyond vocab_size too (GPT2Config's default 50256 in a
-    # smaller vocabulary), and data.eos_id is what pdctl puts between documents.
-    if any(isinstance(i, bool | np.bool_) or not isinstance(i, numbers.Integral) for i in eos_ids):
-        raise _err(
-            f"{path}: 'eos_token_id' must be an integer or a list of them, got {_shown(eos)}"
-        )
-    return {
-        "config_path": str(path),
-        "checkpoint_dtype": dtype if isinstance(dtype, str) else None,
-        "eos_token_ids": tuple(int(i) for i in eos_ids),
-    }
-
-
-def _activation(cfg: Mapping[str, Any], path: Path, key: str, default: str) -> str:
-    act = _get(cfg, path, key, str, default)
-    if act not in ACTIVATIONS:
-        raise _err(
-            f"{key} {act!r} in {path} is not supported (supported: {', '.join(ACTIVATIONS)})"
-        )
-    return act
-
-
-def _rope(cfg: Mapping[str, Any], path: Path) -> tuple[float, tuple[str, float, float, float, int]]:
-    """rope_theta and scaling from either layout: transformers 5 (`rope_parameters`) or 4
-    (top-level `rope_theta` plus `rope_scaling`)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, Mapping):
-        raise _err(f"{path}: rope_parameters must be an object, got {params!r}")
-    # A key in rope_parameters wins over the top-level one (transformers 5 moved them there).
-    merged = {**cfg, **params}
-    theta = _number(merged, path, "rope_theta", 10000.0)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if not isinstance(kind, str) or kind not in ROPE_TYPES:
-        raise _err(
-            f"rope scaling {kind!r} in {path} is not supported (supported: {', '.join(ROPE_TYPES)})"
-        )
-    if _get(merged, path, "partial_rotary_factor", float, 1.0) != 1.0:
-        raise _err(f"partial_rotary_factor in {path} is not supported (supported: 1.0)")
-    if kind == "default":
-        return theta, ("default", 1.0, 1.0, 1.0, 0)
-    where = f"{path} (rope scaling {kind!r})"
-    factor = _number(params, where, "factor")
-    if kind == "linear":
-        return theta, ("linear", factor, 1.0, 1.0, 0)
-    low = _number(params, where, "low_freq_factor")
-    high = _number(params, where, "high_freq_factor")
-    if high <= low:
-        raise _err(
-            f"{where}: 'high_freq_factor' {high} must be greater than 'low_freq_factor' {low}"
-        )
-    orig = _size(params, where, "original_max_position_embeddings")
-    return theta, ("llama3", factor, low, high, orig)
-
-
-def _llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
-    """The spec of a Llama or Qwen2 config (transformers' key names; `cfg` may be any mapping,
-    such as one built from a GGUF file's metadata). Every size is checked for type and range,
-    and the head layout as transformers builds it: Llama needs hidden_size to be a multiple of
-    num_attention_heads (LlamaConfig refuses it otherwise), both need num_attention_heads to be
-    a multiple of num_key_value_heads, and head_dim (default hidden_size // num_attention_heads)
-    even for RoPE."""
-    d = _size(cfg, path, "hidden_size")
-    n_heads = _size(cfg, path, "num_attention_heads")
-    n_kv = _size(cfg, path, "num_key_value_heads", n_heads)
-    if arch == LLAMA and d % n_heads:
-        raise _err(f"{path}: hidden_size {d} is not a multiple of num_attention_heads {n_heads}")
-    if d // n_heads < 1 and cfg.get("head_dim") is None:
-        raise _err(f"{path}: hidden_size {d} is smaller than num_attention_heads {n_heads}")
-    head_dim = _size(cfg, path, "head_dim", d // n_heads)
-    n_layers = _size(cfg, path, "num_hidden_layers")
-    vocab = _size(cfg, path, "vocab_size")
-    if n_heads % n_kv:
-        raise _err(f"{path}: num_attention_heads {n_heads} is not a multiple of "
-                   f"num_key_value_heads {n_kv}")  # fmt: skip
-    if head_dim % 2:
-        raise _err(f"{path}: head_dim {head_dim} is odd (RoPE rotates pairs of dimensions)")
-    if arch == QWEN2:
-        # absent is Qwen2Config's default; null is refused, as Qwen2Config refuses it
-        for key, what in (("use_sliding_window", bool), ("max_window_layers", int)):
-            if key in cfg and cfg[key] is None:
-                raise _err(f"{path}: {key!r} must be {_TYPE_NAMES[what]}, got null")
-        types = cfg.get("layer_types")
-        if types is not None:
-            if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-                raise _err(f"{path}: 'layer_types' must be a list of strings, got {types!r}")
-            sliding = "sliding_attention" in types
-        else:
-            # as Qwen2Config: layer i slides when use_sliding_window, a sliding_window is set
-            # and i >= max_window_layers (default 28)
-            use = _get(cfg, path, "use_sliding_window", bool, False)
-            window = _get(cfg, path, "sliding_window", int, None)
-            first = _size(cfg, path, "max_window_layers", 28, least=0)
-            sliding = use and window is not None and first < n_layers
-        if sliding:
-            raise _err(
-                f"sliding-window attention in {path} is not supported (supported: full "
-                "attention in every layer, use_sliding_window = false)"
-            )
-        biases = {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
-    else:
-        attn_bias = _get(cfg, path, "attention_bias", bool, False)
-        biases = {
-            "qkv_bias": attn_bias,
-            "o_bias": attn_bias,
-            "mlp_bias": _get(cfg, path, "mlp_bias", bool, False),
-        }
-    theta, scaling = _rope(cfg, path)
-    return HfSpec(
-        architecture=arch,
-        vocab_size=vocab,
-        d_model=d,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
-        d_mlp=_size(cfg, path, "intermediate_size"),
-        act=_activation(cfg, path, "hidden_act", "silu"),
-        norm_eps=_number(cfg, path, "rms_norm_eps", 1e-6, zero=True),
-        tie_word_embeddings=_get(cfg, path, "tie_word_embeddings", bool, False),
-        # transformers' defaults: LlamaConfig 2048, Qwen2Config 32768
-        max_positions=_size(cfg, path, "max_position_embeddings", 32768 if arch == QWEN2 else 2048),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        **biases,
-        **_common(cfg, path),
-    )
-
-
-def _gpt2_spec(cfg: Mapping[str, Any], path: Path) -> HfSpec:
-    """The spec of a GPT-2 config (transformers' key names, or any mapping with them); n_embd
-    must be a multiple of n_head, as GPT2Attention requires."""
-    d = _size(cfg, path, "n_embd")
-    n_heads = _size(cfg, path, "n_head")
-    if d % n_heads:
-        raise _err(f"{path}: n_embd {d} is not a multiple of n_head {n_heads}")
-    if _get(cfg, path, "add_cross_attention", bool, False):
-        raise _err(f"add_cross_attention in {path} is not supported (supported: false)")
-    vocab = _size(cfg, path, "vocab_size")
-    return HfSpec(
-        architecture=GPT2,
-        vocab_size=vocab,
-        d_model=d,
-        n_layers=_size(cfg, path, "n_layer"),
-        n_heads=n_heads,
-        n_kv_heads=n_heads,
-        head_dim=d // n_heads,
-        d_mlp=_size(cfg, path, "n_inner", 4 * d),
-        act=_activation(cfg, path, "activation_function", "gelu_new"),
-        norm_eps=_number(cfg, path, "layer_norm_epsilon", 1e-5, zero=True),
-        tie_word_embeddings=_get(cfg, path, "tie_word_embeddings", bool, True),
-        max_positions=_size(cfg, path, "n_positions", 1024),
-        qkv_bias=True,
-        o_bias=True,
-        mlp_bias=True,
-        attn_scale_weights=_get(cfg, path, "scale_attn_weights", bool, True),
-        attn_scale_by_layer=_get(cfg, path, "scale_attn_by_inverse_layer_idx", bool, False),
-        **_common(cfg, path),
-    )
+from pdctl.science.targets.hf.spec import HfSpec, read_hf_config
+from pdctl.science.targets.lm import LMTarget, rope
 
 
 def _act(name: str, x: jax.Array) -> jax.Array:
@@ -368,16 +60,21 @@ class Tensor:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HFCausalLM(Target):
+class HFCausalLM(LMTarget):
     """A Hugging Face causal LM. Sites, per layer in forward order:
     Llama / Qwen2: `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `model.layers.{i}.mlp.{gate,up,
     down}_proj`; GPT-2: `transformer.h.{i}.attn.c_attn` (fused q|k|v), `transformer.h.{i}.attn.
     c_proj`, `transformer.h.{i}.mlp.c_fc`, `transformer.h.{i}.mlp.c_proj`. The site's matrix is
     the leaf `<site>.weight`, its bias (if any) `<site>.bias`, added after the site output.
+    Every leaf is trainable (`Target.trainable_mask`), positions and norms included, as in
+    transformers.
     """
 
     kind = "hf"
-    output_kind = "logits"
+    NEURON_SIDES: ClassVar[Mapping[str, str]] = {
+        "mlp.gate_proj": "out", "mlp.up_proj": "out", "mlp.down_proj": "in",  # Llama, Qwen2
+        "mlp.c_fc": "out", "mlp.c_proj": "in",  # GPT-2
+    }  # fmt: skip
 
     spec: HfSpec
     seq_len: int = 128
@@ -388,8 +85,7 @@ class HFCausalLM(Target):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
-        if self.remat not in ("none", *REMAT_POLICIES):
-            raise ValueError(f"remat must be one of none, {', '.join(REMAT_POLICIES)}")
+        self._check_remat()
         s = self.spec
         if self.seq_len > s.max_positions:
             if s.is_gpt2:
@@ -407,11 +103,14 @@ class HFCausalLM(Target):
 
     # Layout.
 
-    def _prefix(self) -> str:
+    @property
+    def n_layers(self) -> int:
+        return self.spec.n_layers
+
+    def layer_prefix(self) -> str:
         return "transformer.h" if self.spec.is_gpt2 else "model.layers"
 
-    def _layer_sites(self) -> list[tuple[str, tuple[int, int], bool]]:
-        """(name within the layer, (d_in, d_out), has bias) in forward order."""
+    def layer_sites(self) -> list[tuple[str, tuple[int, int], bool]]:
         s = self.spec
         d, m = s.d_model, s.d_mlp
         if s.is_gpt2:
@@ -432,25 +131,8 @@ class HFCausalLM(Target):
             ("mlp.down_proj", (m, d), s.mlp_bias),
         ]
 
-    def site_shapes(self) -> dict[str, tuple[int, int]]:
-        return {
-            f"{self._prefix()}.{i}.{name}": shape
-            for i in range(self.spec.n_layers)
-            for name, shape, _ in self._layer_sites()
-        }
-
     def site_weights(self, params: Params) -> dict[str, jax.Array]:
-        return {path: _node(params, path)["weight"] for path in self.site_shapes()}
-
-    def mlp_neuron_sides(self) -> dict[str, str]:
-        side = {"mlp.gate_proj": "out", "mlp.up_proj": "out", "mlp.down_proj": "in",
-                "mlp.c_fc": "out", "mlp.c_proj": "in"}  # fmt: skip
-        return {
-            f"{self._prefix()}.{i}.{name}": side[name]
-            for i in range(self.spec.n_layers)
-            for name, _, _ in self._layer_sites()
-            if name in side
-        }
+        return {path: node_at(params, path)["weight"] for path in self.site_shapes()}
 
     def tp_divisors(self) -> dict[str, int]:
         """Column-parallel q/k/v (or c_attn) split heads, gate/up (c_fc) the MLP width, over
@@ -477,12 +159,12 @@ class HFCausalLM(Target):
             shapes["model.embed_tokens.weight"] = (V, d)
             norms, final = ("input_layernorm", "post_attention_layernorm"), "model.norm"
         for i in range(s.n_layers):
-            layer = f"{self._prefix()}.{i}"
+            layer = f"{self.layer_prefix()}.{i}"
             for norm in norms:
                 shapes[f"{layer}.{norm}.weight"] = (d,)
                 if s.is_gpt2:
                     shapes[f"{layer}.{norm}.bias"] = (d,)
-            for name, (a, b), bias in self._layer_sites():
+            for name, (a, b), bias in self.layer_sites():
                 shapes[f"{layer}.{name}.weight"] = (a, b)
                 if bias:
                     shapes[f"{layer}.{name}.bias"] = (b,)
@@ -507,7 +189,7 @@ class HFCausalLM(Target):
 
     def init(self, key: jax.Array) -> Params:
         """N(0, 0.02) matrices, zero biases, unit norm scales (for shapes, tests and toy runs;
-        real weights come from `hf_load`). Same-shaped matrices are drawn as one stacked array
+        real weights come from `hf.load`). Same-shaped matrices are drawn as one stacked array
         and sliced: one RNG body per distinct shape keeps the jitted init's compile small."""
         dt = self.param_dtype
         flat: dict[str, jax.Array] = {}
@@ -561,14 +243,7 @@ class HFCausalLM(Target):
         return inv
 
     def _rope(self, x_BxTxNxH: jax.Array) -> jax.Array:
-        T, H = x_BxTxNxH.shape[1], x_BxTxNxH.shape[3]
-        angle_TxH2 = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.asarray(self._inv_freq())[None]
-        cos = jnp.cos(angle_TxH2)[None, :, None, :]
-        sin = jnp.sin(angle_TxH2)[None, :, None, :]
-        x32 = x_BxTxNxH.astype(jnp.float32)
-        x1, x2 = x32[..., : H // 2], x32[..., H // 2 :]
-        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        return rotated.astype(x_BxTxNxH.dtype)
+        return rope(x_BxTxNxH, self._inv_freq())
 
     def _proj(self, path: str, x: jax.Array, p: Params, overrides: Overrides | None) -> jax.Array:
         h = self._site(path, x, p["weight"], overrides)
@@ -668,11 +343,6 @@ class HFCausalLM(Target):
     def _block_fn(self):
         return self._gpt2_block if self.spec.is_gpt2 else self._llama_block
 
-    def _remat(self, fn):
-        if self.remat == "none":
-            return fn
-        return jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])
-
     def apply(
         self,
         params: Params,
@@ -689,7 +359,7 @@ class HFCausalLM(Target):
         for i in range(first, self.spec.n_layers):
             if residual is not None and i == residual.layer:
                 residual.x = x_BxTxD
-            pre = f"{self._prefix()}.{i}"
+            pre = f"{self.layer_prefix()}.{i}"
 
             def block(x, layer, i=i, pre=pre):
                 def site(name, x_in, p):
@@ -701,18 +371,6 @@ class HFCausalLM(Target):
         return self._unembed(params, root, x_BxTxD)
 
     # The scanned forward.
-
-    def layer_of(self, path: str) -> int | None:
-        where = self.layer_site(path)
-        return None if where is None else where[0]
-
-    def layer_site(self, path: str) -> tuple[int, str] | None:
-        """(layer, name within the layer) of a site path, None for a path outside the blocks."""
-        prefix = self._prefix() + "."
-        if not path.startswith(prefix):
-            return None
-        layer, _, name = path[len(prefix) :].partition(".")
-        return (int(layer), name) if layer.isdigit() else None
 
     def apply_sites(
         self,
@@ -774,7 +432,7 @@ class HFCausalLM(Target):
             if residual is not None and lo == residual.layer:
                 residual.x = x
             ids = range(lo, stop)
-            names = [n for n, _, _ in self._layer_sites()]
+            names = [n for n, _, _ in self.layer_sites()]
             fed = [n for n in names if (lo, n) in data_at]
             caught = tuple(n for n in names if (lo, n) in cap_at)
             if stop - lo < 2 or not (caught or fed):
@@ -853,7 +511,7 @@ class HFCausalLM(Target):
         """[start, stop) runs of consecutive layers whose sites are treated alike: per site
         name, the same unit (data or capture), or per-site data of the same shapes; a run
         also starts at each layer of `cuts`."""
-        names = [n for n, _, _ in self._layer_sites()]
+        names = [n for n, _, _ in self.layer_sites()]
         data_at, cap_at = self._where(site_data), self._where(capture)
 
         def key(i: int) -> tuple:
@@ -879,32 +537,6 @@ class HFCausalLM(Target):
                 runs.append((i, i + 1))
             prev = k
         return runs
-
-    # Training interface (as LlamaMLP: next-token cross-entropy on packed text).
-
-    def make_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
-        raise TypeError("hf reads text batches from pdctl.science.data, not make_batch")
-
-    def inputs(self, batch: Mapping[str, jax.Array]) -> jax.Array:
-        return batch["tokens"][:, :-1]
-
-    def loss(
-        self, params: Params, batch: Mapping[str, jax.Array]
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        tokens = batch["tokens"]
-        logits_BxTxV = self.apply(params, tokens[:, :-1])
-        labels_BxT = tokens[:, 1:]
-        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, labels_BxT))
-        accuracy = jnp.mean((jnp.argmax(logits_BxTxV, axis=-1) == labels_BxT).astype(jnp.float32))
-        return ce, {"ce": ce, "accuracy": accuracy}
-
-    def trainable_mask(self, params: Params) -> Any:
-        # Every leaf: an imported model is not pretrained by pdctl, and if it were, all of it
-        # (positions and norms included) would be trainable as in transformers.
-        return jax.tree.map(lambda _: True, params)
-
-    def n_tokens_per_example(self) -> int:
-        return self.seq_len
 
 
 def _project(x_in: jax.Array, proj: Params, site_fn: SiteDataFn | None, data: Any) -> jax.Array:
@@ -933,22 +565,3 @@ def _take(tree: Any, start: int, n: int) -> Any:
 
 def _concat(parts: Sequence[jax.Array]) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-
-
-def _node(params: Params, path: str) -> Any:
-    node: Any = params
-    for part in path.split("."):
-        node = node[part]
-    return node
-
-
-def unflatten(flat: Mapping[str, Any]) -> Params:
-    """{'a.b.c': x} -> {'a': {'b': {'c': x}}}, keeping insertion order."""
-    out: Params = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out

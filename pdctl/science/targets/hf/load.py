@@ -19,7 +19,6 @@ import hashlib
 import json
 import struct
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,9 @@ import numpy as np
 from safetensors import safe_open
 
 from pdctl.errors import PdctlError
-from pdctl.science.targets.hf import WEIGHTS_HELP, HFCausalLM, Tensor, unflatten
+from pdctl.science.targets.base import flatten, unflatten
+from pdctl.science.targets.hf.model import HFCausalLM, Tensor
+from pdctl.science.targets.hf.spec import WEIGHTS_HELP
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -177,17 +178,6 @@ def check_checkpoint(
     return ckpt, plan
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{path}."))
-        else:
-            out[path] = v
-    return out
-
-
 def _read(sl: Any, t: Tensor, index: tuple[slice, ...], dtype: np.dtype) -> np.ndarray:
     """One shard of a leaf: the matching slice of the stored tensor, in the leaf's layout."""
     if t.transposed:
@@ -211,7 +201,7 @@ def load_hf_params(
     dtype = np.dtype(target.param_dtype if dtype is None else dtype)
     ckpt, plan = check_checkpoint(model_dir, target)
     layout = target.checkpoint_layout()
-    flat_sh = _flatten(shardings)
+    flat_sh = flatten(shardings)
     if set(flat_sh) != set(layout):
         extra = sorted(set(flat_sh) ^ set(layout))
         raise ValueError(
