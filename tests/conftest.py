@@ -22,6 +22,10 @@ from pdctl.engine.runtime import cpu_xla_flags  # noqa: E402
 
 cpu_xla_flags()
 
+# tests/fixtures.py's shared fixtures (the tiny models, built once per session), for every test
+# file. (Imported by name: `pytest_plugins = ("fixtures",)` would name pytest's own plugin.)
+from fixtures import hf_llama  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory):
