@@ -139,6 +139,7 @@ def _random_ci(rng, shape, C):
     return np.where(noisy, rng.random((*shape, C)).astype(np.float32), ci)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lm", [True, False], ids=["lm", "toy"])
 def test_the_device_accumulator_equals_the_numpy_reference_bit_for_bit(tmp_path: Path, lm):
     """The jitted accumulator against the host reference it replaced (`reference.Harvest`,
@@ -191,6 +192,7 @@ def _db_rows(path: Path, h) -> list[str]:
         con.close()
 
 
+@pytest.mark.slow
 def test_the_fixed_point_sum_is_exact_in_any_order():
     """CI sums are int64 multiples of 2**-24 (`SUM_SCALE`): equal bits to the reference in
     any batching, within half a unit per value of the float64 sum."""
@@ -316,6 +318,7 @@ def _dump(path: Path) -> list[str]:
         con.close()
 
 
+@pytest.mark.slow
 def test_harvest_of_a_toy_run_and_an_interrupted_one_resumes(tms_trained: Path, monkeypatch):
     # beyond --cooc-max components a second pass counts co-occurrence among the most often
     # firing ones: the same rows as the dense matrix for the pairs both keep
@@ -522,6 +525,7 @@ def test_browse_api_is_read_only_over_the_run(served):
     assert _get(f"{base}/files/link")[0] == 403
 
 
+@pytest.mark.slow
 def test_browse_in_headless_chromium(served, tmp_path: Path):
     import os
 

@@ -36,6 +36,7 @@ def _child(parent: Path, tmp_path: Path, **overrides) -> Path:
     return child
 
 
+@pytest.mark.slow
 def test_fresh_inputs_are_the_parents_final_decomposition(parent: Path, tmp_path: Path) -> None:
     child = _child(parent, tmp_path)
     proj = Project.load(child / "pdctl.toml")
@@ -62,6 +63,7 @@ def test_fresh_inputs_are_the_parents_final_decomposition(parent: Path, tmp_path
     assert proj.stage("train")["upstream"]["init_from"] == parent_rid  # item 8 (issue 37)
 
 
+@pytest.mark.slow
 def test_train_from_a_parent_end_to_end(parent: Path, tmp_path: Path) -> None:
     """`pdctl train --fresh` with init_from: a new run of 6 steps from the parent's final
     decomposition (its first loss is the parent's last step's regime, not a fresh init's)."""
@@ -73,6 +75,7 @@ def test_train_from_a_parent_end_to_end(parent: Path, tmp_path: Path) -> None:
     assert st["run_id"] != state(parent, "train")["run_id"]
 
 
+@pytest.mark.slow
 def test_init_from_errors_are_one_line(parent: Path, tmp_path: Path) -> None:
     # a different C: the structure check names the leaf and both shapes
     child = _child(parent, tmp_path)

@@ -10,6 +10,7 @@ import pytest
 from helpers import make_run, pdctl_process
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform", ["gpu", "bogus"])
 @pytest.mark.parametrize("extra", [(), ("--devices", "8")])
 def test_inspect_sharding_on_a_missing_platform_is_one_line(tmp_path, platform, extra):

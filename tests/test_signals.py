@@ -321,6 +321,7 @@ def test_5_huge_step_counts_stop_cleanly_at_until(
     assert st["status"] == "interrupted" and st["step"] == 3 and st["steps"] == steps
 
 
+@pytest.mark.slow
 def test_5_a_huge_train_step_count_stops_cleanly_at_until(warmed: Path, tmp_path: Path) -> None:
     run = _copy(warmed, tmp_path)
     edit_config(run, {"train": {"steps": 2**40, "eval_every": 2**40}})
@@ -488,6 +489,7 @@ def test_7_kill_9_of_pdctl_takes_the_stage_process_with_it(
     assert report["status"] == "running" and report["crashed"] is True
 
 
+@pytest.mark.slow
 def test_7_sigterm_to_pdctl_reaches_the_stage_process(initialized: Path, tmp_path) -> None:
     run = _long_pretrain(initialized, tmp_path)
     proc = _spawn(run, "pretrain")
