@@ -69,7 +69,7 @@ def tiny_llama(
     import transformers
 
     model_dir = root / name
-    model_dir.mkdir(parents=True)
+    model_dir.mkdir(parents=True, exist_ok=True)
     n_vocab = bpe_tokenizer(model_dir)
     config = transformers.LlamaConfig(
         vocab_size=n_vocab,
