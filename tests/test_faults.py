@@ -1,4 +1,5 @@
-"""Fault injection: the README's promises under the faults of issue 12, one test per item.
+"""Fault injection: the promises of docs/commands.md (exit codes, checkpoints, the config kept)
+under a review's list of faults, one test per item (the tests' names keep its numbers).
 
 - a mistake in the input exits 2 with one line and writes nothing;
 - a failed stage exits 1, status `failed`, keeping the last good checkpoint;
@@ -727,7 +728,7 @@ def test_13_a_command_named_for_an_unfinished_stage_works(done: Path, tmp_path: 
 def test_export_reads_checkpoints_written_on_another_device_count(
     done: Path, tmp_path: Path
 ) -> None:
-    """Found after issue 12: a run trained on several devices could not be exported by a
+    """Found after that list: a run trained on several devices could not be exported by a
     process with fewer (orbax restored "as saved", i.e. onto the writer's devices, and failed
     with a topology mismatch whose message advised `--fresh`). Export reads host arrays, so the
     same bytes come out on 1 device as on the 4 the run was trained on."""

@@ -1,5 +1,5 @@
 """Imported models through the CLI: a GGUF run end to end, held-out evaluation documents, and the
-checks that keep a decomposition of the model it says (issue 24 items 8, 9, 16): the weights'
+checks that keep a decomposition of the model it says: the weights'
 bytes hashed at init-weights, a tokenizer larger than the model refused, a forged token cache
 not trusted."""
 
@@ -139,7 +139,7 @@ def _triple_in_place(path: Path) -> None:
 
 @pytest.mark.slow
 def test_changed_weights_after_init_weights_are_refused(tmp_path, hf_llama):
-    """Issue 24 item 8: weights edited in place (same header bytes, size and mtime) after
+    """Weights edited in place (same header bytes, size and mtime) after
     init-weights: warmup refuses with one line, exit 2, nothing written."""
     model = tmp_path / "model"
     import shutil
@@ -184,7 +184,7 @@ def test_changed_gguf_is_refused_and_unchanged_needs_no_rehash(tmp_path, gguf_mo
 
 
 def test_tokenizer_larger_than_the_model_is_refused(tmp_path, gguf_model):
-    """Issue 24 item 9: a tokenizer with more ids than the model's embedding rows, or an EOS
+    """A tokenizer with more ids than the model's embedding rows, or an EOS
     outside the model's vocabulary: one line at init-weights, exit 2, nothing written."""
     model = tiny_model("llama")
     model.resize_token_embeddings(200)  # the GGUF's tokenizer keeps its 320 tokens
@@ -199,7 +199,7 @@ def test_tokenizer_larger_than_the_model_is_refused(tmp_path, gguf_model):
 
 
 def test_forged_token_cache_is_not_trusted(tmp_path, gguf_model, caplog):
-    """Issue 24 item 16: a valid int32 .npy of other (or negative) ids in place of the cache
+    """A valid int32 .npy of other (or negative) ids in place of the cache
     file is not a hit; an edit that keeps the data file's size and mtime is a miss."""
     corpus = write_corpus(tmp_path / "c.jsonl", 40)
     cache = tmp_path / "cache"
@@ -234,7 +234,7 @@ def test_forged_token_cache_is_not_trusted(tmp_path, gguf_model, caplog):
     ],
 )
 def test_bad_text_inputs_are_one_line_naming_the_file(tmp_path, gguf_model, name, content, needle):
-    """Issue 24 item 15, the text cases: each stops with one line naming the file (and line)."""
+    """Bad text inputs: each stops with one line naming the file (and line)."""
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(ValueError) as e:

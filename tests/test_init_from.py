@@ -60,7 +60,7 @@ def test_fresh_inputs_are_the_parents_final_decomposition(parent: Path, tmp_path
     parent_rid = state(parent, "train")["run_id"]
     assert proj.stage("train")["init_from"] == {"run": str(parent), "step": last,
                                                 "run_id": parent_rid}  # fmt: skip
-    assert proj.stage("train")["upstream"]["init_from"] == parent_rid  # item 8 (issue 37)
+    assert proj.stage("train")["upstream"]["init_from"] == parent_rid  # a parent rerun: stale
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_init_from_errors_are_one_line(parent: Path, tmp_path: Path) -> None:
     assert "has no train checkpoint" in line, line
 
 
-# ---- issue 37 items 7, 8, 9: the parent checked first, done, and upstream of the child --------
+# ---- the parent checked first, done, and upstream of the child --------------------------------
 # A parent made without training (its train checkpoints written directly, zeros of the right
 # shapes), so that these run in the fast tier.
 

@@ -1,4 +1,5 @@
-"""Mistakes in the input (issue 24, items 14, 17 and 19): each is one line naming the key or the
+"""Mistakes in the input (items 14, 17 and 19 of a review's list, as the section comments
+number them): each is one line naming the key or the
 file, exit 2, nothing written, no traceback, found before anything runs; and `pdctl export`
 of warmup, which used to crash.
 

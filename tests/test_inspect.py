@@ -442,7 +442,7 @@ def test_fit_check_cli(tmp_path: Path) -> None:
     ],
 )
 def test_an_empty_or_sub_byte_device_memory_is_one_line(tmp_path: Path, args, says) -> None:
-    # issue 37 item 11: these gave exit 0 and no fit check (fast: refused before any compile)
+    # these used to give exit 0 and no fit check (fast: refused before any compile)
     run = tiny_tms(tmp_path)
     bad = invoke("--project", str(run), "inspect-sharding", *args)
     assert bad.exit_code == 2, (args, bad.output)

@@ -1,4 +1,4 @@
-"""The default CPU mesh must never deadlock (issue 24 item 1).
+"""The default CPU mesh must never deadlock.
 
 XLA:CPU runs a collective between the devices of one process as an in-process rendezvous and
 admits at most 32 programs in flight per device. When a program with a collective is in flight

@@ -950,7 +950,8 @@ def test_pgd_sign_steps_raise_the_recon_loss_and_sources_are_held_constant():
 
 def test_faithfulness_of_a_model_with_more_than_2_31_weight_elements_traces():
     # Llama-3.1-8B's 224 sites hold 7.0e9 weight elements: the normaliser must not be an int32
-    # (the fit check of issue 20 failed with an OverflowError). Shapes only: nothing allocated.
+    # (the Llama-3.1-8B fit check once failed with an OverflowError). Shapes only: nothing
+    # allocated.
     S = jax.ShapeDtypeStruct
     weights = {"a": S((100_000, 30_000), jnp.float32)}
     comps = {"a": {"V": S((100_000, 1), jnp.float32), "U": S((1, 30_000), jnp.float32)}}
