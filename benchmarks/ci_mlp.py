@@ -1,8 +1,8 @@
 """The CI function (`mlp`, one hidden layer of 16) forward + backward on one device at the
 per-device shapes of the templates' train steps (2 devices: half the batch each), in
 formulations that move its (B, C, 16) arrays through memory differently, interleaved, best of
-R rounds; each against pdctl's own (`ci.ci_fn_apply`). Issue 13's probe (a hand-written
-backward, then `benchmarks/ci_vjp.py`) and issue 23's (the layers of width 1 as products and
+R rounds; each against pdctl's own (`ci.ci_fn_apply`). The first probe (a hand-written
+backward, then `benchmarks/ci_vjp.py`) and the second (the layers of width 1 as products and
 sums, XLA:CPU's YNNPACK reduction fusions) in one script.
 
     python benchmarks/ci_mlp.py [--shapes tms ...] [--repeats 5]
@@ -40,7 +40,8 @@ def pdctl_form(p, h):
 
 
 def einsum_form(p, h):
-    """pdctl's before issue 23: both layers as batched einsums (contractions of 1 and 16)."""
+    """pdctl's before `ci._per_component`: both layers as batched einsums (contractions of 1
+    and 16)."""
     a = h[..., None]
     for i in ("0", "1"):
         a = jnp.einsum("...ci,cio->...co", a, p[i]["W"]) + p[i]["b"]

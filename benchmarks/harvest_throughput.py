@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from _harness import tiny_llama
+
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from",
-         "old", "trees", "near", "rivers"]  # fmt: skip
 
 
 def tiny_run(root: Path) -> Path:
@@ -41,33 +40,8 @@ def tiny_run(root: Path) -> Path:
     run = root / "x"
     if (run / "pdctl.toml").is_file() and "[state.train]" in (run / "pdctl.toml").read_text():
         return run
-    import numpy as np
-    import tokenizers
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    root.mkdir(parents=True, exist_ok=True)
-    model_dir = root / "tiny-llama"
-    model_dir.mkdir(exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=96, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    n_vocab = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
-    config = transformers.LlamaConfig(vocab_size=n_vocab, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(model_dir, max_shard_size="40KB")
-    rng = np.random.default_rng(0)
-    with (root / "corpus.jsonl").open("w") as f:
-        for _ in range(2000):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=12))}) + "\n")
+    built = tiny_llama(root, docs=2000)  # tests/fixtures.py's, with a longer corpus
+    model_dir = built["model"]
     subprocess.run(["pdctl", "new", "x", "--template", "hf-lm"], cwd=root, check=True)
     text = (run / "pdctl.toml").read_text()
     import tomllib

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from _harness import machine_line
+
 SITES_PER_LAYER = 14
 
 
@@ -137,7 +139,7 @@ def main() -> None:
     if a.child:
         child(a.child[0], int(a.child[1]))
         return
-    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(machine_line())
     print("init_decomposition (V/U + CI fns + sources), 4 simulated CPU devices, fsdp=4")
     hdr = (
         f"{'sites':>6} {'groups':>6} | {'per-item compile':>16} {'run':>6} | "

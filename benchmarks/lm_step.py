@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _harness
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {3: "15", 6: "1[45]", 12: "1[2-5]", 90: "*"}
 
@@ -179,13 +181,10 @@ def run_child(
     ppgd_warmup: int = 0,
     remat: str = "none",
 ) -> dict:
-    # the checkout first, then the parent's path (a machine image's JAX may come through it)
-    path = [str(src), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = _harness.child_env(src)
     if devices:  # else pdctl's default: one CPU device per core
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    cmd = [
-        sys.executable,
+    argv = [
         __file__,
         "--child",
         str(n_sites),
@@ -198,10 +197,7 @@ def run_child(
         *(["--ppgd-warmup", str(ppgd_warmup)] if ppgd_warmup else []),
         *(["--remat", remat] if remat != "none" else []),
     ]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
-    if r.returncode:
-        sys.exit(f"child failed ({src}, {n_sites} sites):\n{r.stdout}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return _harness.run_child(argv, what=f"child ({src}, {n_sites} sites)", env=env, cwd=src)
 
 
 def main() -> None:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _harness
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16_MOMENTS = {"optim": {"moments_dtype": "bfloat16"}, "ci_optim": {"moments_dtype": "bfloat16"}}
@@ -138,15 +138,7 @@ def child_numerics(side: str, steps: int) -> dict:
 
 
 def run_child(*args: str) -> dict:
-    # the checkout first, then the parent's path (a machine image's JAX may come through it)
-    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-    r = subprocess.run(
-        [sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True
-    )
-    if r.returncode:
-        sys.exit(f"child {args} failed:\n{r.stdout}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return _harness.run_child([__file__, "--child", *args], what=f"child {args}")
 
 
 def mib(n: float) -> str:

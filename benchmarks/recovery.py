@@ -30,6 +30,7 @@ import tomllib
 from pathlib import Path
 
 import tomli_w
+from _harness import git_commit, machine_line
 
 
 def _value(text: str):
@@ -121,15 +122,11 @@ def main() -> None:
         key, _, text = item.partition("=")
         sets[key.strip()] = _value(text.strip())
     seeds = a.seed_list if a.seed_list else list(range(a.seeds))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent,
-    ).stdout.strip()
+    commit = git_commit()
+    print(machine_line(), flush=True)
     print(
-        f"template {a.template}, seeds {seeds}, overrides {sets or 'none'}, commit {commit}, "
-        f"{os.cpu_count()} CPUs, XLA_FLAGS={_env()['XLA_FLAGS']!r}",
+        f"template {a.template}, seeds {seeds}, overrides {sets or 'none'}, "
+        f"XLA_FLAGS={_env()['XLA_FLAGS']!r}",
         flush=True,
     )
     parent = a.keep or Path(tempfile.mkdtemp(prefix="pdctl-recovery-"))

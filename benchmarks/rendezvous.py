@@ -1,4 +1,5 @@
-"""What the rendezvous fix (issue 24 item 1) costs: train step and evaluation, before and after.
+"""What the rendezvous fix (tests/test_rendezvous.py) costs: train step and evaluation, before
+and after.
 
 On a multi-device XLA:CPU mesh the evaluation now works on a replicated batch, so none of its
 programs has a collective (`runtime.collective_free_eval`; see tests/test_rendezvous.py for the
@@ -19,68 +20,17 @@ process (that is the bug). Run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
+from _harness import rendezvous_llama
+
 
 def hf_model(root: Path) -> Path:
-    """A tiny random Llama (2 layers, d 64) with a byte-level BPE tokenizer and a corpus."""
-    import numpy as np
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    words = [
-        "the",
-        "cat",
-        "sat",
-        "on",
-        "a",
-        "mat",
-        "while",
-        "dogs",
-        "ran",
-        "far",
-        "away",
-        "from",
-        "old",
-        "trees",
-        "near",
-        "rivers",
-    ]
-    model = root / "model"
-    model.mkdir()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        [" ".join(words)] * 20,
-        trainers.BpeTrainer(
-            vocab_size=96,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    tok.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=tok.get_vocab_size(),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
-    ).save_pretrained(model)
-    rng = np.random.default_rng(0)
-    docs = (" ".join(rng.choice(words, size=12)) for _ in range(400))
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return model
+    """A tiny random Llama (2 layers, d 64) with a byte-level BPE tokenizer and a corpus
+    (tests/fixtures.py's, the one tests/test_rendezvous.py runs)."""
+    return rendezvous_llama(root)["model"]
 
 
 def configs(root: Path) -> list[tuple[str, Path, dict]]:

@@ -1,4 +1,4 @@
-"""Are arrays restored by orbax donatable? (jax issue 18617) The donated fraction of a
+"""Are arrays restored by orbax donatable? (jax-ml/jax#18617) The donated fraction of a
 checkpoint's arrays fed straight into a donating step, and after `checkpoint.rematerialize`.
 
 A state of a replicated 1 MiB leaf, an fsdp-sharded 4 MiB leaf and a tiny one is saved with

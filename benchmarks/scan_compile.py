@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,17 +144,12 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
 
 def run_child(n_layers: int, scan: bool, n_steps: int, root: Path = ROOT) -> dict:
     """One measurement in a fresh process, on the code under `root` (this file's copy there)."""
-    # the checkout first, then the parent's path (a machine image's JAX may come through it)
-    path = [str(root), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     script = root / "benchmarks" / "scan_compile.py"
-    cmd = [sys.executable, str(script), "--child", str(n_layers), "--steps", str(n_steps)]
+    argv = [str(script), "--child", str(n_layers), "--steps", str(n_steps)]
     if scan:
-        cmd.append("--scan")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
-    if r.returncode:
-        sys.exit(f"child failed ({n_layers} layers, scan {scan}):\n{r.stdout}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+        argv.append("--scan")
+    what = f"child ({n_layers} layers, scan {scan})"
+    return _harness.run_child(argv, what=what, env=_harness.child_env(root), cwd=root)
 
 
 def main() -> None:

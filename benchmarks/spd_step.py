@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _harness
 
 BATCHES = {"llama-mlp": 16}  # sequences; the toys use their template's batch
 
@@ -139,18 +138,16 @@ def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -
 def run_child(template: str, devices: str, n_steps: int, peak: float) -> dict:
     from pdctl.engine import runtime  # (imports no JAX: the parent never opens a device)
 
-    env = dict(os.environ)  # PYTHONPATH included: JAX may come from it (a TPU VM's image)
+    env = _harness.child_env()  # this checkout, then the parent's PYTHONPATH (a TPU VM's JAX)
     if not runtime.accelerator_host():  # XLA:CPU simulates N devices; elsewhere the child
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
         if devices != "default":  # takes the first N of the accelerator's devices
             flags.append(f"--xla_force_host_platform_device_count={devices}")
         env["XLA_FLAGS"] = " ".join(flags)
-    cmd = [sys.executable, __file__, "--child", template, "--steps", str(n_steps)]
-    cmd += ["--peak-tflops", str(peak), "--child-devices", devices]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"{template} on {devices} devices failed:\n{r.stderr[-3000:]}")
-    return {**json.loads(r.stdout.strip().splitlines()[-1]), "setting": devices}
+    argv = [__file__, "--child", template, "--steps", str(n_steps)]
+    argv += ["--peak-tflops", str(peak), "--child-devices", devices]
+    r = _harness.run_child(argv, what=f"{template} on {devices} devices", env=env)
+    return {**r, "setting": devices}
 
 
 def main() -> None:
@@ -177,13 +174,8 @@ def main() -> None:
         n = 0 if a.child_devices == "default" else int(a.child_devices)
         print(json.dumps(child(a.child, a.steps, a.peak_tflops, n)))
         return
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent,
-    ).stdout.strip()
-    print(f"commit {commit}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    commit = _harness.git_commit()
+    print(_harness.machine_line())
     rows = [run_child(c, d, a.steps, a.peak_tflops) for c in a.configs for d in a.devices]
     hdr = (
         f"{'config':<10} {'devices':>10} {'batch':>6} | {'compile s':>9} {'step ms':>8} "

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import machine_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Template -> config overrides (tiny but realistic: the real architectures, small widths/batch).
@@ -73,10 +75,9 @@ def main() -> None:
 
     devices = jax.devices()[: args.devices]
     mesh = sharding.make_mesh(len(devices), 1, devices)
-    print(
-        f"jax {jax.__version__}, {jax.default_backend()}: {len(devices)} x "
-        f"{devices[0].device_kind}, {os.cpu_count()} host cores"
-    )
+    print(machine_line())
+    kind = devices[0].device_kind
+    print(f"jax {jax.__version__}, {jax.default_backend()}: {len(devices)} x {kind}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for template in args.templates:

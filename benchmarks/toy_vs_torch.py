@@ -16,38 +16,29 @@ The torch side needs its own environment (setup in `torch_toy_step.py`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from _harness import child_env, git_commit, machine_line, run_child
 
 HERE = Path(__file__).parent
 TORCH_NAME = {"tms": "tms", "resid-mlp": "resid_mlp"}  # pdctl template -> torch_toy_step toy
 
 
 def torch_step(py: Path, spd: Path, template: str) -> float:
-    cmd = [str(py), str(HERE / "torch_toy_step.py"), "--child", TORCH_NAME[template]]
-    cmd += ["--spd", str(spd)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"torch side failed ({template}):\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["step_ms"]
+    argv = [str(HERE / "torch_toy_step.py"), "--child", TORCH_NAME[template], "--spd", str(spd)]
+    r = run_child(argv, what=f"torch side ({template})", env=dict(os.environ), python=str(py))
+    return r["step_ms"]
 
 
 def pdctl_step(template: str, steps: int) -> float:
-    env = dict(os.environ)  # pdctl's default devices: no forced device count
+    env = child_env()  # pdctl's default devices: no forced device count
     env["XLA_FLAGS"] = " ".join(
         f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
     )
-    cmd = [sys.executable, str(HERE / "spd_step.py"), "--child", template, "--steps", str(steps)]
-    cmd += ["--child-devices", "default"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode:
-        sys.exit(f"pdctl side failed ({template}):\n{r.stderr[-3000:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    return out["step_ms"]
+    argv = [str(HERE / "spd_step.py"), "--child", template, "--steps", str(steps)]
+    argv += ["--child-devices", "default"]
+    return run_child(argv, what=f"pdctl side ({template})", env=env)["step_ms"]
 
 
 def main() -> None:
@@ -58,18 +49,7 @@ def main() -> None:
     ap.add_argument("--torch-python", type=Path, default=Path("/work/spd-bench/venv/bin/python"))
     ap.add_argument("--spd", type=Path, default=Path("/work/spd-bench/spd"))
     a = ap.parse_args()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-    ).stdout.strip()
-    spd = subprocess.run(
-        ["git", "-C", str(a.spd), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    print(
-        f"pdctl {commit}, goodfire-ai/spd {spd}, {os.cpu_count()} CPUs, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"load average {os.getloadavg()[0]:.1f}",
-        flush=True,
-    )
+    print(f"{machine_line()}; goodfire-ai/spd {git_commit(a.spd)}", flush=True)
     got: dict[str, dict[str, list[float]]] = {t: {"torch": [], "pdctl": []} for t in a.toys}
     for r in range(a.rounds):
         for t in a.toys:

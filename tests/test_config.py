@@ -314,9 +314,9 @@ def test_match_sites_site_matched_twice_is_an_error() -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        # issue 12 item 7: nothing to decompose is a mistake, not a no-op run
+        # nothing to decompose is a mistake, not a no-op run
         (lambda raw: raw["decomp"].__setitem__("sites", []), "decomp.sites: empty"),
-        # issue 12 item 12: every float in the config is finite
+        # every float in the config is finite
         (lambda raw: raw["train"]["optim"].__setitem__("lr", float("inf")), "train.optim.lr"),
         (lambda raw: raw["train"]["optim"].__setitem__("lr", float("nan")), "train.optim.lr"),
     ],

@@ -109,6 +109,7 @@ def _check_donating_calls(step, params, st, n_calls: int = 2) -> None:
         assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_devices", [1, 4])
 def test_warmup_and_train_steps_donate_the_state_but_not_the_target(
     tms_steps, n_devices: int
@@ -126,6 +127,7 @@ def test_warmup_and_train_steps_donate_the_state_but_not_the_target(
 # parity
 
 
+@pytest.mark.slow
 def test_train_losses_match_on_1_and_4_devices(tms_steps) -> None:
     """The same SPD train steps (toy batches generated on device from the step key, PPGD on) on
     1 device, on fsdp=4 and on data=4 give the same losses.

@@ -274,14 +274,14 @@ def _max_rel_dev(traj: np.ndarray, ref: np.ndarray) -> float:
 # llama-mlp on every 4-device mesh; resid-mlp (batches generated on the device under a sharding
 # constraint) on the mesh that uses both axes.
 PARITY_CASES = [
-    # The pure-axis meshes are slow (~8-14 s each); data2_fsdp2 splits both axes in the fast tier.
-    pytest.param("llama-mlp", "data4", marks=pytest.mark.slow),
-    pytest.param("llama-mlp", "fsdp4", marks=pytest.mark.slow),
+    ("llama-mlp", "data4"),
+    ("llama-mlp", "fsdp4"),
     ("llama-mlp", "data2_fsdp2"),
     ("resid-mlp", "data2_fsdp2"),
 ]
 
 
+@pytest.mark.slow  # ~8-14 s each
 @pytest.mark.parametrize(("template", "mesh"), PARITY_CASES)
 def test_parity_1_vs_4_devices(pieces, reference, template: str, mesh: str) -> None:
     ref = reference(template)

@@ -1,4 +1,5 @@
-"""Fault injection: the README's promises under the faults of issue 12, one test per item.
+"""Fault injection: the promises of docs/commands.md (exit codes, checkpoints, the config kept)
+under a review's list of faults, one test per item (the tests' names keep its numbers).
 
 - a mistake in the input exits 2 with one line and writes nothing;
 - a failed stage exits 1, status `failed`, keeping the last good checkpoint;
@@ -185,6 +186,7 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 # ---- 1. edits made while a stage runs --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_1_edits_made_while_a_stage_runs_are_kept(
     initialized: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,6 +218,7 @@ def test_1_edits_made_while_a_stage_runs_are_kept(
 # ---- 2. resume ignores staleness -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_2_resuming_a_stale_stage_is_refused(done: Path, tmp_path: Path) -> None:
     run = _copy(done, tmp_path)
     _ok("--project", run, "train", "--fresh", "--until", "5")
@@ -235,6 +238,7 @@ def test_2_resuming_a_stale_stage_is_refused(done: Path, tmp_path: Path) -> None
 # ---- 3. non-finite runs fail cleanly ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_3_a_non_finite_train_fails_cleanly_keeping_the_checkpoints(
     done: Path, tmp_path: Path
 ) -> None:
@@ -397,6 +401,7 @@ def _status_on_disk(run: Path, stage: str) -> str | None:
     return raw.get("state", {}).get(stage, {}).get("status")
 
 
+@pytest.mark.slow
 def test_6_kill_9_before_the_first_checkpoint_then_resume(done: Path, tmp_path: Path) -> None:
     """`pretrain --fresh` killed before its first checkpoint: the previous run's checkpoints
     are still there, and `pdctl resume` starts the stage over, saying so."""
@@ -432,6 +437,7 @@ def test_6_kill_9_before_the_first_checkpoint_then_resume(done: Path, tmp_path: 
 _SIGTERM_NOW = "lambda: os.kill(os.getpid(), signal.SIGTERM)"
 
 
+@pytest.mark.slow
 def test_8_sigterm_while_restoring_a_fresh_start(initialized: Path, tmp_path: Path) -> None:
     """SIGTERM while the stage restores init-weights (before anything is compiled): exit 3,
     `interrupted` with a checkpoint at step 0, and `pdctl resume` finishes it."""
@@ -446,6 +452,7 @@ def test_8_sigterm_while_restoring_a_fresh_start(initialized: Path, tmp_path: Pa
     assert "pretrain: done at step 20" in _ok("--project", run, "resume").stdout
 
 
+@pytest.mark.slow
 def test_8_sigterm_while_restoring_a_resume(initialized: Path, tmp_path: Path) -> None:
     run = _copy(initialized, tmp_path)
     _ok("--project", run, "pretrain", "--until", "7")
@@ -564,6 +571,7 @@ def _ro_mount(run: Path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_13_read_only_run_directory(initialized: Path, tmp_path: Path) -> None:
     run = _copy(initialized, tmp_path)
     before = _snapshot(run)
@@ -572,6 +580,7 @@ def test_13_read_only_run_directory(initialized: Path, tmp_path: Path) -> None:
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_13_jax_platforms_without_that_device(initialized: Path, tmp_path: Path) -> None:
     run = _copy(initialized, tmp_path)
     before = _snapshot(run)
@@ -706,6 +715,7 @@ def test_13_a_mistake_found_after_the_stage_began_writes_nothing(
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_13_a_command_named_for_an_unfinished_stage_works(done: Path, tmp_path: Path) -> None:
     run = _copy(done, tmp_path)
     _ok("--project", run, "warmup", "--fresh", "--until", "2")
@@ -718,7 +728,7 @@ def test_13_a_command_named_for_an_unfinished_stage_works(done: Path, tmp_path: 
 def test_export_reads_checkpoints_written_on_another_device_count(
     done: Path, tmp_path: Path
 ) -> None:
-    """Found after issue 12: a run trained on several devices could not be exported by a
+    """Found after that list: a run trained on several devices could not be exported by a
     process with fewer (orbax restored "as saved", i.e. onto the writer's devices, and failed
     with a topology mismatch whose message advised `--fresh`). Export reads host arrays, so the
     same bytes come out on 1 device as on the 4 the run was trained on."""

@@ -197,13 +197,10 @@ def _tokens(n: int = 2, t: int = 24) -> np.ndarray:
     return np.random.default_rng(0).integers(0, VOCAB, size=(n, t))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "qtype", "tied"),
-    [
-        ("llama", Q.Q8_0, False),
-        pytest.param("llama", Q.F16, True, marks=pytest.mark.slow),
-        pytest.param("qwen2", Q.Q4_1, False, marks=pytest.mark.slow),
-    ],
+    [("llama", Q.Q8_0, False), ("llama", Q.F16, True), ("qwen2", Q.Q4_1, False)],
 )
 def test_tiny_gguf_logits_equal_transformers(tmp_path, arch, qtype, tied):
     """pdctl reads the file as transformers does: same dequantised weights, same Q/K rows,

@@ -115,7 +115,7 @@ def test_database_layout_and_refusals(tmp_path: Path):
     by_token = con.execute("SELECT DISTINCT site, component FROM tokens WHERE token = 2 "
                            "AND kind = 'count' ORDER BY site, component").fetchall()  # fmt: skip
     assert by_token == [("a", 2)]  # "which components fire on this token"
-    # no WAL: the file is never written in place, and readers open it immutable (issue 37)
+    # no WAL: the file is never written in place, and readers open it immutable
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     con.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h.db"]  # nothing beside it
@@ -139,6 +139,7 @@ def _random_ci(rng, shape, C):
     return np.where(noisy, rng.random((*shape, C)).astype(np.float32), ci)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lm", [True, False], ids=["lm", "toy"])
 def test_the_device_accumulator_equals_the_numpy_reference_bit_for_bit(tmp_path: Path, lm):
     """The jitted accumulator against the host reference it replaced (`reference.Harvest`,
@@ -191,6 +192,7 @@ def _db_rows(path: Path, h) -> list[str]:
         con.close()
 
 
+@pytest.mark.slow
 def test_the_fixed_point_sum_is_exact_in_any_order():
     """CI sums are int64 multiples of 2**-24 (`SUM_SCALE`): equal bits to the reference in
     any batching, within half a unit per value of the float64 sum."""
@@ -316,6 +318,7 @@ def _dump(path: Path) -> list[str]:
         con.close()
 
 
+@pytest.mark.slow
 def test_harvest_of_a_toy_run_and_an_interrupted_one_resumes(tms_trained: Path, monkeypatch):
     # beyond --cooc-max components a second pass counts co-occurrence among the most often
     # firing ones: the same rows as the dense matrix for the pairs both keep
@@ -522,6 +525,7 @@ def test_browse_api_is_read_only_over_the_run(served):
     assert _get(f"{base}/files/link")[0] == 403
 
 
+@pytest.mark.slow
 def test_browse_in_headless_chromium(served, tmp_path: Path):
     import os
 
@@ -677,7 +681,8 @@ def test_one_vs_two_processes_give_the_same_database(tms_trained: Path):
     assert not list(path.parent.glob("cooc-*"))
 
 
-# ---- issue 37: hostile run directories, the lock, bad input, forged partial state ---------------
+# ---- hostile run directories (items as test_hostile.py numbers them), the lock, bad input,
+# forged partial state ---------------------------------------------------------------------------
 
 
 def _tree(root: Path) -> dict[str, object]:
@@ -710,7 +715,7 @@ HV = ("harvest", "--tokens", "2048", "--batch-size", "256")  # 8 batches
     "name", ["harvest", "harvest/partial.npz.tmp", "harvest/harvest.db.tmp", "harvest/partial.npz"]
 )
 def test_a_symlink_in_harvest_is_refused(trained_copy: Path, tmp_path: Path, name: str):
-    # issue 37 item 3: a harvest/ that links outside got harvest.db written there, and a
+    # item 3: a harvest/ that links outside got harvest.db written there, and a
     # harvest/partial.npz.tmp link had the file it points to overwritten
     run = trained_copy
     outside = tmp_path / "outside"
@@ -729,7 +734,7 @@ def test_a_symlink_in_harvest_is_refused(trained_copy: Path, tmp_path: Path, nam
 
 
 def test_harvest_holds_the_run_directory_lock(trained_copy: Path, monkeypatch):
-    # issue 37 item 10: a harvest ran while `train --fresh` replaced its checkpoint
+    # item 10: a harvest ran while `train --fresh` replaced its checkpoint
     from pdctl.errors import PdctlError
 
     run = trained_copy
@@ -805,7 +810,7 @@ def _forge(path: Path, checksum: bool, **arrays) -> None:
 
 
 def test_a_forged_partial_harvest_is_not_trusted(trained_copy: Path, monkeypatch):
-    # issue 37 item 11: a negative `_next` gave a traceback, inflated counts were trusted
+    # item 11: a negative `_next` gave a traceback, inflated counts were trusted
     run = trained_copy
     partial = run / "harvest" / "partial.npz"
     _stopped_after(run, monkeypatch, 3)  # saved after batch 4 of 8
@@ -835,7 +840,7 @@ def test_a_forged_partial_harvest_is_not_trusted(trained_copy: Path, monkeypatch
 
 
 def test_a_full_disk_during_harvest_is_one_line(trained_copy: Path, monkeypatch):
-    # issue 37 item 11: ENOSPC gave a traceback and left partial.npz.tmp behind
+    # item 11: ENOSPC gave a traceback and left partial.npz.tmp behind
     import errno
 
     run = trained_copy
@@ -881,7 +886,7 @@ def _hostile(run: Path) -> None:
 
 @pytest.mark.slow  # headless Chromium: ~6 s
 def test_browse_escapes_a_hostile_database_in_headless_chromium(tmp_path: Path):
-    # issue 37 item 4: an <img onerror> in sites.C, meta.step or components.count ran on #/
+    # item 4: an <img onerror> in sites.C, meta.step or components.count ran on #/
     import os
     import time
 
@@ -925,7 +930,7 @@ def _api_tour(base: str) -> None:
 
 
 def test_browse_writes_nothing_in_the_run_directory(tmp_path: Path):
-    # issue 37 item 5: harvest.db-wal / -shm were left after a few requests, and when
+    # item 5: harvest.db-wal / -shm were left after a few requests, and when
     # refusing a bad port or host. A database written WAL (by pdctl before this) is the case.
     from helpers import free_port
 
@@ -944,7 +949,7 @@ def test_browse_writes_nothing_in_the_run_directory(tmp_path: Path):
 
 @pytest.mark.slow  # a pdctl browse process (imports JAX for the token decoder): ~6 s
 def test_browse_serves_a_read_only_run_directory(tmp_path: Path):
-    # issue 37 item 6: a run directory the user cannot write was not served
+    # item 6: a run directory the user cannot write was not served
     import os
     import shutil
     import subprocess
@@ -994,7 +999,7 @@ def test_browse_serves_a_read_only_run_directory(tmp_path: Path):
 
 
 def test_browse_answers_hostile_queries_and_databases_with_a_4xx_at_once(tmp_path: Path):
-    # issue 37 item 13: a huge offset gave a 500, a database of `meta` only 500s, and
+    # item 13: a huge offset gave a 500, a database of `meta` only 500s, and
     # meta.vocab = 2e9 held the server in /api/search for > 15 s
     import json
     import time

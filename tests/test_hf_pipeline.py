@@ -1,7 +1,7 @@
 """An imported Hugging Face model through the CLI: `pdctl new x --template hf-lm`, a tiny
 random Llama (grouped-query attention) saved locally with transformers, its BPE tokenizer
-trained here, a small jsonl corpus; then `pdctl run`, resume, export and the bad inputs. No
-network anywhere.
+and a small jsonl corpus (tests/fixtures.py's `hf_llama`); then `pdctl run`, resume, export
+and the bad inputs. No network anywhere.
 """
 
 from __future__ import annotations
@@ -14,76 +14,11 @@ import numpy as np
 import pytest
 from helpers import cli, edit_config, error_lines, state
 
-transformers = pytest.importorskip("transformers", reason="needs the parity extra")
-tokenizers = pytest.importorskip("tokenizers")
-
-VOCAB = 96
-WORDS = [
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "while",
-    "dogs",
-    "ran",
-    "far",
-    "away",
-    "from",
-    "old",
-    "trees",
-    "near",
-    "rivers",
-]
+pytest.importorskip("transformers", reason="needs the parity extra")
+pytest.importorskip("tokenizers")
 
 
-def _tokenizer(model_dir: Path) -> None:
-    """A byte-level BPE tokenizer.json trained on a few sentences, with an EOS token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    model_dir = root / "tiny-llama"
-    model_dir.mkdir()
-    _tokenizer(model_dir)
-    n_vocab = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
-    config = transformers.LlamaConfig(
-        vocab_size=n_vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    import torch
-
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(model_dir, max_shard_size="40KB")
-    rng = np.random.default_rng(0)
-    corpus = root / "corpus.jsonl"
-    with corpus.open("w") as f:
-        for _ in range(200):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=12))}) + "\n")
-    return {"model": model_dir, "corpus": corpus, "root": root}
-
-
-def _run(tmp_path: Path, assets: dict[str, Path], **over) -> Path:
+def _run(tmp_path: Path, hf_llama: dict[str, Path], **over) -> Path:
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -92,8 +27,8 @@ def _run(tmp_path: Path, assets: dict[str, Path], **over) -> Path:
         os.chdir(cwd)
     run = tmp_path / "x"
     small = {
-        "target": {"path": str(assets["model"])},
-        "data": {"path": str(assets["corpus"]), "seq_len": 16},
+        "target": {"path": str(hf_llama["model"])},
+        "data": {"path": str(hf_llama["corpus"]), "seq_len": 16},
         "checkpoint": {"every": 5},
         "decomp": {
             "sites": [{"pattern": "*.mlp.*", "C": 8}, {"pattern": "*attn.*", "C": 4}],
@@ -108,13 +43,13 @@ def _run(tmp_path: Path, assets: dict[str, Path], **over) -> Path:
 
 
 @pytest.mark.slow
-def test_run_decomposes_an_imported_llama_and_resume_is_bit_exact(tmp_path, assets):
-    run = _run(tmp_path, assets)
+def test_run_decomposes_an_imported_llama_and_resume_is_bit_exact(tmp_path, hf_llama):
+    run = _run(tmp_path, hf_llama)
     r = cli("--project", run, "run")
     assert r.exit_code == 0, r.output
     pre = state(run, "pretrain")
     assert pre["status"] == "imported"
-    assert pre["source"] == str(assets["model"].resolve()) and len(pre["checksum"]) == 64
+    assert pre["source"] == str(hf_llama["model"].resolve()) and len(pre["checksum"]) == 64
     tr = state(run, "train")
     assert tr["status"] == "done" and tr["step"] == 10
     ev = tr["eval"]
@@ -172,8 +107,8 @@ def _one_line(result, *needles: str) -> str:
     return lines[0]
 
 
-def test_bad_imports_are_one_line_and_write_nothing(tmp_path, assets):
-    run = _run(tmp_path, assets)
+def test_bad_imports_are_one_line_and_write_nothing(tmp_path, hf_llama):
+    run = _run(tmp_path, hf_llama)
     before = (run / "pdctl.toml").read_bytes()
 
     def check(over, *needles):
@@ -186,21 +121,21 @@ def test_bad_imports_are_one_line_and_write_nothing(tmp_path, assets):
     # an unsupported architecture
     odd = tmp_path / "odd"
     odd.mkdir()
-    for f in assets["model"].iterdir():
+    for f in hf_llama["model"].iterdir():
         (odd / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((assets["model"] / "config.json").read_text())
+    cfg = json.loads((hf_llama["model"] / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"]}))
     check({"target": {"path": str(odd)}}, "target.path", "MistralForCausalLM", "supported")
     # a site glob that matches no module of the model
     check(
-        {"target": {"path": str(assets["model"])},
+        {"target": {"path": str(hf_llama["model"])},
          "decomp": {"sites": [{"pattern": "transformer.h.*.mlp.c_fc", "C": 4}]}},
         "decomp.sites.0.pattern", "model.layers.0.mlp.gate_proj",
     )  # fmt: skip
     # a model directory without its tokenizer
     no_tok = tmp_path / "no-tok"
     no_tok.mkdir()
-    for f in assets["model"].iterdir():
+    for f in hf_llama["model"].iterdir():
         if f.name != "tokenizer.json":
             (no_tok / f.name).write_bytes(f.read_bytes())
     check(
@@ -211,7 +146,7 @@ def test_bad_imports_are_one_line_and_write_nothing(tmp_path, assets):
     # a shard whose tensor has the wrong shape
     bad = tmp_path / "bad"
     bad.mkdir()
-    for f in assets["model"].iterdir():
+    for f in hf_llama["model"].iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     cfg["intermediate_size"] = 80
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -220,15 +155,15 @@ def test_bad_imports_are_one_line_and_write_nothing(tmp_path, assets):
 
 
 @pytest.mark.slow  # init-weights of the imported model compiles for ~25 s
-def test_pretrain_of_an_imported_model_is_refused(tmp_path, assets):
-    run = _run(tmp_path, assets)
+def test_pretrain_of_an_imported_model_is_refused(tmp_path, hf_llama):
+    run = _run(tmp_path, hf_llama)
     assert cli("--project", run, "init-weights").exit_code == 0
     _one_line(cli("--project", run, "pretrain"), "imported", "pdctl warmup")
     assert state(run, "pretrain")["status"] == "imported"
 
 
 @pytest.mark.slow
-def test_train_resumes_across_the_state_layout(tmp_path, assets):
+def test_train_resumes_across_the_state_layout(tmp_path, hf_llama):
     """A checkpoint written with one array per site (`scan_layers = false`, as every pdctl
     before stacked sites wrote them) resumes with the layers scanned and the sites stacked,
     and the other way round; the results agree with an unbroken run to float reassociation
@@ -236,7 +171,7 @@ def test_train_resumes_across_the_state_layout(tmp_path, assets):
 
     def make(name: str, scan: bool) -> Path:
         (tmp_path / name).mkdir()
-        run = _run(tmp_path / name, assets)
+        run = _run(tmp_path / name, hf_llama)
         edit_config(run, {"train": {"scan_layers": scan}})
         return run
 
@@ -276,14 +211,14 @@ def test_train_resumes_across_the_state_layout(tmp_path, assets):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_run_matches_data_parallel_and_resumes_bit_exact(tmp_path, assets):
+def test_tensor_parallel_run_matches_data_parallel_and_resumes_bit_exact(tmp_path, hf_llama):
     """`[mesh] tp = 2` (data 2 x tp 2 on the session's 4 devices) through the CLI: the run
     ends as the data-parallel one does (float32 reassociation of the tp all-reduces:
     measured 3.8e-5 at most on the exported arrays after 10 steps), resumes bit for bit, and a
     tp that the kv heads do not divide is one line before anything runs."""
     (tmp_path / "dp").mkdir()
     (tmp_path / "tp").mkdir()
-    dp, tp = _run(tmp_path / "dp", assets), _run(tmp_path / "tp", assets)
+    dp, tp = _run(tmp_path / "dp", hf_llama), _run(tmp_path / "tp", hf_llama)
     edit_config(tp, {"mesh": {"data": 2, "tp": 2}})
     for run in (dp, tp):
         r = cli("--project", run, "run")
@@ -303,19 +238,19 @@ def test_tensor_parallel_run_matches_data_parallel_and_resumes_bit_exact(tmp_pat
         np.testing.assert_array_equal(again[k], b[k], err_msg=k)
 
     (tmp_path / "bad").mkdir()
-    bad = _run(tmp_path / "bad", assets)
+    bad = _run(tmp_path / "bad", hf_llama)
     edit_config(bad, {"mesh": {"data": 1, "tp": 4}})
     r = cli("--project", bad, "run")
     assert r.exit_code == 2, r.output
     assert error_lines(r) == [
         f"error: mesh.tp: 4 does not divide num_key_value_heads = 2 in "
-        f"{assets['model'].resolve() / 'config.json'}"
+        f"{hf_llama['model'].resolve() / 'config.json'}"
     ], r.output
     assert not (bad / "checkpoints").exists() and not state(bad, "init_weights")
 
 
 @pytest.mark.slow
-def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, assets):
+def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, hf_llama):
     """`pdctl harvest` on an LM run: token windows decoded by the model's tokenizer in the
     browser's API, and each measured output effect equal to the one recomputed here from the
     evaluation's CI program and masked forward, sample position by sample position."""
@@ -329,7 +264,7 @@ def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, assets):
     from pdctl.science.spd.losses import masked_forward
     from pdctl.stages.decomposition import load_decomposition
 
-    run = _run(tmp_path, assets)
+    run = _run(tmp_path, hf_llama)
     assert cli("--project", run, "run").exit_code == 0
     r = cli("--project", run, "harvest", "--tokens", "512", "--effects", "2", "--top-k", "4")
     assert r.exit_code == 0, r.output

@@ -1,5 +1,5 @@
-"""Hostile run directories (issue 37, items 1 and 2; the harvest and browse items, 3-6, 10, 11
-and 13, are tested in test_harvest.py next to their fixtures, and inspect-sharding's flag in
+"""Hostile run directories (a review's items 1 and 2; the harvest and browse items, 3-6, 10,
+11 and 13, are tested in test_harvest.py next to their fixtures, and inspect-sharding's flag in
 test_inspect.py):
 
 1. the compile cache runs only what this user compiled (a signed entry, a marked directory);

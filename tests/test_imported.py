@@ -1,5 +1,5 @@
 """Imported models through the CLI: a GGUF run end to end, held-out evaluation documents, and the
-checks that keep a decomposition of the model it says (issue 24 items 8, 9, 16): the weights'
+checks that keep a decomposition of the model it says: the weights'
 bytes hashed at init-weights, a tokenizer larger than the model refused, a forged token cache
 not trusted."""
 
@@ -17,23 +17,15 @@ from helpers import cli, edit_config, error_lines, state
 from pdctl.science import data
 
 pytest.importorskip("transformers")
+from fixtures import write_corpus
 from test_gguf import tiny_model, write_gguf
-from test_hf_pipeline import WORDS, _run
-from test_hf_pipeline import assets as hf_assets  # noqa: F401  (a fixture, used by name)
+from test_hf_pipeline import _run
 
 
 @pytest.fixture(scope="module")
 def gguf_model(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("gguf")
     return write_gguf(tiny_model("llama"), "llama", root / "tiny.gguf")
-
-
-def _corpus(path: Path, n: int = 200) -> Path:
-    rng = np.random.default_rng(0)
-    with path.open("w") as f:
-        for _ in range(n):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=12))}) + "\n")
-    return path
 
 
 def _gguf_run(tmp_path: Path, gguf_model: Path, **over) -> Path:
@@ -44,9 +36,10 @@ def _gguf_run(tmp_path: Path, gguf_model: Path, **over) -> Path:
     finally:
         os.chdir(cwd)
     run = tmp_path / "g"
+    corpus = write_corpus(tmp_path / "c.jsonl", 200)
     small = {
         "target": {"path": str(gguf_model)},
-        "data": {"path": str(_corpus(tmp_path / "c.jsonl")), "separator": "", "seq_len": 16,
+        "data": {"path": str(corpus), "separator": "", "seq_len": 16,
                  "eval_fraction": 0.25},
         "checkpoint": {"every": 5},
         "decomp": {"sites": [{"pattern": "model.layers.1.mlp.*", "C": 8}],
@@ -97,7 +90,7 @@ def test_gguf_run_end_to_end_with_held_out_eval(tmp_path, gguf_model):
 def test_held_out_documents_are_whole_and_disjoint(tmp_path, gguf_model):
     """Split by document: every document lands on exactly one side, whole; the sides' streams
     together are the unsplit stream's documents; the split is the same at any seed."""
-    corpus = _corpus(tmp_path / "c.jsonl", n=60)
+    corpus = write_corpus(tmp_path / "c.jsonl", 60)
     kw = {"tokenizer_path": gguf_model, "eval_fraction": 0.3}
     whole = data.load_corpus(corpus, tokenizer_path=gguf_model)
     train = data.load_corpus(corpus, split="train", **kw)
@@ -145,14 +138,14 @@ def _triple_in_place(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_changed_weights_after_init_weights_are_refused(tmp_path, hf_assets):  # noqa: F811
-    """Issue 24 item 8: weights edited in place (same header bytes, size and mtime) after
+def test_changed_weights_after_init_weights_are_refused(tmp_path, hf_llama):
+    """Weights edited in place (same header bytes, size and mtime) after
     init-weights: warmup refuses with one line, exit 2, nothing written."""
     model = tmp_path / "model"
     import shutil
 
-    shutil.copytree(hf_assets["model"], model)
-    run = _run(tmp_path, hf_assets, target={"path": str(model)})
+    shutil.copytree(hf_llama["model"], model)
+    run = _run(tmp_path, hf_llama, target={"path": str(model)})
     assert cli("--project", run, "init-weights").exit_code == 0
     before = (run / "pdctl.toml").read_bytes()
     _triple_in_place(sorted(model.glob("*.safetensors"))[1])
@@ -191,7 +184,7 @@ def test_changed_gguf_is_refused_and_unchanged_needs_no_rehash(tmp_path, gguf_mo
 
 
 def test_tokenizer_larger_than_the_model_is_refused(tmp_path, gguf_model):
-    """Issue 24 item 9: a tokenizer with more ids than the model's embedding rows, or an EOS
+    """A tokenizer with more ids than the model's embedding rows, or an EOS
     outside the model's vocabulary: one line at init-weights, exit 2, nothing written."""
     model = tiny_model("llama")
     model.resize_token_embeddings(200)  # the GGUF's tokenizer keeps its 320 tokens
@@ -206,9 +199,9 @@ def test_tokenizer_larger_than_the_model_is_refused(tmp_path, gguf_model):
 
 
 def test_forged_token_cache_is_not_trusted(tmp_path, gguf_model, caplog):
-    """Issue 24 item 16: a valid int32 .npy of other (or negative) ids in place of the cache
+    """A valid int32 .npy of other (or negative) ids in place of the cache
     file is not a hit; an edit that keeps the data file's size and mtime is a miss."""
-    corpus = _corpus(tmp_path / "c.jsonl", n=40)
+    corpus = write_corpus(tmp_path / "c.jsonl", 40)
     cache = tmp_path / "cache"
     first = np.array(data.load_corpus(corpus, tokenizer_path=gguf_model, cache_dir=cache))
     (file,) = cache.glob("tokens-*.npy")
@@ -241,7 +234,7 @@ def test_forged_token_cache_is_not_trusted(tmp_path, gguf_model, caplog):
     ],
 )
 def test_bad_text_inputs_are_one_line_naming_the_file(tmp_path, gguf_model, name, content, needle):
-    """Issue 24 item 15, the text cases: each stops with one line naming the file (and line)."""
+    """Bad text inputs: each stops with one line naming the file (and line)."""
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(ValueError) as e:

@@ -153,16 +153,15 @@ def _check_shardings(out: dict[str, Any], cfg: Config, target, mesh) -> None:
             assert c["V"].sharding.is_fully_replicated
 
 
+@pytest.mark.slow  # 20-25 s each, their reference init included
 @pytest.mark.parametrize(
     ("case", "n_devices"),
     [
-        # 20-25 s each (their reference init included); llama-mlp at 4 devices, a real
-        # multi-site group, stays in the fast tier.
-        pytest.param("llama-mlp", 1, marks=pytest.mark.slow),
+        ("llama-mlp", 1),
         ("llama-mlp", 4),
-        pytest.param("tms-hidden-vector_mlp", 4, marks=pytest.mark.slow),
-        pytest.param("llama-shared_mlp", 1, marks=pytest.mark.slow),
-        pytest.param("llama-transformer", 4, marks=pytest.mark.slow),
+        ("tms-hidden-vector_mlp", 4),
+        ("llama-shared_mlp", 1),
+        ("llama-transformer", 4),
     ],
 )
 def test_stacked_init_is_bit_identical_to_the_per_site_reference(case: str, n_devices: int):

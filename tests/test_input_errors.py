@@ -1,4 +1,5 @@
-"""Mistakes in the input (issue 24, items 14, 17 and 19): each is one line naming the key or the
+"""Mistakes in the input (items 14, 17 and 19 of a review's list, as the section comments
+number them): each is one line naming the key or the
 file, exit 2, nothing written, no traceback, found before anything runs; and `pdctl export`
 of warmup, which used to crash.
 
@@ -18,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from fixtures import bpe_tokenizer, write_corpus
 from helpers import cli_fails, cli_ok, edit_config
 from safetensors.numpy import save_file
 
@@ -368,27 +370,6 @@ def test_qwen2_default_max_position_embeddings_is_transformers(tmp_path):
 
 # ---- item 14 and 19 through `pdctl run`: an imported model -----------------------------------
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from",
-         "old", "trees", "near", "rivers"]  # fmt: skip
-
-
-def _tokenizer(model_dir: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return tok.get_vocab_size(with_added_tokens=True)
-
-
 HF_VOCAB = 320
 
 
@@ -400,7 +381,7 @@ def hf_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf-model")
     model = root / "llama"
     model.mkdir()
-    n_tok = _tokenizer(model)
+    n_tok = bpe_tokenizer(model, vocab_size=300)
     assert n_tok < HF_VOCAB
     (model / "config.json").write_text(json.dumps({**LLAMA, "vocab_size": HF_VOCAB}))
     (model / "model.safetensors").touch()
@@ -411,10 +392,7 @@ def hf_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for t in target.checkpoint_layout().values()
     }
     save_file(tensors, str(model / "model.safetensors"))
-    corpus = root / "corpus.jsonl"
-    with corpus.open("w") as f:
-        for _ in range(100):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=12))}) + "\n")
+    corpus = write_corpus(root / "corpus.jsonl", 100, rng)  # rng: after the weights' draws
     return {"model": model, "corpus": corpus, "tokenizer_ids": n_tok}
 
 

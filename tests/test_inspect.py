@@ -106,6 +106,7 @@ def check_rows(report: dict) -> None:
 # ---- layout ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_preview_8_devices_bytes_match_shapes(tmp_path: Path) -> None:
     """--devices 8 (a child process; this one has 4): fsdp=-1 from the config, then an explicit
     data=2,fsdp=4 mesh; every array's bytes per device = shape x itemsize / shards."""
@@ -194,6 +195,7 @@ def test_text_output(tmp_path: Path) -> None:
 # ---- compiled memory and donation ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["pretrain", "warmup", "train"])
 @pytest.mark.parametrize("template", ["tms", "llama"])
 def test_compile_aliases_the_donated_state(tmp_path: Path, template: str, stage: str) -> None:
@@ -330,6 +332,7 @@ def test_bad_options_are_one_line_errors(tmp_path: Path, argv: list[str], expect
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_child_error_is_relayed(tmp_path: Path) -> None:
     """A config error in the --devices child comes back as its one line and exit code 2."""
     run = tiny_tms(tmp_path)
@@ -402,6 +405,7 @@ def sharding_mesh(cfg, n: int):
     return sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, jax.devices()[:n])
 
 
+@pytest.mark.slow
 def test_fit_check_cli(tmp_path: Path) -> None:
     from pdctl.inspect import fit
 
@@ -438,7 +442,7 @@ def test_fit_check_cli(tmp_path: Path) -> None:
     ],
 )
 def test_an_empty_or_sub_byte_device_memory_is_one_line(tmp_path: Path, args, says) -> None:
-    # issue 37 item 11: these gave exit 0 and no fit check (fast: refused before any compile)
+    # these used to give exit 0 and no fit check (fast: refused before any compile)
     run = tiny_tms(tmp_path)
     bad = invoke("--project", str(run), "inspect-sharding", *args)
     assert bad.exit_code == 2, (args, bad.output)

@@ -1,7 +1,8 @@
-"""Issue 37, faults round 3: `[train] init_from` lineage (items 7, 8, 9), Qwen2's
-`max_window_layers = null` (12), a lost peer (14), a NaN checkpoint (15), a run directory
-renamed mid-stage (16), `export` after a failed train (17), SIGTERM while pdctl starts (18),
-and `sweep new --seeds` huge / a GGUF with mistyped metadata (11)."""
+"""Faults found in a review, numbered as they were listed (the section comments below keep
+the numbers): `[train] init_from` lineage (items 7, 8, 9), Qwen2's `max_window_layers = null`
+(12), a lost peer (14), a NaN checkpoint (15), a run directory renamed mid-stage (16),
+`export` after a failed train (17), SIGTERM while pdctl starts (18), and `sweep new --seeds`
+huge / a GGUF with mistyped metadata (11)."""
 
 from __future__ import annotations
 
@@ -303,7 +304,7 @@ def _poison(run: Path, stage: str, step: int) -> None:
 
 
 def test_15_a_nan_checkpoint_is_not_resumed_from(initialized_tms: Path, tmp_path: Path) -> None:
-    """The README: every checkpoint is checked finite before it is saved. One crafted to hold
+    """docs/commands.md: every checkpoint is checked finite before it is saved. One crafted to hold
     NaN restored, and the stage went on from it to `done`; now it is treated as unreadable:
     the newest finite checkpoint is used and the NaN one goes to `.corrupt`."""
     import shutil

@@ -10,9 +10,8 @@ from helpers import make_run, pretrain_on
 from pdctl.engine import measure, sharding
 
 
-@pytest.mark.parametrize(
-    "template", ["resid-mlp", pytest.param("llama-mlp", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("template", ["resid-mlp", "llama-mlp"])
 def test_mfu_of_the_same_global_batch_matches_on_1_and_4_devices(tmp_path, template):
     # The templates' own sizes (not the tiny test sizes): the matmuls must dominate the
     # replicated optimizer update, as in any model worth measuring.

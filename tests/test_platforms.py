@@ -1,6 +1,6 @@
 """`JAX_PLATFORMS` naming a platform this machine does not have is an input mistake: one line,
-exit 2, for `inspect-sharding` as for the stage commands (issue 24 item 6: `gpu` printed a
-traceback and exited 1)."""
+exit 2, for `inspect-sharding` as for the stage commands (`gpu` used to print a
+traceback and exit 1)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from helpers import make_run, pdctl_process
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform", ["gpu", "bogus"])
 @pytest.mark.parametrize("extra", [(), ("--devices", "8")])
 def test_inspect_sharding_on_a_missing_platform_is_one_line(tmp_path, platform, extra):

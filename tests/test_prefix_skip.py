@@ -1,4 +1,4 @@
-"""The prefix skip (issue 36 item 3): when the first decomposed site sits in block L, every
+"""The prefix skip: when the first decomposed site sits in block L, every
 masked forward equals the clean one below L, so the clean forward keeps the stream entering
 block L (`losses.Clean.residual`) and every masked forward starts there.
 

@@ -110,11 +110,8 @@ def _check_done(run: Path, template: str) -> None:
 # ---- end to end ----------------------------------------------------------------------------
 
 
-# resid-mlp is slow: its batches come from the same on-device toy path as tms
-# (test_tms_order_until_resume); llama-mlp is the fast tier's text pretrain through the CLI.
-@pytest.mark.parametrize(
-    "template", ["llama-mlp", pytest.param("resid-mlp", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("template", ["llama-mlp", "resid-mlp"])
 def test_new_init_weights_pretrain(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str
 ) -> None:
@@ -175,6 +172,7 @@ def test_mesh_that_does_not_fit_the_devices(tmp_path: Path) -> None:
     assert not (run / "checkpoints" / "pretrain").exists()
 
 
+@pytest.mark.slow
 def test_a_locked_run_directory_is_refused(tmp_path: Path) -> None:
     run = make_run(tmp_path, "tms")
     before = (run / "pdctl.toml").read_bytes()
@@ -239,6 +237,7 @@ PENTAGON_LOSS = 0.001792
 PENTAGON_R, PENTAGON_B = 1.1345, -0.2464
 
 
+@pytest.mark.slow
 def test_tms_5_2_pretrain_reaches_the_pentagon(tmp_path: Path) -> None:
     run = make_run(tmp_path, "tms", tiny=False)  # the template's own pretrain config
     cfg = Project.load(run / "pdctl.toml").config

@@ -1,4 +1,4 @@
-"""The CI-function / init half of the LM recipe (issue 36): the lower-leaky clamp for both
+"""The CI-function / init half of the LM recipe: the lower-leaky clamp for both
 squashings, the transformer CI function, the nonlinearity-aligned init, and the CI functions'
 own gradient clip. Closed forms first; then numbers from goodfire-ai/spd's torch code, produced
 by `benchmarks/spd_ci_reference.py` (which runs that code on the cases built here)."""

@@ -1,4 +1,4 @@
-"""The LM recipe's loss half (issue 36), each term against values worked out by hand from
+"""The LM recipe's loss half, each term against values worked out by hand from
 goodfire-ai/param-decomp's `param_decomp/core/SPEC.md` (the section each test cites):
 smooth-L0 sparsity with its annealed gamma (S9), the frequency term and its debiased EMA
 (S8'-S8''), the merged stochastic/PPGD term (S34) and pooled persistent sources (the pooled

@@ -1,4 +1,4 @@
-"""The default CPU mesh must never deadlock (issue 24 item 1).
+"""The default CPU mesh must never deadlock.
 
 XLA:CPU runs a collective between the devices of one process as an in-process rendezvous and
 admits at most 32 programs in flight per device. When a program with a collective is in flight
@@ -164,35 +164,14 @@ def test_the_evaluation_has_no_collective_on_a_cpu_mesh(tmp_path):
 
 
 def _hf_model(root: Path) -> tuple[Path, Path]:
-    """A tiny random Llama (2 layers, d 64, grouped-query attention) with a BPE tokenizer
-    trained here, and a 400-document jsonl corpus."""
-    transformers = pytest.importorskip("transformers", reason="needs the parity extra")
+    """A tiny random Llama (2 layers, d 64, grouped-query attention) with a BPE tokenizer,
+    and a 400-document jsonl corpus (tests/fixtures.py's `rendezvous_llama`)."""
+    pytest.importorskip("transformers", reason="needs the parity extra")
     pytest.importorskip("tokenizers")
-    import numpy as np
-    import torch
-    from test_hf_pipeline import WORDS, _tokenizer  # the same byte-level BPE tokenizer.json
-    from tokenizers import Tokenizer
+    from fixtures import rendezvous_llama
 
-    model = root / "model"
-    model.mkdir()
-    _tokenizer(model)
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(model)
-    rng = np.random.default_rng(0)
-    corpus = root / "corpus.jsonl"
-    docs = (" ".join(rng.choice(WORDS, size=12)) for _ in range(400))
-    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return model, corpus
+    built = rendezvous_llama(root)
+    return built["model"], built["corpus"]
 
 
 STRESS = """

@@ -596,6 +596,7 @@ def test_cli_status_shows_the_final_eval_and_the_report_line(
     assert f"report: {run / 'report' / 'index.html'}" in result.stdout
 
 
+@pytest.mark.slow
 def test_figures_leave_matplotlib_global_state_alone(tmp_path) -> None:
     """Drawing a figure neither imports pyplot nor switches the process-wide backend."""
     code = (

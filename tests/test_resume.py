@@ -260,6 +260,7 @@ def stopped(base: Path, tmp_path_factory) -> Path:
 # ---- bit-exact continuation ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_until_then_resume_is_bit_exact(base: Path, stopped: Path, tmp_path: Path) -> None:
     straight = copy_run(base, tmp_path / "straight")
     ok("--project", straight, "train")

@@ -138,7 +138,7 @@ def test_pretrain_grad_accumulation_equals_big_batch():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("policy", ["dots_saveable", "full"])
+@pytest.mark.parametrize("policy", [pytest.param("dots_saveable", marks=pytest.mark.slow), "full"])
 def test_remat_gives_equal_gradients(policy):
     cfg = parse_config(template("llama-mlp", **TINY_LM))
     t = target_from_config(cfg)

@@ -65,6 +65,7 @@ def _sites(target: HFCausalLM) -> list[str]:
     return [p for p in paths if target.layer_site(p)[0] in (1, 2) or ".3.mlp" in p]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_scanned_forward_equals_unrolled(tmp_path, name):
     unrolled, scanned = _targets(tmp_path, name)
@@ -105,6 +106,7 @@ def test_scanned_forward_equals_unrolled(tmp_path, name):
     )
 
 
+@pytest.mark.slow
 def test_scanned_forward_takes_stacked_units(tmp_path):
     """Units (a group key, its data stacked over its layers) give the per-site forward:
     q_proj as one unit over all 4 layers, k_proj over layers 1-2 only, so the layers run as
@@ -161,6 +163,7 @@ def _stack_sites(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
+@pytest.mark.slow
 def test_grouped_site_work_draws_the_same_bits():
     rng = np.random.default_rng(0)
     ci = {f"s{i}": jnp.asarray(rng.uniform(size=(3, 4 if i % 2 else 6)), jnp.float32)

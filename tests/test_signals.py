@@ -1,4 +1,5 @@
-"""Signals in every phase, and processes that die (issue 24).
+"""Signals in every phase, and processes that die (the items below are a review's numbers,
+which the tests' names keep).
 
 - SIGTERM during a compile, a restore, an evaluation or tokenization is acted on within
   seconds: exit 3, status `interrupted`, the last checkpoint kept (item 2);
@@ -321,6 +322,7 @@ def test_5_huge_step_counts_stop_cleanly_at_until(
     assert st["status"] == "interrupted" and st["step"] == 3 and st["steps"] == steps
 
 
+@pytest.mark.slow
 def test_5_a_huge_train_step_count_stops_cleanly_at_until(warmed: Path, tmp_path: Path) -> None:
     run = _copy(warmed, tmp_path)
     edit_config(run, {"train": {"steps": 2**40, "eval_every": 2**40}})
@@ -488,6 +490,7 @@ def test_7_kill_9_of_pdctl_takes_the_stage_process_with_it(
     assert report["status"] == "running" and report["crashed"] is True
 
 
+@pytest.mark.slow
 def test_7_sigterm_to_pdctl_reaches_the_stage_process(initialized: Path, tmp_path) -> None:
     run = _long_pretrain(initialized, tmp_path)
     proc = _spawn(run, "pretrain")
@@ -679,7 +682,7 @@ def test_4_sigterm_to_one_process_while_both_compile(dist_initialized: Path, tmp
 def test_7_two_processes_one_killed_the_other_ends_failed(
     dist_initialized: Path, tmp_path: Path, killed: int
 ) -> None:
-    """`kill -9` of one process's pdctl in a 2-process run (issue 37 item 14). The survivor
+    """`kill -9` of one process's pdctl in a 2-process run. The survivor
     says within seconds, in one line, that the other process is gone, and ends (exit 1); it
     used to wait in a barrier until JAX's heartbeat timeout (100 s here, as by default) and
     then die by SIGABRT. Process 1 killed: process 0 records `failed` with `lost_process` at

@@ -303,6 +303,7 @@ def test_a_non_finite_ci_matrix_scores_nan_not_a_crash():
 # LM eval
 
 
+@pytest.mark.slow
 def test_lm_eval_with_exact_components():
     target = LlamaMLP(vocab_size=16, d_model=8, n_layers=1, n_heads=2, d_mlp=16, seq_len=6)
     params = jax.jit(target.init)(jax.random.PRNGKey(0))

@@ -297,6 +297,7 @@ def test_site_keys_rule():
     np.testing.assert_array_equal(np.asarray(comp_mod.site_keys(key, 5)[0][:3]), np.asarray(ck))
 
 
+@pytest.mark.slow
 def test_reference_init_deterministic_distinct_and_vmappable():
     # FakeTarget's shapes, so the per-site jits are shared with the other tests
     sites = {"x.0": (4, 6, 5), "x.1": (4, 6, 5), "y": (6, 3, 5)}
@@ -751,6 +752,7 @@ def _setup_fns(loss=None, ppgd=None, decomp=None):
     return target, params, fns, trainable, sources, x, clean
 
 
+@pytest.mark.slow
 def test_jitted_loss_and_grads_are_finite():
     _target, params, fns, trainable, sources, x, clean = _setup_fns(decomp={"n_mask_samples": 1})
     key = jax.random.PRNGKey(3)
@@ -925,6 +927,7 @@ def test_make_spd_fns_rejects_unknown_sites():
         L.make_spd_fns(target, {"nope": 3}, make_cfg(sites=list(sites)))
 
 
+@pytest.mark.slow
 def test_pgd_sign_steps_raise_the_recon_loss_and_sources_are_held_constant():
     target, params, weights, comps, x, clean, ci = _recon_setup()
     recon = _recon(target, params, weights, comps, x, clean)
@@ -947,7 +950,8 @@ def test_pgd_sign_steps_raise_the_recon_loss_and_sources_are_held_constant():
 
 def test_faithfulness_of_a_model_with_more_than_2_31_weight_elements_traces():
     # Llama-3.1-8B's 224 sites hold 7.0e9 weight elements: the normaliser must not be an int32
-    # (the fit check of issue 20 failed with an OverflowError). Shapes only: nothing allocated.
+    # (the Llama-3.1-8B fit check once failed with an OverflowError). Shapes only: nothing
+    # allocated.
     S = jax.ShapeDtypeStruct
     weights = {"a": S((100_000, 30_000), jnp.float32)}
     comps = {"a": {"V": S((100_000, 1), jnp.float32), "U": S((1, 30_000), jnp.float32)}}

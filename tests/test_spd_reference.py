@@ -238,6 +238,7 @@ def _decomposition(cfg, target):
     )
 
 
+@pytest.mark.slow
 def test_tied_warmup_equals_two_torch_parameters_sharing_storage():
     """The reference ties linear2's components by making them views of linear1's storage
     (`tgt.U.data = src.V.data.T`), so AdamW holds two moment sets and both steps land on the
@@ -302,8 +303,8 @@ def _train_setup(ppgd: dict, loss: dict):
     return cfg, target, fns, params, state, prog.jit(donate=False)
 
 
-# Each case compiles a whole train step; sign stays in the fast tier, adam (~10 s) is slow.
-@pytest.mark.parametrize("optimizer", [pytest.param("adam", marks=pytest.mark.slow), "sign"])
+@pytest.mark.slow  # each case compiles a whole train step (~10 s)
+@pytest.mark.parametrize("optimizer", ["adam", "sign"])
 def test_ppgd_loss_uses_the_previous_sources_then_one_ascent_step_from_it(optimizer):
     # ppgd_recon = 0.5 (a power of two: the step's d total / d s / coeff is exact)
     loss = {"ppgd_recon": 0.5, "stochastic_recon": 1.0, "stochastic_recon_layerwise": 0.0}
@@ -353,6 +354,7 @@ def test_n_warmup_steps_ascend_every_step_before_the_loss():
     assert np.isfinite(float(m1["ppgd_recon"])) and np.isfinite(float(m2["ppgd_recon"]))
 
 
+@pytest.mark.slow
 def test_tied_train_state_holds_one_parameter_set():
     _, _, fns, params, state, step = _train_setup({}, {})
     assert set(state["trainable"]["components"]) == {"linear1"}

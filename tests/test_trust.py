@@ -1,5 +1,5 @@
-"""Trust boundaries (DESIGN.md): a run directory may come from someone else. Issue 24, items
-3, 10, 11, 12 and 13, one or more tests each:
+"""Trust boundaries (docs/commands.md, "The run directory"): a run directory may come from
+someone else. Items 3, 10, 11, 12 and 13 of a review's list, one or more tests each:
 
 3. `inspect-sharding --devices N`'s child imports nothing from the current directory;
 10. pdctl never writes outside the run directory through a symlink planted in it;
