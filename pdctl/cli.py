@@ -686,6 +686,7 @@ sweep_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(sweep_app, name="sweep")
+app.add_typer(__import__("pdctl.interp.cli").interp.cli.app, name="interp")  # issue 39
 
 
 def _sweep(name: str):
