@@ -19,6 +19,7 @@ goodfire-ai/param-decomp, after EleutherAI's sae-auto-interp):
   fuzzing    the held-out firing examples: the first half marked where the component fires
              (CI >= the harvest's threshold in the window), the rest with as many tokens marked
              at random among those where it does not fire, shuffled.
+A trial that cannot hold both kinds (one held-out example, no other component) is not written.
 Each trial record carries its `prompt`, the example texts, `fires` (the truth `score` uses:
 do not send it) and `predictions: null` for the user (or `--endpoint`) to fill with yes / no.
 """
@@ -155,7 +156,8 @@ def trials(
             if others:
                 items += [(e["text"], False) for e in rng.choices(others, k=len(held))]
             rng.shuffle(items)
-            yield _trial("detection", r, t, label, items)
+            if both(items):
+                yield _trial("detection", r, t, label, items)
             rng = random.Random(f"{seed}:{r['key']}:fuzzing:{t}")
             order = rng.sample(held, len(held))
             half = (len(order) + 1) // 2
@@ -172,7 +174,13 @@ def trials(
                 marks = set(rng.sample(pool, min(len(firing), len(pool))))
                 items.append((marked_text(e["tokens"], e["ids"], marks), False))
             rng.shuffle(items)
-            yield _trial("fuzzing", r, t, label, items)
+            if both(items):
+                yield _trial("fuzzing", r, t, label, items)
+
+
+def both(items: list[tuple[str, bool]]) -> bool:
+    """A trial holds examples of both kinds (else it scores nothing: not written)."""
+    return any(y for _, y in items) and not all(y for _, y in items)
 
 
 def _trial(task: str, r: dict[str, Any], t: int, label: str, items: list) -> dict[str, Any]:
