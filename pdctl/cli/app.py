@@ -9,6 +9,7 @@ every command with the module that holds it:
     post      report, harvest, browse, export
     sharding  inspect-sharding (over `pdctl.inspect`)
     sweep     sweep new | run | status | report
+    interp    interp export | import | score (pdctl.interp.cli)
     render    what they print; process: clean stops and how the process ends
 """
 
@@ -23,6 +24,7 @@ import typer
 from pdctl import __version__
 from pdctl.cli import post, process, render, sharding, stages, sweep
 from pdctl.cli.base import Globals, console, guard, project
+from pdctl.interp import cli as interp_cli
 
 app = typer.Typer(
     name="pdctl",
@@ -150,6 +152,7 @@ _add(
     ),
 )
 app.add_typer(sweep_app, name="sweep")
+app.add_typer(interp_cli.app, name="interp")
 
 
 def main() -> None:

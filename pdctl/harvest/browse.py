@@ -9,7 +9,8 @@ API: /api/overview (the run and its sites), /api/components?site=&sort=&desc=&mi
 &limit=&offset= (the component table), /api/component/{site}/{c} (one component: statistics,
 top and sampled examples with tokens decoded, token lists, co-firing components, V/U norms),
 /api/search?q= (components firing on a token, given as its text or #id), /api/like/{site}/{c}
-(components whose top tokens overlap this one's most).
+(components whose top tokens overlap this one's most), /api/labels?site=&component= (labels
+and their scores, from `pdctl interp import` / `score`; none before that).
 """
 
 from __future__ import annotations
@@ -251,6 +252,18 @@ def make_app(project: Project):
             ).fetchall()
             return JSONResponse({"rows": [dict(r) for r in rows]})
 
+    async def labels(request):
+        q = request.query_params
+        site, c = q.get("site"), q.get("component")
+        try:
+            c = None if c is None else int(c)
+        except ValueError:
+            raise HTTPException(400, "component: must be an integer") from None
+        with closing(connect()) as con:
+            rows = [{"site": s, "component": k, **v} for (s, k), v in db.read_labels(con).items()
+                    if (site is None or s == site) and (c is None or k == c)]  # fmt: skip
+            return JSONResponse({"rows": rows})
+
     def bad_database(request, exc):
         """A value in harvest.db that is not what pdctl writes (a hostile or foreign file):
         a 4xx that says so, never a 500."""
@@ -285,6 +298,7 @@ def make_app(project: Project):
             Route("/api/component/{site}/{c:int}", component),
             Route("/api/search", search),
             Route("/api/like/{site}/{c:int}", like),
+            Route("/api/labels", labels),
         ],
     )
 

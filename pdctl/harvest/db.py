@@ -220,3 +220,64 @@ def open_readonly(path: Path) -> sqlite3.Connection:
             "`pdctl harvest` again"
         )
     return con
+
+
+# ---- labels (`pdctl interp import` / `score`) ------------------------------------------------
+# An optional table, added to a finished harvest.db by `pdctl interp`: not in `TABLES` (a
+# database without it is a harvest with no labels yet). The file is still never changed in
+# place: `replace_labels` writes a copy holding the new table and renames it over the old one.
+
+LABELS_SCHEMA = """
+CREATE TABLE labels (site TEXT NOT NULL, component INTEGER NOT NULL, label TEXT NOT NULL,
+  reasoning TEXT, confidence REAL, detection REAL, fuzzing REAL, source TEXT,
+  PRIMARY KEY (site, component));
+"""
+LABEL_FIELDS = ("label", "reasoning", "confidence", "detection", "fuzzing", "source")
+
+
+def read_labels(con: sqlite3.Connection) -> dict[tuple[str, int], dict[str, Any]]:
+    """{(site, component): {label, reasoning, confidence, detection, fuzzing, source}}; empty
+    when the database has no labels table."""
+    has = con.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'labels'"
+    ).fetchone()
+    if has is None:
+        return {}
+    cols = ", ".join(LABEL_FIELDS)
+    return {
+        (r[0], r[1]): dict(zip(LABEL_FIELDS, r[2:], strict=True))
+        for r in con.execute(f"SELECT site, component, {cols} FROM labels ORDER BY rowid")
+    }
+
+
+def replace_labels(path: Path, labels: dict[tuple[str, int], dict[str, Any]]) -> None:
+    """harvest.db at `path` with its labels table replaced by `labels` (every other table as
+    it was), atomically: a copy is written next to it and renamed over it, so a reader sees
+    the old file or the new one."""
+    from pdctl.errors import PdctlError
+    from pdctl.files import atomic_output, refuse_links
+
+    refuse_links(path)
+    src = open_readonly(path)
+    try:
+        with atomic_output(path) as tmp:
+            dst = sqlite3.connect(tmp)
+            try:
+                src.backup(dst)
+                dst.execute("DROP TABLE IF EXISTS labels")
+                dst.executescript(LABELS_SCHEMA)
+                cols = ", ".join(LABEL_FIELDS)
+                dst.executemany(
+                    f"INSERT INTO labels (site, component, {cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(s, c, *(row.get(k) for k in LABEL_FIELDS))
+                     for (s, c), row in labels.items()],
+                )  # fmt: skip
+                dst.commit()
+            finally:
+                dst.close()
+    except (sqlite3.Error, OSError) as e:
+        raise PdctlError(
+            f"{path}: cannot write the labels ({e}); the database is unchanged"
+        ) from None
+    finally:
+        src.close()

@@ -56,6 +56,37 @@ async function siteTable(site, sort = "frequency", desc = "1", minF = "0") {
     th.onclick = () => siteTable(site, th.dataset.sort, th.dataset.sort === sort && desc === "1" ? "0" : "1", minF);
   }
   document.getElementById("minf").onchange = e => siteTable(site, sort, desc, e.target.value);
+  await labelColumn(site);
+}
+
+// Labels from `pdctl interp import` (and their scores from `pdctl interp score`), if any.
+async function labelColumn(site) {
+  const d = await api(`/api/labels?site=${encodeURIComponent(site)}`);
+  const by = new Map(list(d.rows).map(r => [String(r.component), r]));
+  if (!by.size) return;
+  const rows = main.querySelectorAll("table tr");
+  rows.forEach((tr, i) => {
+    const cell = document.createElement(i ? "td" : "th");
+    const a = tr.querySelector("a.component");
+    const c = a ? decodeURIComponent(a.getAttribute("href").split("/").pop()) : null;
+    const r = c === null ? null : by.get(c);
+    if (!i) cell.textContent = "label";
+    else if (r) { cell.className = "label"; cell.textContent = String(r.label); }
+    tr.appendChild(cell);
+  });
+}
+async function labelSection(site, c) {
+  const d = await api(`/api/labels?site=${encodeURIComponent(site)}&component=${encodeURIComponent(c)}`);
+  const r = list(d.rows)[0];
+  if (!r) return;
+  let h = `<p id="label"><b>label</b>: <span class="label">${esc(r.label)}</span>`;
+  for (const k of ["detection", "fuzzing", "confidence"]) {
+    if (r[k] !== null && r[k] !== undefined) h += `; ${k} ${fmt(r[k])}`;
+  }
+  if (r.source !== null && r.source !== undefined) h += ` (${esc(r.source)})`;
+  h += "</p>";
+  if (r.reasoning) h += `<p class="muted">${esc(r.reasoning)}</p>`;
+  document.getElementById("component-title").insertAdjacentHTML("afterend", h);
 }
 
 async function component(site, c) {
@@ -81,6 +112,7 @@ async function component(site, c) {
   const like = await api(`/api/like/${encodeURIComponent(site)}/${c}`);
   h += "<h2>components like this one (shared top tokens)</h2><p>" + (list(like.rows).map(r => compLink(r.site, r.component) + ` (${esc(r.shared)})`).join(", ") || '<span class="muted">none</span>') + "</p>";
   main.innerHTML = h;
+  await labelSection(site, c);
 }
 
 async function search(q) {
