@@ -354,6 +354,11 @@ def browse(
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
+from pdctl.harvest import analysis_cli  # noqa: E402  (commands over a finished harvest)
+
+app.command()(_guard(analysis_cli.cluster))
+
+
 def _stage_project(ctx: typer.Context):
     """Load the project and set up JAX for a stage (multi-host runtime, compile cache)."""
     from pdctl import supervisor
