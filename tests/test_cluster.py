@@ -139,7 +139,7 @@ def test_tms_5_2_each_feature_s_components_at_both_sites_form_one_cluster(tmp_pa
         if ci > 0.9:
             owners.setdefault(f, {}).setdefault(s, []).append(c)
     assert sorted(owners) == [0, 1, 2, 3, 4], owners  # every feature recovered ...
-    for f, sites in owners.items():  # ... by one component at each site
+    for sites in owners.values():  # ... by one component at each site
         assert sorted(sites) == ["linear1", "linear2"] and all(len(v) == 1 for v in sites.values())
     clusters = {f: {of[(s, v[0])] for s, v in sites.items()} for f, sites in owners.items()}
     assert all(len(k) == 1 for k in clusters.values()), clusters  # both sites: one cluster

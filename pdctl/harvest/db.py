@@ -32,8 +32,8 @@ import json
 import os
 import re
 import sqlite3
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
