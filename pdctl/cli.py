@@ -357,6 +357,7 @@ def browse(
 from pdctl.harvest import analysis_cli  # noqa: E402  (commands over a finished harvest)
 
 app.command()(_guard(analysis_cli.cluster))
+app.command()(_guard(analysis_cli.attributions))
 
 
 def _stage_project(ctx: typer.Context):

@@ -4,12 +4,16 @@ command over an LM harvest."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cli, cli_fails, make_run
 
 from pdctl.harvest import attributions as A
+from pdctl.harvest import db
 
 SITES = ("layers.0.attn.v", "layers.0.mlp.up", "layers.1.attn.q", "layers.1.mlp.down")
 
@@ -124,3 +128,86 @@ def test_attribution_sums_the_component_and_ranks_sources():
         "raises": [("b", 1, 0.7), ("a", 0, 0.5)],
         "lowers": [("b", 2, -0.9), ("a", 1, -0.2)],
     }
+
+
+@pytest.mark.slow  # a tiny Llama through run, harvest and attributions: ~40 s
+def test_attributions_command_on_an_lm_harvest(tmp_path: Path):
+    """`pdctl attributions` on a two-layer llama-mlp run's harvest: rows for the components
+    asked for, equal to `attribute` on the harvest's top examples, averaged."""
+    import sqlite3
+
+    from pdctl.engine import sharding
+    from pdctl.project import Project
+    from pdctl.report.load import load_decomposition
+    from pdctl.stages.common import StageEnv, corpus_tokens
+
+    run = make_run(tmp_path, "llama-mlp", "lm", target={"n_layers": 2},
+                   warmup={"steps": 2, "log_every": 1},
+                   train={"steps": 2, "batch_size": 4, "log_every": 1, "eval_every": 2,
+                          "eval_batch_size": 4})  # fmt: skip
+    assert cli("--project", run, "run").exit_code == 0
+    r = cli("--project", run, "harvest", "--tokens", "256", "--effects", "0", "--top-k", "4")
+    assert r.exit_code == 0, r.output
+    r = cli("--project", run, "attributions", "--components", "3", "--top", "5")
+    assert r.exit_code == 0, r.output
+    assert "attributed 3 components over 12 examples" in r.output, r.output
+    path = run / "harvest" / "harvest.db"
+    con = db.open_readonly(path)
+    done = con.execute("SELECT DISTINCT site, component FROM attr_inputs").fetchall()
+    assert len(done) == 3
+    site, c = done[0]
+    ex = con.execute("SELECT position FROM examples WHERE site = ? AND component = ? AND "
+                     "kind = 'top' ORDER BY rank", (site, c)).fetchall()  # fmt: skip
+    offsets = dict(con.execute("SELECT offset, attr FROM attr_inputs WHERE site = ? AND "
+                               "component = ?", (site, c)).fetchall())  # fmt: skip
+    sources = con.execute("SELECT kind, source_site, source_component, attr FROM attr_sources "
+                          "WHERE site = ? AND component = ? ORDER BY kind, rank",
+                          (site, c)).fetchall()  # fmt: skip
+    con.close()
+    project = Project.load(run / "pdctl.toml")
+    dec = load_decomposition(project, "train")
+    T = project.config.data.seq_len
+    env = StageEnv(project, "train", sharding.make_mesh(1, 1, jax.devices()[:1]), dec.target)
+    windows = np.asarray(corpus_tokens(env, "eval"))[: (256 // T) * T].reshape(-1, T)
+    pos = np.array([p for (p,) in ex])
+    w, t = np.divmod(pos, T)
+    kind = project.config.decomp.ci_fn.type
+    _, g_in, g_comp = A.attribute(dec.target, dec.params, dec.components, dec.ci_fns, kind,
+                                  site, c, windows[w], t)  # fmt: skip
+    want = {o: g_in[(t + o) >= 0, (t + o)[(t + o) >= 0]].sum() / len(t) for o in range(-8, 1)}
+    want = {o: v for o, v in want.items() if np.any(t + o >= 0)}
+    assert sorted(offsets) == sorted(want)
+    np.testing.assert_allclose(
+        [offsets[o] for o in sorted(want)], [want[o] for o in sorted(want)], rtol=1e-6
+    )  # fmt: skip  (stored as float32)
+    mean = {p: v.mean(axis=0) for p, v in g_comp.items()}
+    for kind_, s, sc, v in sources:
+        assert (v > 0) == (kind_ == "raises")
+        np.testing.assert_allclose(v, mean[s][sc], rtol=1e-6)
+    assert any(k == "raises" for k, *_ in sources)
+    # a second run replaces the tables
+    assert cli("--project", run, "attributions", "--components", "1").exit_code == 0
+    con = sqlite3.connect(path)
+    assert con.execute("SELECT count(DISTINCT site || component) FROM attr_inputs").fetchone() == (
+        1,
+    )
+    con.close()
+
+
+def test_attributions_bad_input_is_one_line_and_writes_nothing(tmp_path: Path):
+    from test_cluster import _synthetic_run
+
+    run = _synthetic_run(tmp_path)  # a toy's harvest
+    path = run / "harvest" / "harvest.db"
+    before = path.read_bytes()
+    line = cli_fails(2, "--project", run, "attributions")
+    assert "attributions: language-model harvests only (this harvest is of a tms run)" in line
+    assert "--components: must be >= 1, got 0" in cli_fails(
+        2, "--project", run, "attributions", "--components", "0"
+    )
+    assert "--top: must be an integer, got 'x'" in cli_fails(
+        2, "--project", run, "attributions", "--top", "x"
+    )
+    assert path.read_bytes() == before
+    fresh = make_run(tmp_path, "tms", "fresh")
+    assert "no harvest here" in cli_fails(2, "--project", fresh, "attributions")

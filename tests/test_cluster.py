@@ -144,3 +144,104 @@ def test_tms_5_2_each_feature_s_components_at_both_sites_form_one_cluster(tmp_pa
     clusters = {f: {of[(s, v[0])] for s, v in sites.items()} for f, sites in owners.items()}
     assert all(len(k) == 1 for k in clusters.values()), clusters  # both sites: one cluster
     assert len({next(iter(k)) for k in clusters.values()}) == 5, clusters  # one per feature
+
+
+def _with_attributions(run: Path) -> None:
+    """Attribution rows for a0 written as `pdctl attributions` writes them (the toy harvest
+    has no LM to attribute: the browser only reads the tables)."""
+    import json
+
+    from pdctl.harvest import attributions as at
+
+    def write(con: sqlite3.Connection) -> None:
+        con.executescript(at.SCHEMA)
+        con.executemany("INSERT INTO attr_inputs VALUES (?, ?, ?, ?)",
+                        [("a", 0, -1, 0.25), ("a", 0, 0, 1.5)])  # fmt: skip
+        con.execute("INSERT INTO attr_sources VALUES ('a', 0, 'raises', 0, 'b', 1, 0.75)")
+        con.execute("INSERT INTO attr_sources VALUES ('a', 0, 'lowers', 0, 'b', 2, -0.5)")
+        con.execute("INSERT INTO attr_examples VALUES ('a', 0, 0, 7, ?)", (json.dumps([1.0]),))
+
+    db.amend(run / "harvest" / "harvest.db", write, "test")
+
+
+def test_browse_api_serves_clusters_and_attributions(tmp_path: Path):
+    import json
+
+    from test_harvest import _get, _serving
+
+    run = _synthetic_run(tmp_path)
+    with _serving(run) as base:  # before `pdctl cluster`: empty answers, not errors
+        assert json.loads(_get(f"{base}/api/clusters")[1])["available"] is False
+        assert json.loads(_get(f"{base}/api/attributions/a/0")[1]) == {"available": False}
+    assert cli("--project", run, "cluster").exit_code == 0
+    _with_attributions(run)
+    with _serving(run) as base:
+        d = json.loads(_get(f"{base}/api/clusters")[1])
+        assert d["singletons"] == 1 and len(d["clusters"]) == 3
+        assert all(k["sites"] == ["a", "b"] and k["size"] == 2 for k in d["clusters"])
+        k = json.loads(_get(f"{base}/api/cluster_of/b/1")[1])
+        assert k["members"] == [{"site": "a", "component": 1}, {"site": "b", "component": 1}]
+        assert json.loads(_get(f"{base}/api/cluster_of/b/3")[1])["cluster"] is None  # dead
+        a = json.loads(_get(f"{base}/api/attributions/a/0")[1])
+        assert a["inputs"] == [{"offset": -1, "attr": 0.25}, {"offset": 0, "attr": 1.5}]
+        assert a["raises"] == [{"source_site": "b", "source_component": 1, "attr": 0.75}]
+        assert a["examples"][0]["attrs"] == [1.0]
+        assert _get(f"{base}/api/cluster_of/nosite/0")[0] == 404
+
+
+@pytest.mark.slow  # headless Chromium: ~6 s
+def test_browse_shows_clusters_and_attributions_in_headless_chromium(tmp_path: Path):
+    import os
+    import time
+
+    from test_harvest import _serving
+    from test_report import CHROMIUM, _Browser
+
+    if CHROMIUM is None:
+        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
+            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    run = _synthetic_run(tmp_path)
+    assert cli("--project", run, "cluster").exit_code == 0
+    _with_attributions(run)
+    browser = _Browser(tmp_path / "profile")
+
+    def js(expr: str):
+        out = browser.call("Runtime.evaluate",
+                           {"expression": expr, "returnByValue": True, "awaitPromise": True},
+                           browser.session)  # fmt: skip
+        return out["result"].get("value")
+
+    def wait_ready(route: str) -> None:
+        deadline = time.monotonic() + 20
+        while js("document.body.dataset.ready") != route:
+            assert time.monotonic() < deadline, (route, js("document.body.innerHTML"))
+            time.sleep(0.1)
+
+    try:
+        with _serving(run) as base:
+            errors, _, _ = browser.load(f"{base}/")
+            wait_ready("#/")
+            assert errors == [], errors
+            js("document.getElementById('clusters-link').click()")
+            wait_ready("#/clusters")
+            rows = js("Array.from(document.querySelectorAll('#clusters tr')).slice(1)"
+                      ".map(r => Array.from(r.querySelectorAll('a.component'))"
+                      ".map(a => a.textContent).join(' '))")  # fmt: skip
+            assert sorted(rows) == ["a #0 b #0", "a #1 b #1", "a #2 b #2"], rows
+            js("document.querySelector('#clusters a.component').click()")
+            route = js("location.hash")
+            wait_ready(route)
+            site, c = route.split("/")[2:4]
+            other = "b" if site == "a" else "a"
+            cluster_text = js("document.getElementById('cluster').nextElementSibling.textContent")
+            assert f"{other} #{c}" in cluster_text, cluster_text
+            js("location.hash = '#/c/a/0'")
+            wait_ready("#/c/a/0")
+            text = js("document.getElementById('attributions').parentElement.textContent")
+            assert "-1: 0.25" in text and "b #1 0.75" in text and "b #2 -0.5" in text, text
+            assert js("document.querySelectorAll('.ex.attr').length") == 1
+            page_errors = [m for m in browser.seen if m.get("method") == "Runtime.exceptionThrown"]
+            assert page_errors == []
+    finally:
+        browser.close()

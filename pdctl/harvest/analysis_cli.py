@@ -61,3 +61,43 @@ def cluster(
         f"(largest {res.largest}), {res.n_singletons} alone: {res.path}",
         markup=False,
     )
+
+
+def attributions(
+    ctx: typer.Context,
+    components: Annotated[
+        str,
+        typer.Option(
+            "--components", metavar="N", help="Attribute the N most often firing components."
+        ),
+    ] = "64",
+    top: Annotated[
+        str,
+        typer.Option("--top", metavar="K", help="Upstream components kept per sign."),
+    ] = "10",
+) -> None:
+    """LM harvests: for each component, the input positions and upstream components that most
+    raise its CI (gradient x input on its top examples), written into harvest.db (`pdctl
+    browse` shows them)."""
+    from pdctl import report as rep
+    from pdctl.cli import _int_flag, _project, console, err_console
+    from pdctl.engine import runtime
+    from pdctl.harvest import attributions as at
+
+    options = {"n_components": _int_flag(components, "--components"),
+               "top": _int_flag(top, "--top")}  # fmt: skip
+    at.check_options(**options)
+    proj = _project(ctx)
+    runtime.setup_logging()
+    runtime.initialize(proj.config, None, root=proj.root)
+    with rep.progress_bar(err_console) as progress:
+        task = progress.add_task("attributions", total=None)
+
+        def on_component(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        res = at.attributions(proj, on_component=on_component, **options)
+    console.print(
+        f"attributed {res.n_components} components over {res.n_examples} examples: {res.path}",
+        markup=False,
+    )
