@@ -245,3 +245,27 @@ def test_browse_shows_clusters_and_attributions_in_headless_chromium(tmp_path: P
             assert page_errors == []
     finally:
         browser.close()
+
+
+def test_report_draws_the_clusters(tmp_path: Path):
+    from PIL import Image
+
+    from pdctl.project import Project
+    from pdctl.report import build_report
+    from pdctl.report import figures as F
+
+    run = _synthetic_run(tmp_path)
+    project = Project.load(run / "pdctl.toml")
+    res = build_report(project, "train")  # a harvest without clusters: no section, no error
+    assert not (res.out / "clusters.png").exists()
+    assert cli("--project", run, "cluster").exit_code == 0
+    res = build_report(project, "train")
+    png = res.out / "clusters.png"
+    assert png in res.files
+    with Image.open(png) as im:
+        assert im.size == F.size_of("clusters")
+    html = res.index.read_text()
+    assert "Component clusters (pdctl cluster)" in html and 'src="clusters.png"' in html
+    S, names, sizes = cl.figure_data(run / "harvest" / "harvest.db")
+    assert sizes == [2, 2, 2] and len(names) == 6 and np.all(np.diag(S) == 1.0)
+    assert all(S[i, i + 1] == 1.0 for i in (0, 2, 4))  # b copies a: Jaccard 1 in each block
