@@ -101,11 +101,13 @@ def _attr_fn(target: Any, paths: tuple[str, ...], site: str, kind: str):
             return jnp.sum(z_b * weight), z_b
 
         scale = jnp.ones((B, T), embedded.dtype)
-        masks = {p: jnp.ones((B, T, components[p]["V"].shape[1]), components[p]["V"].dtype)
+        # one mask per example, broadcast over its positions: its gradient is the sum over
+        # positions of the per-position ones, at B x C per site instead of B x T x C
+        masks = {p: jnp.ones((B, 1, components[p]["V"].shape[1]), components[p]["V"].dtype)
                  for p in paths}  # fmt: skip
-        delta = {p: jnp.ones((B, T), components[p]["V"].dtype) for p in paths}
+        delta = {p: jnp.ones((B, 1), components[p]["V"].dtype) for p in paths}
         (g_scale, g_masks), z_b = jax.grad(z_of, argnums=(0, 1), has_aux=True)(scale, masks)
-        return z_b, g_scale, {p: jnp.sum(g, axis=1) for p, g in g_masks.items()}
+        return z_b, g_scale, {p: g[:, 0] for p, g in g_masks.items()}
 
     return jax.jit(run)
 

@@ -23,7 +23,7 @@ harvest writes it), absent until they run (readers treat a missing table as empt
   clusters(cluster, site, component), cluster_meta(key, value)         `pdctl cluster`
   attr_inputs(site, component, offset, attr)                           `pdctl attributions`
   attr_sources(site, component, kind, rank, source_site, source_component, attr)
-  attr_meta(key, value)
+  attr_examples(site, component, rank, position, attrs), attr_meta(key, value)
 """
 
 from __future__ import annotations
