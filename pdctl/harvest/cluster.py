@@ -199,9 +199,7 @@ def read(con: sqlite3.Connection) -> dict[int, list[tuple[str, int]]] | None:
     return out
 
 
-def figure_data(
-    path: Path, max_shown: int = 200
-) -> tuple[np.ndarray, list[str], list[int]] | None:
+def figure_data(path: Path, max_shown: int = 200) -> tuple[np.ndarray, list[str], list[int]] | None:
     """For the report's cluster figure: (Jaccard matrix of the members of the clusters with two
     or more members, largest clusters first, at most `max_shown` components; their labels
     "site #c"; each shown cluster's size), or None when the harvest has no clusters."""
