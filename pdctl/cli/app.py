@@ -7,6 +7,7 @@ every command with the module that holds it:
 
     stages    init-weights, pretrain, warmup, train (one body: `stages.run_stage`), run, resume
     post      report, harvest, browse, export
+    analysis  cluster, attributions (over a finished harvest)
     sharding  inspect-sharding (over `pdctl.inspect`)
     sweep     sweep new | run | status | report
     interp    interp export | import | score (pdctl.interp.cli)
@@ -22,7 +23,7 @@ from typing import Annotated
 import typer
 
 from pdctl import __version__
-from pdctl.cli import post, process, render, sharding, stages, sweep
+from pdctl.cli import analysis, post, process, render, sharding, stages, sweep
 from pdctl.cli.base import Globals, console, guard, project
 from pdctl.interp import cli as interp_cli
 
@@ -131,6 +132,8 @@ _add(
         ("report", post.report),
         ("harvest", post.harvest),
         ("browse", post.browse),
+        ("cluster", analysis.cluster),
+        ("attributions", analysis.attributions),
         ("init-weights", stages.init_weights),
         ("pretrain", stages.pretrain),
         ("warmup", stages.warmup),

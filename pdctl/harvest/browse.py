@@ -10,7 +10,10 @@ API: /api/overview (the run and its sites), /api/components?site=&sort=&desc=&mi
 top and sampled examples with tokens decoded, token lists, co-firing components, V/U norms),
 /api/search?q= (components firing on a token, given as its text or #id), /api/like/{site}/{c}
 (components whose top tokens overlap this one's most), /api/labels?site=&component= (labels
-and their scores, from `pdctl interp import` / `score`; none before that).
+and their scores, from `pdctl interp import` / `score`; none before that); after `pdctl cluster`
+/ `pdctl attributions` (empty before): /api/clusters (clusters of two or more),
+/api/cluster_of/{site}/{c} (the component's cluster), /api/attributions/{site}/{c} (its input
+offsets, upstream components and top examples with their per-token attributions).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.errors import PdctlError
+from pdctl.harvest import cluster as cluster_mod
 from pdctl.harvest import db
 from pdctl.project import Project
 
@@ -264,6 +268,64 @@ def make_app(project: Project):
                     if (site is None or s == site) and (c is None or k == c)]  # fmt: skip
             return JSONResponse({"rows": rows})
 
+    async def clusters(request):
+        with closing(connect()) as con:
+            got = cluster_mod.read(con)
+            if got is None:
+                return JSONResponse({"available": False, "clusters": [], "singletons": 0})
+            info = {r[0]: json.loads(r[1]) for r in con.execute("SELECT * FROM cluster_meta")}
+            rows = [
+                {"cluster": k, "size": len(m), "sites": sorted({s for s, _ in m}),
+                 "members": [{"site": s, "component": c} for s, c in m]}
+                for k, m in sorted(got.items()) if len(m) > 1
+            ]  # fmt: skip
+            alone = sum(1 for m in got.values() if len(m) == 1)
+            return JSONResponse({"available": True, "meta": info, "clusters": rows,
+                                 "singletons": alone})  # fmt: skip
+
+    async def cluster_of(request):
+        site, c = request.path_params["site"], request.path_params["c"]
+        with closing(connect()) as con:
+            site_exists(con, site)
+            if not db.has_table(con, "clusters"):
+                return JSONResponse({"available": False, "cluster": None, "members": []})
+            row = con.execute(
+                "SELECT cluster FROM clusters WHERE site = ? AND component = ?", (site, c)
+            ).fetchone()
+            members = []
+            if row is not None:
+                members = [dict(r) for r in con.execute(
+                    "SELECT k.site AS site, k.component AS component FROM clusters k JOIN sites s "
+                    "ON s.site = k.site WHERE k.cluster = ? ORDER BY s.idx, k.component",
+                    (row["cluster"],))]  # fmt: skip
+            return JSONResponse({"available": True, "members": members,
+                                 "cluster": None if row is None else row["cluster"]})  # fmt: skip
+
+    async def attributions(request):
+        site, c = request.path_params["site"], request.path_params["c"]
+        with closing(connect()) as con:
+            site_exists(con, site)
+            if not db.has_table(con, "attr_inputs"):
+                return JSONResponse({"available": False})
+            out: dict[str, Any] = {"available": True}
+            out["inputs"] = [dict(r) for r in con.execute(
+                "SELECT offset, attr FROM attr_inputs WHERE site = ? AND component = ? "
+                "ORDER BY offset", (site, c))]  # fmt: skip
+            for kind in ("raises", "lowers"):
+                out[kind] = [dict(r) for r in con.execute(
+                    "SELECT source_site, source_component, attr FROM attr_sources WHERE site = ? "
+                    "AND component = ? AND kind = ? ORDER BY rank", (site, c, kind))]  # fmt: skip
+            out["examples"] = [
+                {"rank": r["rank"], "position": r["position"], "attrs": json.loads(r["attrs"]),
+                 "tokens": [tok(t) for t in json.loads(r["tokens"] or "[]")]}
+                for r in con.execute(
+                    "SELECT a.rank AS rank, a.position AS position, a.attrs AS attrs, e.tokens AS "
+                    "tokens FROM attr_examples a LEFT JOIN examples e ON e.site = a.site AND "
+                    "e.component = a.component AND e.kind = 'top' AND e.rank = a.rank "
+                    "WHERE a.site = ? AND a.component = ? ORDER BY a.rank", (site, c))
+            ]  # fmt: skip
+            return JSONResponse(out)
+
     def bad_database(request, exc):
         """A value in harvest.db that is not what pdctl writes (a hostile or foreign file):
         a 4xx that says so, never a 500."""
@@ -299,6 +361,9 @@ def make_app(project: Project):
             Route("/api/search", search),
             Route("/api/like/{site}/{c:int}", like),
             Route("/api/labels", labels),
+            Route("/api/clusters", clusters),
+            Route("/api/cluster_of/{site}/{c:int}", cluster_of),
+            Route("/api/attributions/{site}/{c:int}", attributions),
         ],
     )
 

@@ -17,6 +17,13 @@ Tables (component = index within its site; "global" = index over all sites in si
   tokens(site, component, kind, token, count, pmi)                       kind: count | pmi
   toy_features(site, component, feature, ci)                             toys only
   effects(site, component, kind, rank, token, nats)   LMs: kind raised | lowered (`effect`)
+
+Added afterwards by other commands (`amend`: a whole new file renamed over the old one, as the
+harvest writes it), absent until they run (readers treat a missing table as empty):
+  clusters(cluster, site, component), cluster_meta(key, value)         `pdctl cluster`
+  attr_inputs(site, component, offset, attr)                           `pdctl attributions`
+  attr_sources(site, component, kind, rank, source_site, source_component, attr)
+  attr_examples(site, component, rank, position, attrs), attr_meta(key, value)
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import os
 import re
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -238,10 +246,7 @@ LABEL_FIELDS = ("label", "reasoning", "confidence", "detection", "fuzzing", "sou
 def read_labels(con: sqlite3.Connection) -> dict[tuple[str, int], dict[str, Any]]:
     """{(site, component): {label, reasoning, confidence, detection, fuzzing, source}}; empty
     when the database has no labels table."""
-    has = con.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'labels'"
-    ).fetchone()
-    if has is None:
+    if not has_table(con, "labels"):
         return {}
     cols = ", ".join(LABEL_FIELDS)
     return {
@@ -252,32 +257,52 @@ def read_labels(con: sqlite3.Connection) -> dict[tuple[str, int], dict[str, Any]
 
 def replace_labels(path: Path, labels: dict[tuple[str, int], dict[str, Any]]) -> None:
     """harvest.db at `path` with its labels table replaced by `labels` (every other table as
-    it was), atomically: a copy is written next to it and renamed over it, so a reader sees
-    the old file or the new one."""
-    from pdctl.errors import PdctlError
-    from pdctl.files import atomic_output, refuse_links
+    it was), through `amend`: a reader sees the old file or the new one."""
+    from pdctl.files import refuse_links
 
     refuse_links(path)
+
+    def change(dst: sqlite3.Connection) -> None:
+        dst.execute("DROP TABLE IF EXISTS labels")
+        dst.executescript(LABELS_SCHEMA)
+        cols = ", ".join(LABEL_FIELDS)
+        dst.executemany(
+            f"INSERT INTO labels (site, component, {cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(s, c, *(row.get(k) for k in LABEL_FIELDS)) for (s, c), row in labels.items()],
+        )
+
+    amend(path, change, "the labels")
+
+
+def has_table(con: sqlite3.Connection, name: str) -> bool:
+    """Whether the database holds table `name` (one that a later command adds, `amend`)."""
+    q = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+    return con.execute(q, (name,)).fetchone() is not None
+
+
+def amend(path: Path, change: Callable[[sqlite3.Connection], None], what: str) -> None:
+    """Add to a finished harvest.db: a copy of it (SQLite's online backup) changed by
+    `change(con)` in one transaction, renamed over `path` whole (`files.atomic_output`), so a
+    reader sees the old database or the new one, never a part, and a file it has open is never
+    changed under it. A PdctlError from `change`, or a failed write, leaves `path` as it was;
+    `what` names the command in the error line."""
+    from pdctl.errors import PdctlError
+    from pdctl.files import atomic_output
+
     src = open_readonly(path)
+    tmp = None
     try:
         with atomic_output(path) as tmp:
             dst = sqlite3.connect(tmp)
             try:
                 src.backup(dst)
-                dst.execute("DROP TABLE IF EXISTS labels")
-                dst.executescript(LABELS_SCHEMA)
-                cols = ", ".join(LABEL_FIELDS)
-                dst.executemany(
-                    f"INSERT INTO labels (site, component, {cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(s, c, *(row.get(k) for k in LABEL_FIELDS))
-                     for (s, c), row in labels.items()],
-                )  # fmt: skip
+                change(dst)
                 dst.commit()
             finally:
                 dst.close()
     except (sqlite3.Error, OSError) as e:
-        raise PdctlError(
-            f"{path}: cannot write the labels ({e}); the database is unchanged"
-        ) from None
+        raise PdctlError(f"{what}: cannot write {path} ({e}); it is left as it was") from None
     finally:
         src.close()
+        if tmp is not None:
+            Path(f"{tmp}-journal").unlink(missing_ok=True)

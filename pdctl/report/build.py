@@ -291,6 +291,7 @@ def _build(project: Project, stage: str, out_dir: Path, progress: Any) -> Report
             if st.get("status") != "done":
                 res.notes.append(f"component figures show {stage} checkpoint {dec.step}")
             sections.extend(_component_sections(project, dec, o, steps))
+    sections.extend(_cluster_section(project, o))
 
     steps("index.html")
     eval_html = None
@@ -317,6 +318,27 @@ def _build(project: Project, stage: str, out_dir: Path, progress: Any) -> Report
 
 
 Section = tuple[str, list[P.Fig], str]  # (title, figures, extra HTML)
+
+
+def _cluster_section(project: Project, o: _Out) -> list[Section]:
+    """`pdctl cluster`'s clusters, from the harvest's database, when it has them."""
+    from pdctl.harvest import cluster as cl
+    from pdctl.harvest.run import harvest_dir
+
+    path = harvest_dir(project) / "harvest.db"
+    if not path.is_file():
+        return []
+    try:
+        got = cl.figure_data(path)
+    except PdctlError as e:
+        o.res.missing.append(f"clusters: {e}")
+        return []
+    if got is None:
+        return []
+    S, names, sizes = got
+    png = F.plot_clusters(o.dir / "clusters.png", S, names, sizes)
+    caption = "Jaccard similarity of firing within and between the clusters (red: one cluster)"
+    return [("Component clusters (pdctl cluster)", [o.fig(png, "clusters", caption)], "")]
 
 
 def _curve_sections(

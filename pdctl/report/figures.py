@@ -28,6 +28,7 @@ CI_MATRIX_IN = (9.0, 6.0)
 TMS_COLS = 6
 TMS_ROW_IN = 2.2
 TMS_MAX_COMPONENTS = 10
+CLUSTERS_IN = (9.0, 8.0)
 
 # Keys of a metrics line that are bookkeeping or speed, not a quantity of the optimisation.
 _NOT_PLOTTED = {
@@ -68,6 +69,8 @@ def size_of(kind: str, n_panels: int = 1) -> tuple[int, int]:
     if kind == "per_site":
         cols = min(SITE_COLS, max(1, n_panels))
         return round(WIDTH_IN * DPI), round(_grid_rows(n_panels, cols) * ROW_IN * DPI)
+    if kind == "clusters":
+        return round(CLUSTERS_IN[0] * DPI), round(CLUSTERS_IN[1] * DPI)
     if kind == "tms_2d":
         return round(WIDTH_IN * DPI), round(_grid_rows(n_panels, TMS_COLS) * TMS_ROW_IN * DPI)
     raise ValueError(f"unknown figure kind {kind!r}")
@@ -466,4 +469,29 @@ def plot_tms_2d(
     for ax in axes[n:]:
         ax.set_visible(False)
     fig.suptitle("linear1 in the 2-D hidden space: colour = feature; grey = target directions")
+    return _save(fig, path)
+
+
+def plot_clusters(path: Path, S: np.ndarray, names: Sequence[str], sizes: Sequence[int]) -> Path:
+    """`pdctl cluster`: the Jaccard similarity of firing between the members of the clusters
+    of two or more (`S`, members in cluster order, `sizes` per cluster), each cluster's block
+    outlined; members are named on the axes while there are at most 40."""
+    from matplotlib.patches import Rectangle
+
+    S = np.asarray(S, np.float64)
+    fig = _figure(*CLUSTERS_IN)
+    ax = fig.subplots()
+    im = ax.imshow(S, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    lo = 0
+    for n in sizes:
+        ax.add_patch(Rectangle((lo - 0.5, lo - 0.5), n, n, fill=False, ec="tab:red", lw=1.2))
+        lo += n
+    if len(names) <= 40:
+        ax.set_xticks(range(len(names)), names, rotation=90, fontsize="x-small")
+        ax.set_yticks(range(len(names)), names, fontsize="x-small")
+    else:
+        ax.set_xlabel("component (cluster order)")
+        ax.set_ylabel("component (cluster order)")
+    fig.colorbar(im, ax=ax, label="Jaccard (fire together / either fires)")
+    ax.set_title(f"{len(sizes)} clusters of two or more components ({len(names)} components)")
     return _save(fig, path)

@@ -1,6 +1,7 @@
 "use strict";
 // pdctl browse: hash routes #/ (overview), #/site/<site> (component table),
-// #/c/<site>/<component> (one component), #/search/<q> (components firing on a token).
+// #/c/<site>/<component> (one component), #/search/<q> (components firing on a token),
+// #/clusters (`pdctl cluster`'s clusters).
 const main = document.getElementById("main");
 
 async function api(path) {
@@ -111,8 +112,55 @@ async function component(site, c) {
   h += list(d.cooc).map(r => `<tr><td>${compLink(r.other_site, r.other_component)}</td><td>${esc(r.count)}</td><td>${fmt(r.precision)}</td><td>${fmt(r.recall)}</td><td>${fmt(r.jaccard)}</td><td>${fmt(r.pmi)}</td></tr>`).join("") + "</table>";
   const like = await api(`/api/like/${encodeURIComponent(site)}/${c}`);
   h += "<h2>components like this one (shared top tokens)</h2><p>" + (list(like.rows).map(r => compLink(r.site, r.component) + ` (${esc(r.shared)})`).join(", ") || '<span class="muted">none</span>') + "</p>";
+  h += await clusterAndAttributions(site, c);
   main.innerHTML = h;
   await labelSection(site, c);
+}
+
+// `pdctl cluster` and `pdctl attributions`: their sections of a component's page, and the
+// cluster list. Attributions colour a token by its gradient x input: red raises the CI, blue
+// lowers it (scaled by the example's largest magnitude).
+function attrExample(e) {
+  const tokens = list(e.tokens), attrs = list(e.attrs).map(Number);
+  const m = Math.max(1e-30, ...attrs.filter(Number.isFinite).map(Math.abs));
+  const mid = (attrs.length - 1) / 2;
+  return '<div class="ex attr">' + attrs.map((v, i) => {
+    const a = Number.isFinite(v) ? Math.min(1, Math.abs(v) / m) : 0;
+    const rgb = v >= 0 ? "220,60,40" : "40,90,220";
+    return `<span class="${i === mid ? "here" : ""}" title="attribution ${fmt(v)}" style="background: rgba(${rgb},${a})">${esc(i < tokens.length ? tokens[i] : "")}</span>`;
+  }).join("") + "</div>";
+}
+
+async function clusterAndAttributions(site, c) {
+  const k = await api(`/api/cluster_of/${encodeURIComponent(site)}/${c}`);
+  let h = '<h2 id="cluster">cluster</h2>';
+  if (!k.available) h += '<p class="muted">no clusters yet (`pdctl cluster`)</p>';
+  else if (k.cluster === null) h += '<p class="muted">not clustered (it fired too rarely)</p>';
+  else {
+    const others = list(k.members).filter(m => !(m.site === site && +m.component === +c));
+    h += `<p><a href="#/clusters">cluster ${esc(k.cluster)}</a>: ` + (others.map(m => compLink(m.site, m.component)).join(", ") || '<span class="muted">alone</span>') + "</p>";
+  }
+  const a = await api(`/api/attributions/${encodeURIComponent(site)}/${c}`);
+  h += '<h2 id="attributions">what raises its CI (gradient × input over its top examples)</h2>';
+  if (!a.available) return h + '<p class="muted">no attributions yet (`pdctl attributions`, LMs)</p>';
+  if (!list(a.inputs).length) return h + '<p class="muted">not attributed (`pdctl attributions --components N`)</p>';
+  h += "<p>input positions (offset from the firing token): " + list(a.inputs).map(r => `${esc(r.offset)}: ${fmt(r.attr)}`).join(", ") + "</p>";
+  for (const kind of ["raises", "lowers"]) {
+    const rows = list(a[kind]);
+    if (rows.length) h += `<p>upstream components that ${kind === "raises" ? "raise" : "lower"} it: ` + rows.map(r => compLink(r.source_site, r.source_component) + ` ${fmt(r.attr)}`).join(", ") + "</p>";
+  }
+  return h + list(a.examples).map(attrExample).join("");
+}
+
+async function clusters() {
+  const d = await api("/api/clusters");
+  let h = "<h1>clusters</h1>";
+  if (!d.available) { main.innerHTML = h + '<p class="muted">none yet: run `pdctl cluster`</p>'; return; }
+  const m = d.meta || {};
+  h += `<p>${esc(m.method)}, Jaccard ≥ ${esc(m.min_jaccard)}: ${esc(list(d.clusters).length)} clusters of two or more, ${esc(d.singletons)} components alone</p>`;
+  h += '<table id="clusters"><tr><th>cluster</th><th>size</th><th>sites</th><th>members</th></tr>';
+  h += list(d.clusters).map(k => `<tr><td>${esc(k.cluster)}</td><td>${esc(k.size)}</td><td>${esc(list(k.sites).join(", "))}</td><td>${list(k.members).map(r => compLink(r.site, r.component)).join(", ")}</td></tr>`).join("");
+  main.innerHTML = h + "</table>";
 }
 
 async function search(q) {
@@ -128,6 +176,7 @@ async function route() {
     if (parts[0] === "site") await siteTable(parts[1]);
     else if (parts[0] === "c") await component(parts[1], +parts[2]);
     else if (parts[0] === "search") await search(parts.slice(1).join("/"));
+    else if (parts[0] === "clusters") await clusters();
     else await overview();
   } catch (e) {
     main.innerHTML = `<p class="muted">${esc(e.message)}</p>`;
