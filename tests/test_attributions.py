@@ -138,8 +138,8 @@ def test_attributions_command_on_an_lm_harvest(tmp_path: Path):
 
     from pdctl.engine import sharding
     from pdctl.project import Project
-    from pdctl.report.load import load_decomposition
-    from pdctl.stages.common import StageEnv, corpus_tokens
+    from pdctl.stages.decomposition import load_decomposition
+    from pdctl.stages.env import StageEnv, corpus_tokens
 
     run = make_run(tmp_path, "llama-mlp", "lm", pretrain={"steps": 2, "log_every": 1},
                    warmup={"steps": 2, "log_every": 1})  # fmt: skip

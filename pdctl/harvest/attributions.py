@@ -156,8 +156,8 @@ def attributions(
     from pdctl.engine import sharding
     from pdctl.harvest.run import harvest_dir
     from pdctl.project import now
-    from pdctl.report import load
-    from pdctl.stages.common import StageEnv, corpus_tokens
+    from pdctl.stages import decomposition as load
+    from pdctl.stages.env import StageEnv, corpus_tokens
 
     check_options(n_components, top)
     path = harvest_dir(project) / "harvest.db"

@@ -27,6 +27,7 @@ from pdctl.report import page as P
 from pdctl.report.status import INDEX, MANIFEST
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import TERMS
+from pdctl.stages import decomposition as D
 from pdctl.stages.registry import STAGES
 
 REPORT_STAGES = ("pretrain", "warmup", "train")
@@ -283,7 +284,7 @@ def _build(project: Project, stage: str, out_dir: Path, progress: Any) -> Report
     steps(f"{stage}: loading checkpoints")
     if stage in ("warmup", "train"):
         try:
-            dec = L.load_decomposition(project, stage)
+            dec = D.load_decomposition(project, stage)
         except (LookupError, PdctlError) as e:
             res.missing.append(f"component figures: {e}")
         else:
@@ -468,7 +469,7 @@ def _component_sections(
     if is_lm and tokens is not None:
         steps.grow(1)
         steps("top contexts")
-        decode, how = L.token_decoder(project, dec.target)
+        decode, how = D.token_decoder(project, dec.target)
         ctx = L.top_contexts(stats, tokens, decode)
         o.json("top_contexts.json", ctx)
         sections.append(
