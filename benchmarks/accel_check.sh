@@ -167,8 +167,10 @@ if [ $tiny = 1 ]; then
   prec_shape="layer 15, C 16, 2 x 16 tokens, 5 warmup steps"
   spd_steps=2 lm_c=16 lm_steps=1 lm_sites=(3 6) scan_layers=2 scan_steps=1
 else
-  prec_args=()  # precision.py's own: layer 15, C 1024, 32 x 256 tokens, 1000 warmup steps
-  prec_shape="layer 15, C 1024, 32 x 256 tokens, 1000 warmup steps"
+  # precision.py at 32 x 256 with 300 warmup steps (the floor after 1,000 is its own run:
+  # --only precision): on a v5e each arm compiles its step and its evaluation for minutes
+  prec_args=(--warmup-steps 300 --steps 10)
+  prec_shape="layer 15, C 1024, 32 x 256 tokens, 300 warmup steps"
   spd_steps=20 lm_c=256 lm_steps=3 lm_sites=(3 90) scan_layers=8 scan_steps=3
 fi
 # On the CPU no peak is known: precision.py's MFU is then against a nominal 1 TFLOP/s.
@@ -197,6 +199,10 @@ run_step() {
   timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$file"
   rc=${PIPESTATUS[0]}
   case $rc in 0) status=ok ;; 124|137) status="stopped at its limit" ;; *) status="failed (exit $rc)" ;; esac
+  # a TPU process killed at its limit leaves libtpu's lock file behind, and every later process
+  # then fails to open the chip ("libtpu multi-process lockfile"): the step's processes are all
+  # gone here (timeout killed its group), so the file is stale
+  if [ "$platform" = tpu ] && [ "$rc" != 0 ]; then rm -f /tmp/libtpu_lockfile; fi
   echo "== $name: $status after $(( SECONDS - t0 )) s"
   printf '%s\t%s\t%s\t%s\n' "$name" "$status" $(( SECONDS - t0 )) "$limit" >> "$WORK/steps.tsv"
   summary

@@ -75,7 +75,7 @@ def measure(run: Path, args: argparse.Namespace) -> dict:
 
     from pdctl.engine import runtime, sharding
     from pdctl.project import Project
-    from pdctl.stages import train
+    from pdctl.stages import train, train_eval
     from pdctl.stages.env import StageEnv
     from pdctl.stages.init_weights import init_decomposition
     from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
@@ -111,10 +111,10 @@ def measure(run: Path, args: argparse.Namespace) -> dict:
     shipped = runtime.collective_free_eval
     runtime.collective_free_eval = lambda mesh: False  # the code before the fix
     try:
-        before = train.make_eval(env, params, fns)
+        before = train_eval.make_eval(env, params, fns)
     finally:
         runtime.collective_free_eval = shipped
-    after = train.make_eval(env, params, fns)
+    after = train_eval.make_eval(env, params, fns)
     ev_b, ev_a = before(state), after(state)  # compile both
     times: dict[str, list[float]] = {"before": [], "after": []}
     for _ in range(args.rounds):

@@ -6,7 +6,7 @@ replaced) and the directory is fsynced. A crash at any point leaves the old file
 never a half-written one. The temporary file is created by this module (`O_EXCL | O_NOFOLLOW`),
 so a symlink planted at its name is removed, never written through.
 
-A run directory may come from someone else (DESIGN.md, "Trust boundaries"): the files and
+A run directory may come from someone else (docs/commands.md, "The run directory"): the files and
 directories pdctl keeps in it must not be symlinks that would send a write elsewhere.
 `refuse_links` checks a path (and, to a depth, what is under it) and `open_nofollow` opens a
 file without following a link; both raise `UnsafePath`, one line naming the file (exit 2).

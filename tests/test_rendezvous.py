@@ -106,7 +106,7 @@ from pathlib import Path
 import jax, numpy as np
 from pdctl.engine import sharding
 from pdctl.project import Project
-from pdctl.stages import train
+from pdctl.stages import train, train_eval
 from pdctl.stages.env import StageEnv
 from pdctl.stages.inputs import STREAM_TARGET, stream_key, target_from_config
 
@@ -122,7 +122,7 @@ for run in sys.argv[2:]:
         stream_key(cfg, STREAM_TARGET))
     state = jax.tree.map(lambda a, s: jax.device_put(np.full(a.shape, 0.01, a.dtype), s),
                          prog.abstract_state, prog.state_shardings)
-    eval_fn = train.make_eval(env, params, train.spd_fns(cfg, env.target))
+    eval_fn = train_eval.make_eval(env, params, train.spd_fns(cfg, env.target))
     before = set(dump.glob("*after_optimizations.txt"))
     ev = eval_fn(state)
     new = sorted(set(dump.glob("*after_optimizations.txt")) - before)

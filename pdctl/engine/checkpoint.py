@@ -9,7 +9,7 @@ analysis never restores what only training needs. Checkpoints written before the
 item per key) restore and read as before (`_items_of`). Restores go straight into
 abstract arrays that carry the target shardings (never a concrete host copy first), so a
 checkpoint written on one mesh restores onto another; `rematerialize` then makes the restored
-tree donatable (jax issue 18617).
+tree donatable (jax-ml/jax#18617).
 
 A fresh start never deletes the previous run's checkpoints before it has one of its own: with
 `fresh=True` the old directory is moved aside to `<stage>.previous` at the new run's first save

@@ -1,8 +1,8 @@
 """The persistent compile cache (`[compile] cache_dir`), holding only what this user compiled.
 
 A cache entry is an executable that JAX loads and runs, so an entry pdctl did not write is code
-from whoever wrote it (a run directory from someone else can carry a cache directory, DESIGN.md
-"Trust boundaries"). Three checks keep that out:
+from whoever wrote it (a run directory from someone else can carry a cache directory:
+docs/commands.md, "The run directory"). Three checks keep that out:
 
 - the directory is private (`files.check_private_dir`: ours, writable by no one else);
 - it carries a marker, an HMAC of a fixed text under this user's key, written when pdctl

@@ -86,7 +86,7 @@ def cpu_devices() -> int:
 # measured on (an unknown flag in XLA_FLAGS aborts the process, and these are experimental):
 # YNNPACK keeps its dot fusions but not its reduction fusions, which took materialised
 # broadcasts as operands; without them XLA fuses the CI functions' (B, C, hidden) work into
-# its own loops (docs/performance.md, issue 23: the TMS 5-2 step).
+# its own loops (docs/performance.md, the TMS 5-2 step).
 CPU_XLA_FLAGS = {
     "0.10.2": ("--xla_cpu_experimental_ynn_fusion_type=individual_dot,individual_convolution",),
 }

@@ -58,7 +58,7 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
 
 
 def eval_inputs(project: Project, target: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """(inputs, tokens) of the batch the train stage evaluates on (`train.make_eval`): for toys
+    """(inputs, tokens) of the batch the train stage evaluates on (`train_eval.make_eval`): for toys
     `target.make_batch` from the same key (tokens None); for LMs the first batch of the text
     pipeline with seed `run.seed + 1` (tokens: (B, T + 1), inputs their first T)."""
     cfg = project.config

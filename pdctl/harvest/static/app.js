@@ -10,7 +10,7 @@ async function api(path) {
   return r.json();
 }
 // Every value from the API goes into the page through esc() (or fmt(), which escapes too),
-// whatever its column's declared type: harvest.db may come from someone else (issue 37).
+// whatever its column's declared type: harvest.db may come from someone else.
 function esc(s) {
   return String(s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 }
