@@ -107,9 +107,9 @@ class LlamaTarget(Section):
 
 
 class HfTarget(Section):
-    """A pretrained Hugging Face causal LM (LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel)
-    read from a local directory; sites are its module paths (model.layers.N.mlp.down_proj,
-    transformer.h.N.attn.c_attn, ...); no pretrain stage."""
+    """A pretrained Hugging Face causal LM (LlamaForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM, GPT2LMHeadModel) read from a local directory; sites are its module paths
+    (model.layers.N.mlp.down_proj, transformer.h.N.attn.c_attn, ...); no pretrain stage."""
 
     kind: Literal["hf"] = Field("hf", description=_KIND)
     path: Annotated[str, Field(min_length=1)] = Field(

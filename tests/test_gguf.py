@@ -80,8 +80,13 @@ def write_gguf(model, arch: str, path: Path, qtype=Q.Q8_0, vector_type=Q.F32) ->
         w.add_head_count(cfg.num_attention_heads)
         w.add_head_count_kv(cfg.num_key_value_heads)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else 10000.0)
-        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        rope = getattr(cfg, "rope_parameters", None) or {}  # transformers 5 keeps theta there
+        w.add_rope_freq_base(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(head_dim)
+        if arch == "qwen3":  # llama.cpp writes Qwen3's head_dim (it need not be d / heads)
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
         w.add_vocab_size(cfg.vocab_size)
     _tokenizer_fields(w)
     names = _names(arch)
@@ -132,7 +137,8 @@ def _names(arch: str) -> dict[str, str]:
         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
+        "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
     }  # fmt: skip
 
 
@@ -299,7 +305,7 @@ def test_unsupported_architecture_and_type_are_one_line(tmp_path):
     with pytest.raises(PdctlError) as e:
         gguf_spec(path)
     msg = str(e.value)
-    assert "\n" not in msg and "'falcon'" in msg and "llama, qwen2, gpt2" in msg
+    assert "\n" not in msg and "'falcon'" in msg and "llama, qwen2, qwen3, gpt2" in msg
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 20)

@@ -391,7 +391,7 @@ def test_missing_dir_config_and_weights(tmp_path):
     [
         ({"architectures": ["MistralForCausalLM"]},
          ("architecture 'MistralForCausalLM'", "config.json is not supported",
-          "(supported: LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel)")),
+          "(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel)")),
         ({"architectures": None}, ("no 'architectures'", "supported: LlamaForCausalLM")),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
          ("rope scaling 'yarn'", "supported: default, linear, llama3")),

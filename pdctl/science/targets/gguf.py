@@ -13,8 +13,10 @@ quantised in blocks along d_in: each row is whole blocks. pdctl's site weights a
 so a device's shard [in_slice, out_slice] is read as the rows `out_slice` (only those rows are
 dequantised), then columns `in_slice`, transposed. Embeddings are (vocab, d) in both. llama.cpp's
 converter interleaves the two rotary halves of every Llama Q and K head (its `permute`); reading
-them undoes that with a row index, as transformers' GGUF loader does. GPT-2's fused QKV and MLP
-weights were transposed by the converter into the same (d_out, d_in) rows as everything else.
+them undoes that with a row index, as transformers' GGUF loader does (Qwen2 and Qwen3 heads are
+stored unpermuted). GPT-2's fused QKV and MLP weights were transposed by the converter into the
+same (d_out, d_in) rows as everything else. Qwen3's per-head q/k RMSNorm weights are
+`blk.N.attn_q_norm` / `blk.N.attn_k_norm`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pdctl.science.targets.hf import (
     GPT2,
     LLAMA,
     QWEN2,
+    QWEN3,
     HFCausalLM,
     HfSpec,
     config_value,
@@ -42,7 +45,12 @@ from pdctl.science.targets.hf import (
 )
 
 SUFFIX = ".gguf"
-ARCHITECTURES = {"llama": LLAMA, "qwen2": QWEN2, "gpt2": GPT2}
+ARCHITECTURES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "gpt2": GPT2}
+# Known GGUF architectures refused by name, with what they need that pdctl lacks.
+UNSUPPORTED = {
+    "qwen3moe": "Qwen3 mixture-of-experts (sparse MoE MLP blocks)",
+    "qwen2moe": "Qwen2 mixture-of-experts (sparse MoE MLP blocks)",
+}
 
 
 def _err(msg: str) -> PdctlError:
@@ -97,6 +105,9 @@ def gguf_spec(path: Path) -> HfSpec:
     an architecture or feature pdctl lacks is a one-line error naming what is supported."""
     r = reader(path)
     arch = _field(r, "general.architecture", None)
+    if isinstance(arch, str) and arch in UNSUPPORTED:
+        raise _err(f"{path}: GGUF architecture {arch!r} is not supported: {UNSUPPORTED[arch]} "
+                   f"(supported: {', '.join(ARCHITECTURES)})")  # fmt: skip
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise _err(
             f"{path}: GGUF architecture {arch!r} is not supported "
@@ -145,7 +156,14 @@ def gguf_spec(path: Path) -> HfSpec:
     key_length = get("attention.key_length", int, None)
     if key_length is not None:
         cfg["head_dim"] = key_length
+    elif arch == "qwen3" and isinstance(n_heads, int) and n_heads > 0:
+        # llama.cpp's default, embedding_length / head_count (Qwen3Config's would be 128)
+        cfg["head_dim"] = d // n_heads
     head_dim = cfg.get("head_dim") or (d // n_heads if isinstance(n_heads, int) and n_heads else 0)
+    value_length = get("attention.value_length", int, head_dim)
+    if value_length != head_dim:
+        raise _err(f"{path}: attention.value_length {value_length} != head_dim {head_dim} "
+                   "(value heads of another size than key heads are not supported)")  # fmt: skip
     rot = get("rope.dimension_count", int, head_dim)
     if rot != head_dim:
         raise _err(f"{path}: rope.dimension_count {rot} != head_dim {head_dim} (partial "
@@ -158,8 +176,9 @@ def gguf_spec(path: Path) -> HfSpec:
         raise _err(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "llama":
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
     return llama_spec(cfg, path, ARCHITECTURES[arch])
 
@@ -216,6 +235,8 @@ def _gguf_name(spec: HfSpec, path: str) -> str:
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",

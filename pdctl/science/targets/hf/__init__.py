@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs (Llama, Qwen2, GPT-2) as pdctl targets, read from a local directory.
+"""Hugging Face causal LMs (Llama, Qwen2, Qwen3, GPT-2) as pdctl targets, read from a local
+directory.
 
 | module     | what                                                                          |
 |------------|-------------------------------------------------------------------------------|
@@ -12,6 +13,7 @@ from pdctl.science.targets.hf.spec import (
     GPT2,
     LLAMA,
     QWEN2,
+    QWEN3,
     SUPPORTED,
     WEIGHTS_HELP,
     HfSpec,
@@ -26,6 +28,7 @@ __all__ = [
     "GPT2",
     "LLAMA",
     "QWEN2",
+    "QWEN3",
     "SUPPORTED",
     "WEIGHTS_HELP",
     "HFCausalLM",

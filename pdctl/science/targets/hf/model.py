@@ -1,4 +1,5 @@
-"""The forward pass of a Hugging Face causal LM (Llama, Qwen2, GPT-2) described by an `HfSpec`.
+"""The forward pass of a Hugging Face causal LM (Llama, Qwen2, Qwen3, GPT-2) described by an
+`HfSpec`.
 
 `HFCausalLM` runs over a params pytree whose nested dict keys are the Hugging Face module names,
 so a leaf's dotted path is the name of its tensor in the checkpoint
@@ -62,17 +63,18 @@ class Tensor:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HFCausalLM(LMTarget):
     """A Hugging Face causal LM. Sites, per layer in forward order:
-    Llama / Qwen2: `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `model.layers.{i}.mlp.{gate,up,
-    down}_proj`; GPT-2: `transformer.h.{i}.attn.c_attn` (fused q|k|v), `transformer.h.{i}.attn.
-    c_proj`, `transformer.h.{i}.mlp.c_fc`, `transformer.h.{i}.mlp.c_proj`. The site's matrix is
-    the leaf `<site>.weight`, its bias (if any) `<site>.bias`, added after the site output.
+    Llama / Qwen2 / Qwen3: `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
+    `model.layers.{i}.mlp.{gate,up,down}_proj`; GPT-2: `transformer.h.{i}.attn.c_attn` (fused
+    q|k|v), `transformer.h.{i}.attn.c_proj`, `transformer.h.{i}.mlp.c_fc`,
+    `transformer.h.{i}.mlp.c_proj`. The site's matrix is the leaf `<site>.weight`, its bias
+    (if any) `<site>.bias`, added after the site output.
     Every leaf is trainable (`Target.trainable_mask`), positions and norms included, as in
     transformers.
     """
 
     kind = "hf"
     NEURON_SIDES: ClassVar[Mapping[str, str]] = {
-        "mlp.gate_proj": "out", "mlp.up_proj": "out", "mlp.down_proj": "in",  # Llama, Qwen2
+        "mlp.gate_proj": "out", "mlp.up_proj": "out", "mlp.down_proj": "in",  # Llama, Qwen2/3
         "mlp.c_fc": "out", "mlp.c_proj": "in",  # GPT-2
     }  # fmt: skip
 
@@ -168,6 +170,9 @@ class HFCausalLM(LMTarget):
                 shapes[f"{layer}.{name}.weight"] = (a, b)
                 if bias:
                     shapes[f"{layer}.{name}.bias"] = (b,)
+            if s.qk_norm:  # Qwen3's per-head RMSNorm of queries and keys
+                shapes[f"{layer}.self_attn.q_norm.weight"] = (s.head_dim,)
+                shapes[f"{layer}.self_attn.k_norm.weight"] = (s.head_dim,)
         shapes[f"{final}.weight"] = (d,)
         if s.is_gpt2:
             shapes[f"{final}.bias"] = (d,)
@@ -210,7 +215,8 @@ class HFCausalLM(LMTarget):
     # Forward.
 
     def _norm(self, x: jax.Array, p: Params) -> jax.Array:
-        """RMSNorm (Llama, Qwen2) or LayerNorm (GPT-2), statistics in float32 as transformers."""
+        """RMSNorm (Llama, Qwen2, Qwen3) or LayerNorm (GPT-2) over the last axis, statistics in
+        float32 as transformers."""
         x32 = x.astype(jnp.float32)
         eps = self.spec.norm_eps
         if self.spec.is_gpt2:
@@ -266,8 +272,9 @@ class HFCausalLM(LMTarget):
         return out.reshape(B, T, N * H)
 
     def _llama_block(self, x, layer: Params, i: Any, site: SiteFn) -> jax.Array:
-        """One Llama / Qwen2 block; `site(name, x_in, p)` computes the projection `name`
-        (e.g. "self_attn.q_proj") of this layer from its params `p` (weight, bias)."""
+        """One Llama / Qwen2 / Qwen3 block; `site(name, x_in, p)` computes the projection
+        `name` (e.g. "self_attn.q_proj") of this layer from its params `p` (weight, bias).
+        Qwen3 RMS-normalises each query and key head (q_norm, k_norm) before RoPE."""
         s = self.spec
         B, T, _ = x.shape
         attn, mlp = layer["self_attn"], layer["mlp"]
@@ -277,8 +284,10 @@ class HFCausalLM(LMTarget):
             out = site(f"self_attn.{name}", h, attn[name])
             return out.reshape(B, T, n, s.head_dim)
 
-        q = self._rope(heads("q_proj", s.n_heads))
-        k = self._rope(heads("k_proj", s.n_kv_heads))
+        q, k = heads("q_proj", s.n_heads), heads("k_proj", s.n_kv_heads)
+        if s.qk_norm:
+            q, k = self._norm(q, attn["q_norm"]), self._norm(k, attn["k_norm"])
+        q, k = self._rope(q), self._rope(k)
         v = heads("v_proj", s.n_kv_heads)
         o = self._attend(q, k, v, s.head_dim**-0.5)
         x = x + site("self_attn.o_proj", o, attn["o_proj"])

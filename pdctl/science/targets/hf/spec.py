@@ -1,4 +1,4 @@
-"""`config.json` of a Hugging Face causal LM (Llama, Qwen2, GPT-2) read into an `HfSpec`.
+"""`config.json` of a Hugging Face causal LM (Llama, Qwen2, Qwen3, GPT-2) read into an `HfSpec`.
 
 `read_hf_config` checks a model directory and parses its `config.json`; `llama_spec` /
 `gpt2_spec` build the spec from any mapping with transformers' key names (GGUF metadata goes
@@ -21,8 +21,16 @@ import numpy as np
 from pdctl.errors import PdctlError
 
 LLAMA, QWEN2, GPT2 = "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
-SUPPORTED = (LLAMA, QWEN2, GPT2)
-_BY_MODEL_TYPE = {"llama": LLAMA, "qwen2": QWEN2, "gpt2": GPT2}
+QWEN3 = "Qwen3ForCausalLM"
+SUPPORTED = (LLAMA, QWEN2, QWEN3, GPT2)
+_BY_MODEL_TYPE = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "gpt2": GPT2}
+# Known architectures pdctl refuses by name, with what they need that pdctl lacks
+# (by `architectures` entry and by `model_type`).
+UNSUPPORTED = {
+    "Qwen3MoeForCausalLM": "Qwen3 mixture-of-experts (sparse MoE MLP blocks)",
+    "Qwen2MoeForCausalLM": "Qwen2 mixture-of-experts (sparse MoE MLP blocks)",
+}
+_UNSUPPORTED_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 # Activation names as transformers' ACT2FN spells them.
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -49,6 +57,9 @@ class HfSpec:
     # context it was trained for. data.seq_len may not exceed it.
     max_positions: int
     qkv_bias: bool = False
+    # Qwen3: RMSNorm over each query / key head (`self_attn.q_norm`, `self_attn.k_norm`, weights
+    # of head_dim), applied before RoPE
+    qk_norm: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     rope_theta: float = 10000.0
@@ -92,9 +103,13 @@ def read_hf_config(model_dir: str | Path, need_weights: bool = True) -> HfSpec:
         raise _err(f"{path} is not a JSON object")
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
-    if not archs and isinstance(model_type, str) and model_type in _BY_MODEL_TYPE:
-        archs = [_BY_MODEL_TYPE[model_type]]
+    if not archs and isinstance(model_type, str):
+        archs = [_BY_MODEL_TYPE.get(model_type) or _UNSUPPORTED_TYPES.get(model_type)]
+        archs = [a for a in archs if a]
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
+    if isinstance(arch, str) and arch in UNSUPPORTED:
+        raise _err(f"architecture {arch!r} in {path} is not supported: {UNSUPPORTED[arch]} "
+                   f"(supported: {', '.join(SUPPORTED)})")  # fmt: skip
     if not isinstance(arch, str) or arch not in SUPPORTED:
         found = f"architecture {arch!r}" if arch else "no 'architectures'"
         raise _err(f"{found} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
@@ -224,20 +239,23 @@ def _rope(cfg: Mapping[str, Any], path: Path) -> tuple[float, tuple[str, float, 
 
 
 def llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
-    """The spec of a Llama or Qwen2 config (transformers' key names; `cfg` may be any mapping,
-    such as one built from a GGUF file's metadata). Every size is checked for type and range,
-    and the head layout as transformers builds it: Llama needs hidden_size to be a multiple of
-    num_attention_heads (LlamaConfig refuses it otherwise), both need num_attention_heads to be
-    a multiple of num_key_value_heads, and head_dim (default hidden_size // num_attention_heads)
-    even for RoPE."""
+    """The spec of a Llama, Qwen2 or Qwen3 config (transformers' key names; `cfg` may be any
+    mapping, such as one built from a GGUF file's metadata). Every size is checked for type and
+    range, and the head layout as transformers builds it: Llama needs hidden_size to be a
+    multiple of num_attention_heads (LlamaConfig refuses it otherwise), all need
+    num_attention_heads to be a multiple of num_key_value_heads, and head_dim (default
+    hidden_size // num_attention_heads; Qwen3Config's default is 128) even for RoPE."""
     d = _size(cfg, path, "hidden_size")
     n_heads = _size(cfg, path, "num_attention_heads")
     n_kv = _size(cfg, path, "num_key_value_heads", n_heads)
     if arch == LLAMA and d % n_heads:
         raise _err(f"{path}: hidden_size {d} is not a multiple of num_attention_heads {n_heads}")
-    if d // n_heads < 1 and cfg.get("head_dim") is None:
-        raise _err(f"{path}: hidden_size {d} is smaller than num_attention_heads {n_heads}")
-    head_dim = _size(cfg, path, "head_dim", d // n_heads)
+    if arch == QWEN3:
+        head_dim = _size(cfg, path, "head_dim", 128)  # Qwen3Config's default, not d // heads
+    else:
+        if d // n_heads < 1 and cfg.get("head_dim") is None:
+            raise _err(f"{path}: hidden_size {d} is smaller than num_attention_heads {n_heads}")
+        head_dim = _size(cfg, path, "head_dim", d // n_heads)
     n_layers = _size(cfg, path, "num_hidden_layers")
     vocab = _size(cfg, path, "vocab_size")
     if n_heads % n_kv:
@@ -245,8 +263,8 @@ def llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
                    f"num_key_value_heads {n_kv}")  # fmt: skip
     if head_dim % 2:
         raise _err(f"{path}: head_dim {head_dim} is odd (RoPE rotates pairs of dimensions)")
-    if arch == QWEN2:
-        # absent is Qwen2Config's default; null is refused, as Qwen2Config refuses it
+    if arch in (QWEN2, QWEN3):
+        # absent is Qwen2Config's / Qwen3Config's default; null is refused, as they refuse it
         for key, what in (("use_sliding_window", bool), ("max_window_layers", int)):
             if key in cfg and cfg[key] is None:
                 raise _err(f"{path}: {key!r} must be {_TYPE_NAMES[what]}, got null")
@@ -256,8 +274,8 @@ def llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
                 raise _err(f"{path}: 'layer_types' must be a list of strings, got {types!r}")
             sliding = "sliding_attention" in types
         else:
-            # as Qwen2Config: layer i slides when use_sliding_window, a sliding_window is set
-            # and i >= max_window_layers (default 28)
+            # as Qwen2Config and Qwen3Config: layer i slides when use_sliding_window, a
+            # sliding_window is set and i >= max_window_layers (default 28)
             use = config_value(cfg, path, "use_sliding_window", bool, False)
             window = config_value(cfg, path, "sliding_window", int, None)
             first = _size(cfg, path, "max_window_layers", 28, least=0)
@@ -267,7 +285,12 @@ def llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
                 f"sliding-window attention in {path} is not supported (supported: full "
                 "attention in every layer, use_sliding_window = false)"
             )
+    if arch == QWEN2:
         biases = {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
+    elif arch == QWEN3:
+        # Qwen3Attention: attention_bias on q, k, v and o; Qwen3MLP has no biases
+        attn_bias = config_value(cfg, path, "attention_bias", bool, False)
+        biases = {"qkv_bias": attn_bias, "o_bias": attn_bias, "mlp_bias": False}
     else:
         attn_bias = config_value(cfg, path, "attention_bias", bool, False)
         biases = {
@@ -288,8 +311,9 @@ def llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
         act=_activation(cfg, path, "hidden_act", "silu"),
         norm_eps=_number(cfg, path, "rms_norm_eps", 1e-6, zero=True),
         tie_word_embeddings=config_value(cfg, path, "tie_word_embeddings", bool, False),
-        # transformers' defaults: LlamaConfig 2048, Qwen2Config 32768
-        max_positions=_size(cfg, path, "max_position_embeddings", 32768 if arch == QWEN2 else 2048),
+        # transformers' defaults: LlamaConfig 2048, Qwen2Config and Qwen3Config 32768
+        max_positions=_size(cfg, path, "max_position_embeddings", 2048 if arch == LLAMA else 32768),
+        qk_norm=arch == QWEN3,
         rope_theta=theta,
         rope_scaling=scaling,
         **biases,
