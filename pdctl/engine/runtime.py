@@ -113,8 +113,21 @@ def accelerator_host() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip() != "cpu"
-    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
-    return any(importlib.util.find_spec(name) is not None for name in plugins)
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
+    if any(importlib.util.find_spec(name) is not None for name in plugins):
+        return True
+    # libtpu also serves a CPU machine that compiles for a TPU (`inspect-sharding --topology`,
+    # the tpu-aot extra): a TPU host is one with TPU chips, counted as JAX counts them
+    return importlib.util.find_spec("libtpu") is not None and _tpu_chips() > 0
+
+
+def _tpu_chips() -> int:
+    try:
+        from jax._src import hardware_utils
+
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except Exception:  # another JAX: take libtpu at its word, as before
+        return 1
 
 
 def configure_devices() -> None:

@@ -135,6 +135,6 @@ def inspect(
             report["memory"]["compile_s"] = round(secs, 3)
             if budget is not None:
                 compiler = f"XLA:TPU {tpu.name}" if tpu is not None else "XLA:CPU"
-                report["fit"] = fit.check(p, fit.compile_all(p, step), budget, rows, compiler)
+                report["fit"] = fit.check(p, fit.compile_all(p, *step), budget, rows, compiler)
                 report["fit"]["limits"] = limits
     return report

@@ -142,10 +142,12 @@ def compile_or_oom(name: str, compile_fn: Any) -> tuple[Any, float, dict[str, An
         return None, time.perf_counter() - t0, oom
 
 
-def compile_all(p: Any, step: tuple[Any, float, dict | None]) -> dict[str, tuple]:
+def compile_all(
+    p: Any, step_compiled: Any, step_s: float, step_oom: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, float, dict[str, Any] | None]]:
     """{program name: (compiled or None, seconds, out-of-memory verdict or None)}: the step
-    (already compiled) and eval_programs."""
-    out = {f"{p.stage} step": step}
+    (already compiled, or refused) and eval_programs."""
+    out = {f"{p.stage} step": (step_compiled, step_s, step_oom)}
     for name, lowered in eval_programs(p).items():
         out[name] = compile_or_oom(name, lowered.compile)
     return out

@@ -106,11 +106,15 @@ def generation_of(kind: str) -> str | None:
 def _quiet_libtpu(topo: Topology) -> None:
     """libtpu asks the cloud metadata for the host's accelerator type and worker hostnames and
     prints warnings when there is none (every CPU machine); name them, for this process only,
-    unless the environment already does (a real TPU VM)."""
+    unless the environment already does (a real TPU VM). Read when libtpu loads: the first
+    topology of a process sets them."""
     accel = ACCELERATOR_TYPE[topo.generation].format(n=topo.chips, c=2 * topo.chips)
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", accel)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu takes /tmp/libtpu_lockfile for the chips of this host; compiling touches no chip,
+    # so a run on this host (or another process with libtpu loaded) must not stop it
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def devices(topo: Topology) -> list[Any]:
