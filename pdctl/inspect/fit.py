@@ -183,7 +183,8 @@ def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
         "peak_bytes": peak,
         "worst": max(known, key=lambda q: q["peak_bytes"])["program"] if known else None,
         "fits": bool(known) and not oom and peak <= budget[0],
-        "out_of_memory": oom[0]["oom"] if oom else None,
+        # each program XLA:TPU refused, in its words
+        "out_of_memory": [{"program": q["program"], "message": q["oom"]} for q in oom],
         "margin_bytes": budget[0] - peak,
         "largest_arrays": [
             {"path": r["path"], "shape": r["shape"], "bytes_per_device": r["bytes_per_device"]}
@@ -221,14 +222,15 @@ def render(fit: dict[str, Any], console: Any) -> None:
         console.print(f"  {r['path']} {tuple(r['shape'])} {fmt_bytes(r['bytes_per_device'])}",
                       markup=False)  # fmt: skip
     margin = fit["margin_bytes"]
-    if fit.get("out_of_memory"):
-        console.print(f"{fit['compiler']}: {fit['out_of_memory']}", markup=False)
+    for q in fit.get("out_of_memory") or ():
+        console.print(f"{fit['compiler']}, {q['program']}: {q['message']}", markup=False)
     if fit.get("limits"):
         console.print(f"note: {fit['limits']}", markup=False)
     if fit.get("out_of_memory"):
+        refused = ", ".join(q["program"] for q in fit["out_of_memory"])
         verdict = (
-            f"DOES NOT FIT: {fit['compiler']} refused {fit['worst']}: it needs at least "
-            f"{fmt_bytes(fit['peak_bytes'])} of {fmt_bytes(fit['budget_bytes'])}"
+            f"DOES NOT FIT: {fit['compiler']} refused {refused} for want of HBM; peak at least "
+            f"{fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) of {fmt_bytes(fit['budget_bytes'])}"
         )
     elif fit["fits"]:
         verdict = (
