@@ -134,12 +134,21 @@ def configure_devices() -> None:
     """One JAX CPU device per core, unless XLA_FLAGS already sets a device count (the user's
     choice, e.g. `--xla_force_host_platform_device_count=1`) or JAX has started its backends.
     On a host with an accelerator (JAX_PLATFORMS naming another platform first, or a TPU / GPU
-    plugin installed) nothing changes: the CPU devices would only hold threads and memory."""
+    plugin installed) nothing changes: the CPU devices would only hold threads and memory.
+    libtpu without TPU chips (the tpu-aot extra on a CPU machine) would make JAX load it for
+    nothing, warn, and take the chips' lockfile: the backend is then the CPU alone."""
+    import importlib.util
+
+    import jax
+
+    unset = not os.environ.get("JAX_PLATFORMS")
+    if unset and importlib.util.find_spec("libtpu") is not None and _tpu_chips() == 0:
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_platforms", "cpu")
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     if accelerator_host():
         return
-    import jax
 
     # Backends already initialised (an in-process caller): keep them.
     with contextlib.suppress(RuntimeError):
