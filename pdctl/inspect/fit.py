@@ -12,7 +12,9 @@ XLA:CPU plans the same HLO as a GPU backend would after SPMD partitioning, so ar
 and alias sizes are exact; temporaries can differ, because each backend fuses, schedules and
 rematerialises on its own (a GPU compile adds cuDNN / cuBLAS workspaces and its own collective
 buffers; XLA:CPU has none of them), in either direction. The verdict is an estimate to
-keep a margin against, not a promise: see docs/performance.md.
+keep a margin against, not a promise: see docs/performance.md. For a TPU, with libtpu
+installed, the programs compile with XLA:TPU itself for a topology (`pdctl.inspect.topology`):
+its figures are the chip's, and a program it refuses for want of HBM does not fit.
 """
 
 from __future__ import annotations
