@@ -46,7 +46,16 @@ def inspect_sharding(
         typer.Option(
             "--device-kind",
             help="Fit check against a device's memory: a100-40, a100-80, h100, h200, b200, "
-            "tpu-v5e, tpu-v5p.",
+            "tpu-v5e, tpu-v5p, tpu-v6e, tpu-v4 (a TPU kind compiles with XLA:TPU when libtpu "
+            "is installed: --devices N chips).",
+        ),
+    ] = None,
+    tpu_topology: Annotated[
+        str | None,
+        typer.Option(
+            "--topology",
+            help="Fit check compiled by XLA:TPU for this slice (v5e:2x4, v5p:2x2x2), against "
+            'its chips\' HBM; needs libtpu: pip install -e ".[tpu-aot]".',
         ),
     ] = None,
 ) -> None:
@@ -60,8 +69,9 @@ def inspect_sharding(
     stage = insp.parse_stage(stage)
     override = insp.parse_mesh(mesh)
     budget = insp.fit.device_budget(device_memory, device_kind)
+    tpu, limits = insp.tpu_target(tpu_topology, device_kind, devices)
     proj = project(ctx)
-    if devices is not None and insp.needs_child(devices, proj.config, override):
+    if tpu is None and devices is not None and insp.needs_child(devices, proj.config, override):
         code, died = insp.relay(
             devices,
             ctx.obj.project if ctx.obj else None,
@@ -85,6 +95,8 @@ def inspect_sharding(
         expand=show_all,
         root=proj.root,
         budget=budget,
+        tpu=tpu,
+        limits=limits,
     )
     if as_json:
         typer.echo(json.dumps(report))

@@ -113,20 +113,42 @@ def accelerator_host() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip() != "cpu"
-    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
-    return any(importlib.util.find_spec(name) is not None for name in plugins)
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
+    if any(importlib.util.find_spec(name) is not None for name in plugins):
+        return True
+    # libtpu also serves a CPU machine that compiles for a TPU (`inspect-sharding --topology`,
+    # the tpu-aot extra): a TPU host is one with TPU chips, counted as JAX counts them
+    return importlib.util.find_spec("libtpu") is not None and _tpu_chips() > 0
+
+
+def _tpu_chips() -> int:
+    try:
+        from jax._src import hardware_utils
+
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except Exception:  # another JAX: take libtpu at its word, as before
+        return 1
 
 
 def configure_devices() -> None:
     """One JAX CPU device per core, unless XLA_FLAGS already sets a device count (the user's
     choice, e.g. `--xla_force_host_platform_device_count=1`) or JAX has started its backends.
     On a host with an accelerator (JAX_PLATFORMS naming another platform first, or a TPU / GPU
-    plugin installed) nothing changes: the CPU devices would only hold threads and memory."""
+    plugin installed) nothing changes: the CPU devices would only hold threads and memory.
+    libtpu without TPU chips (the tpu-aot extra on a CPU machine) would make JAX load it for
+    nothing, warn, and take the chips' lockfile: the backend is then the CPU alone."""
+    import importlib.util
+
+    import jax
+
+    unset = not os.environ.get("JAX_PLATFORMS")
+    if unset and importlib.util.find_spec("libtpu") is not None and _tpu_chips() == 0:
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_platforms", "cpu")
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     if accelerator_host():
         return
-    import jax
 
     # Backends already initialised (an in-process caller): keep them.
     with contextlib.suppress(RuntimeError):

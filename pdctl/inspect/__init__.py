@@ -11,6 +11,7 @@ What's here (each module imports only the ones above it):
     fit      the fit check: the step and the evaluation's programs against a device's memory
     render   the report as text
     child    `--devices N`: the same inspection in a child process
+    topology `--topology` / a TPU `--device-kind`: compile-only TPU devices from libtpu
     inspect  (below) the whole report as one JSON-ready dict
 """
 
@@ -23,7 +24,7 @@ import jax
 
 from pdctl.config import Config
 from pdctl.engine import sharding
-from pdctl.inspect import fit
+from pdctl.inspect import fit, topology
 from pdctl.inspect.child import (
     CHILD_CWD,
     child_argv,
@@ -47,6 +48,7 @@ from pdctl.inspect.layout import (
 )
 from pdctl.inspect.memory import fmt_bytes, memory_report
 from pdctl.inspect.render import render
+from pdctl.inspect.topology import target as tpu_target
 
 __all__ = [
     "CHILD_CWD",
@@ -70,7 +72,9 @@ __all__ = [
     "relay",
     "render",
     "run_child",
+    "topology",
     "totals",
+    "tpu_target",
 ]
 
 
@@ -83,12 +87,19 @@ def inspect(
     devices: list[Any] | None = None,
     root: Path | None = None,
     budget: tuple[int, str] | None = None,
+    tpu: topology.Topology | None = None,
+    limits: str | None = None,
 ) -> dict[str, Any]:
     """The `inspect-sharding` report as a JSON-ready dict: rows, totals and (with `compile`)
     the compiled step's memory; with a device `budget` (bytes, as given) also the fit check
-    (`fit`: the step and the evaluation's programs against it)."""
-    compile = compile or budget is not None
+    (`fit`: the step and the evaluation's programs against it). With a TPU topology `tpu`
+    the programs compile with XLA:TPU for its chips (libtpu), against their HBM by default;
+    `limits` is the line the fit check states about its compiler."""
     stage = parse_stage(stage)
+    if tpu is not None:
+        devices = topology.devices(tpu)
+        budget = budget or tpu.budget
+    compile = compile or budget is not None
     devices = list(jax.devices() if devices is None else devices)
     mc = mesh_config(cfg, mesh_override)
     check_mesh_fits(mc, len(devices), from_flag=bool(mesh_override))
@@ -100,6 +111,7 @@ def inspect(
         "stage": stage,
         "devices": len(devices),
         "platform": devices[0].platform,
+        "topology": tpu.name if tpu is not None else None,
         "mesh": sharding.describe_mesh(mesh),
         "fsdp_min_param_size": mc.fsdp_min_param_size,
         # the axes V / U shard over by their component axis ([mesh] decomposition)
@@ -114,10 +126,15 @@ def inspect(
             report["notes"].append("--compile: init_weights has no step to compile")
             report["memory"] = None
         else:
-            compiled, secs = compile_step(p)
-            report["memory"] = memory_report(compiled, report["totals"]["donated_per_device"])
+            step = fit.compile_or_oom(f"the {stage} step", lambda: compile_step(p)[0])
+            compiled, secs, oom = step
+            if oom is None:
+                report["memory"] = memory_report(compiled, report["totals"]["donated_per_device"])
+            else:
+                report["memory"] = {"available": False, "oom": oom["message"]}
             report["memory"]["compile_s"] = round(secs, 3)
             if budget is not None:
-                programs = fit.compile_all(p, compiled, secs)
-                report["fit"] = fit.check(p, programs, budget, rows)
+                compiler = f"XLA:TPU {tpu.name}" if tpu is not None else "XLA:CPU"
+                report["fit"] = fit.check(p, fit.compile_all(p, *step), budget, rows, compiler)
+                report["fit"]["limits"] = limits
     return report

@@ -12,7 +12,9 @@ XLA:CPU plans the same HLO as a GPU backend would after SPMD partitioning, so ar
 and alias sizes are exact; temporaries can differ, because each backend fuses, schedules and
 rematerialises on its own (a GPU compile adds cuDNN / cuBLAS workspaces and its own collective
 buffers; XLA:CPU has none of them), in either direction. The verdict is an estimate to
-keep a margin against, not a promise: see docs/performance.md.
+keep a margin against, not a promise: see docs/performance.md. For a TPU, with libtpu
+installed, the programs compile with XLA:TPU itself for a topology (`pdctl.inspect.topology`):
+its figures are the chip's, and a program it refuses for want of HBM does not fit.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 
 from pdctl.engine import sharding
 from pdctl.errors import PdctlError
+from pdctl.inspect import topology
 from pdctl.inspect.memory import fmt_bytes, memory_report
 
 GIB = 2**30
@@ -36,8 +39,9 @@ DEVICE_MEMORY: dict[str, int] = {
     "h100": 80 * GIB,
     "h200": 141 * GIB,
     "b200": 180 * GIB,
-    "tpu-v5e": 16 * GIB,
-    "tpu-v5p": 95 * GIB,
+    # a TPU's HBM as XLA:TPU states it (pdctl.inspect.topology.HBM_BYTES), not its marketing
+    # figure: 15.75 GiB on a v5e, where 16 GiB would pass a step that does not fit
+    **{f"tpu-{g}": b for g, b in topology.HBM_BYTES.items()},
 }
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -67,7 +71,7 @@ def device_budget(memory: str | None, kind: str | None) -> tuple[int, str] | Non
                 f"--device-kind: unknown kind {kind!r}; one of {', '.join(DEVICE_MEMORY)} (or "
                 f"give --device-memory)"
             )
-        return DEVICE_MEMORY[key], f"{key}, {DEVICE_MEMORY[key] / GIB:.0f} GiB"
+        return DEVICE_MEMORY[key], f"{key}, {DEVICE_MEMORY[key] / GIB:.4g} GiB"
     return None
 
 
@@ -123,39 +127,66 @@ def eval_programs(p: Any) -> dict[str, Any]:
     return out
 
 
-def compile_all(p: Any, step_compiled: Any, step_s: float) -> dict[str, tuple[Any, float]]:
-    """{program name: (compiled, seconds)}: the step (already compiled) and eval_programs."""
-    out = {f"{p.stage} step": (step_compiled, step_s)}
+def compile_or_oom(name: str, compile_fn: Any) -> tuple[Any, float, dict[str, Any] | None]:
+    """(compiled or None, seconds, XLA:TPU's out-of-memory verdict or None): a program whose
+    temporaries exceed a TPU's HBM does not compile for it, and that is the fit check's answer;
+    any other compile error is one line naming the program."""
+    t0 = time.perf_counter()
+    try:
+        return compile_fn(), time.perf_counter() - t0, None
+    except Exception as e:
+        oom = topology.out_of_memory(e)
+        if oom is None:
+            if not type(e).__name__.endswith("RuntimeError"):
+                raise
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise PdctlError(f"inspect-sharding: {name} does not compile: {first}") from None
+        return None, time.perf_counter() - t0, oom
+
+
+def compile_all(
+    p: Any, step_compiled: Any, step_s: float, step_oom: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, float, dict[str, Any] | None]]:
+    """{program name: (compiled or None, seconds, out-of-memory verdict or None)}: the step
+    (already compiled, or refused) and eval_programs."""
+    out = {f"{p.stage} step": (step_compiled, step_s, step_oom)}
     for name, lowered in eval_programs(p).items():
-        t0 = time.perf_counter()
-        out[name] = (lowered.compile(), time.perf_counter() - t0)
+        out[name] = compile_or_oom(name, lowered.compile)
     return out
 
 
-def check(p: Any, compiled: dict[str, tuple[Any, float]], budget: tuple[int, str],
-          rows: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
+          rows: list[dict[str, Any]], compiler: str = "XLA:CPU") -> dict[str, Any]:  # fmt: skip
     """Per program XLA's per-device bytes and peak (`memory_report`, as --compile reports the
-    step); the worst against the budget."""
+    step); the worst against the budget. A program XLA:TPU refused for want of HBM does not
+    fit; its peak is at least what the compiler said it needs."""
     programs = []
-    for name, (c, secs) in compiled.items():
-        m = memory_report(c, donated_bytes=0)
+    for name, (c, secs, oom) in compiled.items():
+        m = memory_report(c, donated_bytes=0) if oom is None else {"available": False}
         row: dict[str, Any] = {"program": name, "available": m["available"]}
         row["compile_s"] = round(secs, 3)
+        if oom is not None:
+            row["oom"] = oom["message"]
+            row["peak_bytes"] = oom.get("required_bytes", budget[0] + 1)
         if m["available"]:
             for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
                 row[k] = m[k]
             row["peak_bytes"] = m["peak_bytes_estimate"]
         programs.append(row)
-    known = [q for q in programs if q["available"]]
+    known = [q for q in programs if "peak_bytes" in q]
     peak = max((q["peak_bytes"] for q in known), default=0)
+    oom = [q for q in programs if "oom" in q]
     largest = sorted(rows, key=lambda r: (-r["bytes_per_device"], r["path"]))[:10]
     return {
         "budget_bytes": budget[0],
         "budget": budget[1],
+        "compiler": compiler,
         "programs": programs,
         "peak_bytes": peak,
         "worst": max(known, key=lambda q: q["peak_bytes"])["program"] if known else None,
-        "fits": bool(known) and peak <= budget[0],
+        "fits": bool(known) and not oom and peak <= budget[0],
+        # each program XLA:TPU refused, in its words
+        "out_of_memory": [{"program": q["program"], "message": q["oom"]} for q in oom],
         "margin_bytes": budget[0] - peak,
         "largest_arrays": [
             {"path": r["path"], "shape": r["shape"], "bytes_per_device": r["bytes_per_device"]}
@@ -167,10 +198,17 @@ def check(p: Any, compiled: dict[str, tuple[Any, float]], budget: tuple[int, str
 def render(fit: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title=f"fit check against {fit['budget']} per device", title_justify="left")
+    table = Table(
+        title=f"fit check ({fit.get('compiler', 'XLA:CPU')}) against {fit['budget']} per device",
+        title_justify="left",
+    )
     for col in ("program", "compile s", "arguments", "outputs", "temporaries", "aliased", "peak"):
         table.add_column(col, justify="left" if col == "program" else "right")
     for q in fit["programs"]:
+        if "oom" in q:  # XLA:TPU refused it: what it said it needs is the peak's lower bound
+            need = f">= {fmt_bytes(q['peak_bytes'])}"
+            table.add_row(q["program"], f"{q['compile_s']:.1f}", *["n/a"] * 2, need, "n/a", need)
+            continue
         if not q["available"]:
             table.add_row(q["program"], f"{q['compile_s']:.1f}", *["n/a"] * 5)
             continue
@@ -186,7 +224,17 @@ def render(fit: dict[str, Any], console: Any) -> None:
         console.print(f"  {r['path']} {tuple(r['shape'])} {fmt_bytes(r['bytes_per_device'])}",
                       markup=False)  # fmt: skip
     margin = fit["margin_bytes"]
-    if fit["fits"]:
+    for q in fit.get("out_of_memory") or ():
+        console.print(f"{fit['compiler']}, {q['program']}: {q['message']}", markup=False)
+    if fit.get("limits"):
+        console.print(f"note: {fit['limits']}", markup=False)
+    if fit.get("out_of_memory"):
+        refused = ", ".join(q["program"] for q in fit["out_of_memory"])
+        verdict = (
+            f"DOES NOT FIT: {fit['compiler']} refused {refused} for want of HBM; peak at least "
+            f"{fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) of {fmt_bytes(fit['budget_bytes'])}"
+        )
+    elif fit["fits"]:
         verdict = (
             f"FITS: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}), margin "
             f"{fmt_bytes(margin)} ({margin / fit['budget_bytes']:.0%} of the device)"

@@ -17,7 +17,9 @@ def render(report: dict[str, Any], console: Any) -> None:
     mesh = report["mesh"]
     t = report["totals"]
     console.print(
-        f"{report['stage']}: {report['devices']} {report['platform']} devices, mesh "
+        f"{report['stage']}: {report['devices']} {report['platform']} devices"
+        + (f" ({report['topology']}, compile only)" if report.get("topology") else "")
+        + ", mesh "
         f"data={mesh['data']} x fsdp={mesh['fsdp']} x tp={mesh.get('tp', 1)}, "
         "fsdp_min_param_size="
         f"{report['fsdp_min_param_size']}, components over "
@@ -81,22 +83,30 @@ def render(report: dict[str, Any], console: Any) -> None:
         console.print(f"note: {note}", markup=False)
     m = report.get("memory")
     if m:
-        if not m.get("available"):
+        if m.get("oom"):
+            console.print(f"compiled step: out of memory: {m['oom']}", markup=False)
+        elif not m.get("available"):
             console.print("compiled: memory_analysis() is not available here", markup=False)
             return
-        console.print(
-            f"compiled step ({m['compile_s']:.2f} s), per device: argument "
-            f"{fmt_bytes(m['argument_bytes'])}, output {fmt_bytes(m['output_bytes'])}, alias "
-            f"{fmt_bytes(m['alias_bytes'])}, temp {fmt_bytes(m['temp_bytes'])}; estimated peak "
-            f"{fmt_bytes(m['peak_bytes_estimate'])} (argument + output + temp - alias)",
-            markup=False,
-        )
-        verdict = "ok" if m["donation_ok"] else "DONATION FAILED"
-        console.print(
-            f"donation: aliased {fmt_bytes(m['alias_bytes'])} of "
-            f"{fmt_bytes(m['donated_bytes'])} donated state = {m['alias_fraction']:.1%} "
-            f"({verdict}, threshold {donation.THRESHOLD:.0%})",
-            markup=False,
-        )
+        else:
+            _step_memory(m, console)
     if report.get("fit"):
         fit.render(report["fit"], console)
+
+
+def _step_memory(m: dict[str, Any], console: Any) -> None:
+    """The compiled step's memory and whether its donation held."""
+    console.print(
+        f"compiled step ({m['compile_s']:.2f} s), per device: argument "
+        f"{fmt_bytes(m['argument_bytes'])}, output {fmt_bytes(m['output_bytes'])}, alias "
+        f"{fmt_bytes(m['alias_bytes'])}, temp {fmt_bytes(m['temp_bytes'])}; estimated peak "
+        f"{fmt_bytes(m['peak_bytes_estimate'])} (argument + output + temp - alias)",
+        markup=False,
+    )
+    verdict = "ok" if m["donation_ok"] else "DONATION FAILED"
+    console.print(
+        f"donation: aliased {fmt_bytes(m['alias_bytes'])} of "
+        f"{fmt_bytes(m['donated_bytes'])} donated state = {m['alias_fraction']:.1%} "
+        f"({verdict}, threshold {donation.THRESHOLD:.0%})",
+        markup=False,
+    )
