@@ -23,6 +23,11 @@ Pareto; written as JSON and a PNG of the curves (`--out DIR`).
     python benchmarks/lm_ab.py --gguf PATH --text DIR --out DIR [--steps 10000] [--batch 16]
         [--seq 256] [--eval-every 1000] [--deadline-s 0] [--arms A B] [--imp 1e-5]
         [--state DIR] [--compile-cache DIR]
+    python benchmarks/lm_ab.py --merge A.json B.json --out DIR
+
+`--merge`: the arms of separate runs (one arm per run, e.g. one per session on a borrowed TPU; the
+batch sampler is seeded alone, so every arm sees the same batches whatever `--arms` held) joined
+into one table, trend and Pareto, refused unless the runs agree on every setting but `--arms`.
 
 `--deadline-s` (wall seconds from the start): both arms stop at the same step when the next
 round of steps would pass it (the schedules were set for `--steps`; the output says where they
@@ -388,6 +393,46 @@ def plot(out: Path, arms: list[Arm]) -> None:
     fig.savefig(out / "lm_ab.png", dpi=90)
 
 
+def merge(paths: list[str], out: Path) -> None:
+    """Join per-arm runs' lm_ab.json files: one trend table by step, the final Pareto, the plot."""
+    from types import SimpleNamespace
+
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    keys = [k for k in RUN_KEYS if k != "arms"]
+    first = {k: runs[0]["args"][k] for k in keys}
+    for p, r in zip(paths, runs, strict=True):
+        other = {k: r["args"][k] for k in keys}
+        if other != first:
+            diff = sorted(k for k in keys if other[k] != first[k])
+            sys.exit(f"{p}: run with other settings ({', '.join(diff)}) than {paths[0]}")
+    arms: dict[str, dict] = {}
+    for p, r in zip(paths, runs, strict=True):
+        for name, a in r["arms"].items():
+            if name in arms:
+                sys.exit(f"{p}: arm {name} is in two of the runs")
+            arms[name] = {**a, "machine": r["machine"], "steps_done": r["steps_done"],
+                          "stepping_s": r["stepping_s"], "setup_s": r["setup_s"]}  # fmt: skip
+    names = sorted(arms)
+    for n in names:
+        a = arms[n]
+        ms = a["stepping_s"] / max(a["steps_done"], 1) * 1e3
+        print(f"# {n}: {a['machine']}; {a['steps_done']} steps, {ms:.1f} ms a step "
+              f"({first['batch'] * first['seq'] / ms * 1e3:,.0f} tokens/s)")  # fmt: skip
+    print(HEADER)
+    steps = sorted({e["step"] for a in arms.values() for e in a["evals"]})
+    for st in steps:
+        for n in names:
+            for e in arms[n]["evals"]:
+                if e["step"] == st:
+                    print(fmt_eval(n, e))
+    print("\nfinal:\n" + HEADER)
+    for n in names:
+        print(fmt_eval(n, arms[n]["evals"][-1]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lm_ab.json").write_text(json.dumps({"args": first, "arms": arms}, indent=1))
+    plot(out, [SimpleNamespace(name=n, evals=arms[n]["evals"]) for n in names])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default=os.environ.get("PDCTL_SMOLLM2_GGUF"))
@@ -408,7 +453,11 @@ def main() -> None:
     ap.add_argument("--state", help="save / resume the run here (segments across commands)")
     ap.add_argument("--segment-steps", type=int, default=0, help="stop (and save) after N steps")
     ap.add_argument("--compile-cache", help="XLA's persistent compilation cache directory")
+    ap.add_argument("--merge", nargs="+", help="join these per-arm lm_ab.json files (see above)")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, Path(args.out))
+        return
     if not args.gguf:
         sys.exit("--gguf PATH (or PDCTL_SMOLLM2_GGUF) is required")
     out = Path(args.out)
@@ -509,14 +558,16 @@ def main() -> None:
             for a in arms:
                 print(fmt_eval(a.name, a.evaluate(step, eval_batch)), flush=True)
     jax.block_until_ready([a.state for a in arms])
-    if state_dir is not None and done < args.steps:
-        # the sampler's state after the batch drawn for step done + 1 (`batch`): the resumed run
-        # draws that batch again from the state before it, so the state saved is the earlier one
-        save_segment(state_dir, args, arms, done, stepping, rng_before)
-        print(f"# saved after step {done} to {state_dir}; the same command goes on", flush=True)
-    for a in arms:
+    for a in arms:  # before the save, so a resumed run's curve keeps this point
         if not a.evals or a.evals[-1]["step"] != done:
             print(fmt_eval(a.name, a.evaluate(done, eval_batch)), flush=True)
+    if state_dir is not None and done > start - 1:
+        # the sampler's state after the batch drawn for step done + 1 (`batch`): the resumed run
+        # draws that batch again from the state before it, so the state saved is the earlier one.
+        # Saved at the end too, so the same command started again finds the run complete.
+        save_segment(state_dir, args, arms, done, stepping, rng_before)
+        more = "; the same command goes on" if done < args.steps else " (complete)"
+        print(f"# saved after step {done} to {state_dir}{more}", flush=True)
     wall = time.perf_counter() - T0
     tokens = done * args.batch * args.seq
     print(
