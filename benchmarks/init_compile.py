@@ -22,6 +22,8 @@ import time
 
 from _harness import machine_line
 
+from pdctl.science.targets.base import Target
+
 SITES_PER_LAYER = 14
 
 
@@ -40,8 +42,11 @@ def _names_shapes(d: int = 32, d_kv: int = 16, m: int = 64) -> dict[str, tuple[i
     return shapes
 
 
-class LlamaLike:
-    """Just enough of a Target for `init_decomposition`: site paths and shapes."""
+class LlamaLike(Target):
+    """Just enough of a Target for `init_decomposition`: site paths and shapes (the base class's
+    defaults for the rest: no tied sites, no layers to start from)."""
+
+    kind, output_kind = "llama_like", "logits"
 
     def __init__(self, n_layers: int) -> None:
         self.shapes = {
