@@ -18,14 +18,17 @@
 #     lm_step        SmolLM2-135M at 4 x 64 tokens, C 256, 3 sites (layer 15's MLP), then 90
 #                    (every MLP projection, scanned as pdctl's scan_layers = "auto" does):
 #                    step / forward ms, tokens/s, MFU
-#     spd_step       tms, resid-mlp, llama-mlp: compile, step ms, MFU, donation's pointer reuse
-#     scan_compile   a tiny 8-layer Llama unrolled, then scanned
-# Each item has a share of the budget (benchmarks/accel_check.py SHARES; with --only, all that
-# is left); time an item does not use goes to the next; an item with less than 20 s left is
-# skipped, and the summary says so. Every process shares a persistent XLA compilation cache
-# (--cache DIR, PDCTL_ACCEL_CACHE, default /tmp/pdctl-accel-cache): a second run on the same
-# machine compiles almost nothing.
-# --tiny: small sizes everywhere (a smoke test on a CPU: --tiny --allow-cpu --budget 1800).
+#     spd_step       tms, resid-mlp: compile, step ms, MFU, donation's pointer reuse
+#     scan_compile   a tiny 4-layer Llama scanned, then unrolled
+#     spd_step       llama-mlp (its train step compiles for about a minute on a v5e)
+# Each step has a share of the budget (benchmarks/accel_check.py SHARES; with --only, all that
+# is left), never more; time a step does not use goes to the next; a step with less than 20 s
+# left is skipped, and the summary says so. The steps through spd_step:resid-mlp are planned
+# to fit 540 s on a v5e (estimated); the last three run on what the earlier ones leave. Both
+# processes share a persistent XLA compilation cache (--cache DIR, PDCTL_ACCEL_CACHE, default
+# /tmp/pdctl-accel-cache; none: off): a second run on the same machine compiles almost nothing.
+# --tiny: small sizes everywhere, every step may use what is left of the budget (a smoke test
+# on a CPU: --tiny --allow-cpu --budget 1800).
 #
 # Under --out (default $OUT, else ./accel-check): summary.md (date, commit, device, every
 # table, each step's setup / compile / run seconds), results.json (the same as numbers) and
@@ -206,7 +209,9 @@ summary
 if wants precision; then
   left=$(( budget - SECONDS - 10 ))  # 10 s: the kill's grace and the summary
   limit=$left
-  [ -n "$only" ] || limit=$(( budget * $("$PY" benchmarks/accel_check.py share precision) / 100 ))
+  # its share (with --only, or --tiny on a CPU: all that is left)
+  [ -n "$only" ] || [ $tiny = 1 ] \
+    || limit=$(( budget * $("$PY" benchmarks/accel_check.py share precision) / 100 ))
   [ $limit -le $left ] || limit=$left
   if [ $left -lt 20 ]; then
     echo "== precision: skipped ($left s of the budget left)"
