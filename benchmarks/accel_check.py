@@ -6,7 +6,8 @@ accel_check.py deps             pdctl's requirements that the benchmarks import 
 accel_check.py imports          import what the benchmarks import; one line naming the first
                                 module that is missing, exit 2
 accel_check.py platform         what JAX will run on, told without opening the device (JSON)
-accel_check.py share NAME       NAME's share of the budget, percent (SHARES)
+accel_check.py limit BUDGET LEFT ONLY
+                                precision's time limit, seconds (`item_limit`)
 accel_check.py probe            JAX's devices as one JSON line (opens the accelerator)
 accel_check.py run ARGS         the driver: lm_step, spd_step and scan_compile one after another
                                 in one process (one opening of the device, the GGUF loaded
@@ -140,16 +141,17 @@ def _jaxlib_version() -> str:
 
 # --- the driver: lm_step, spd_step and scan_compile in one process ---------------------------
 
-# Each step's share of the budget (percent), in the order they run: what issue 41 needs most
-# first. precision.py runs before them all, in a process of its own (the shell's step). The
-# shares are estimates for one TPU v5e, not measurements (docs/performance.md, "Accelerator
-# check", shows the arithmetic). A step never gets more than its share (a hung compile cannot
-# eat the rest), and time it does not use goes to the steps after it. The steps up to
-# spd_step:resid-mlp are planned to fit the budget; scan_compile and spd_step:llama-mlp (whose
-# train step alone compiles for about a minute on a v5e) run on what the earlier ones leave.
+# The driver's steps' shares of the budget (percent), in the order they run: what issue 41
+# needs most first (precision.py, a process of its own, runs before them all). Estimates for
+# one TPU v5e, not measurements: docs/performance.md, "Accelerator check", shows the
+# arithmetic. The planned steps (PLANNED) keep their shares from the steps before them: a
+# step may use what is left but for the shares of the planned steps after it (precision also
+# leaves the driver's start), so an estimate that was short costs the unplanned tail, never a
+# later planned step, and a hung compile cannot eat their time. The unplanned steps,
+# scan_compile and spd_step:llama-mlp (whose train step alone compiles for about a minute on a
+# v5e), run on what is left, each at most its share.
 SHARES = {
-    "precision": 60,
-    "lm_step:a": 12,  # 3 sites (the first of SIZES' lm_sites): the GGUF's load is here
+    "lm_step:a": 12,  # 3 sites (the first of SIZES' lm_sites): the GGUF is loaded here
     "lm_step:b": 9,  # 90 sites, scanned
     "spd_step:tms": 4,
     "spd_step:resid-mlp": 5,
@@ -157,7 +159,8 @@ SHARES = {
     "scan_compile:unrolled": 8,
     "spd_step:llama-mlp": 15,
 }
-PLANNED = ("precision", "lm_step:a", "lm_step:b", "spd_step:tms", "spd_step:resid-mlp")
+PLANNED = ("lm_step:a", "lm_step:b", "spd_step:tms", "spd_step:resid-mlp")
+DRIVER_START_S = 20  # the driver's imports and its opening of the device (estimated, v5e)
 MIN_START_S = 20  # a step with less time than this is skipped, not started
 RESERVE_S = 10  # kept back: a stopped item's clean-up, the summary
 
@@ -195,11 +198,18 @@ def plan(sizes: str) -> list[tuple[str, str]]:
     ]
 
 
-def item_limit(budget: int, share: int, left: float, only: bool) -> int:
-    """An item's time limit in whole seconds: its share of the budget (all that is left with
-    --only), never more than is left."""
-    limit = left if only else min(budget * share / 100, left)
-    return max(int(limit), 0)
+def item_limit(budget: int, key: str, left: float, later: list[str], whole: bool) -> int:
+    """A step's time limit in whole seconds: what is `left` of the budget but for the shares of
+    the planned steps among `later` (the SHARES keys of the steps after it that will run; for
+    precision also the driver's start), or, for an unplanned step, at most its own share.
+    `whole` (--only, --tiny): all that is left."""
+    if whole:
+        return max(int(left), 0)
+    if key == "precision" or key in PLANNED:
+        keep = sum(budget * SHARES[k] / 100 for k in later if k in PLANNED)
+        keep += DRIVER_START_S if key == "precision" and later else 0
+        return max(int(left - keep), 0)
+    return max(int(min(budget * SHARES[key] / 100, left)), 0)
 
 
 class ItemLimit(BaseException):
@@ -335,9 +345,9 @@ def run(argv: list[str]) -> None:
 def _run_items(a, driver: Driver, items: list, deadline: float, only: bool) -> None:
     import signal
 
-    for name, key in items:
+    for i, (name, key) in enumerate(items):
         left = deadline - time.monotonic() - RESERVE_S
-        limit = item_limit(a.budget, SHARES[key], left, only)
+        limit = item_limit(a.budget, key, left, [k for _, k in items[i + 1 :]], only)
         if limit < MIN_START_S:
             print(f"== {name}: skipped ({left:.0f} s of the budget left)", flush=True)
             record(a.work, name, "skipped: budget", 0, "-")
@@ -606,8 +616,10 @@ def main() -> None:
         imports()
     elif cmd == "platform":
         print(json.dumps(platform_info()))
-    elif cmd == "share":
-        print(SHARES[rest[0]])
+    elif cmd == "limit":  # precision's: BUDGET LEFT ONLY (the driver's steps that will run)
+        only = {n for n in rest[2].replace(",", " ").split() if n}
+        later = [k for n, k in plan("full") if not only or n.split(":")[0] in only]
+        print(item_limit(int(rest[0]), "precision", float(rest[1]), later, whole=False))
     elif cmd == "probe":
         print(json.dumps(probe_devices()))
     elif cmd == "run":

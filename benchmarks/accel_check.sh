@@ -21,10 +21,11 @@
 #     spd_step       tms, resid-mlp: compile, step ms, MFU, donation's pointer reuse
 #     scan_compile   a tiny 4-layer Llama scanned, then unrolled
 #     spd_step       llama-mlp (its train step compiles for about a minute on a v5e)
-# Each step has a share of the budget (benchmarks/accel_check.py SHARES; with --only, all that
-# is left), never more; time a step does not use goes to the next; a step with less than 20 s
-# left is skipped, and the summary says so. The steps through spd_step:resid-mlp are planned
-# to fit 540 s on a v5e (estimated); the last three run on what the earlier ones leave. Both
+# The driver's steps through spd_step:resid-mlp are planned: each has a share of the budget
+# (benchmarks/accel_check.py SHARES, estimated for a v5e) that the steps before it, precision
+# included, leave to it; the last three run on what is left, each at most its share. A step
+# with less than 20 s left is skipped, and the summary says so. With --only or --tiny every
+# step may use all that is left. Both
 # processes share a persistent XLA compilation cache (--cache DIR, PDCTL_ACCEL_CACHE, default
 # /tmp/pdctl-accel-cache; none: off): a second run on the same machine compiles almost nothing.
 # --tiny: small sizes everywhere, every step may use what is left of the budget (a smoke test
@@ -209,9 +210,10 @@ summary
 if wants precision; then
   left=$(( budget - SECONDS - 10 ))  # 10 s: the kill's grace and the summary
   limit=$left
-  # its share (with --only, or --tiny on a CPU: all that is left)
+  # all that is left but the planned driver steps' shares (with --only, or --tiny on a CPU:
+  # all that is left)
   [ -n "$only" ] || [ $tiny = 1 ] \
-    || limit=$(( budget * $("$PY" benchmarks/accel_check.py share precision) / 100 ))
+    || limit=$("$PY" benchmarks/accel_check.py limit "$budget" "$left" "$only")
   [ $limit -le $left ] || limit=$left
   if [ $left -lt 20 ]; then
     echo "== precision: skipped ($left s of the budget left)"

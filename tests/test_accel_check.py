@@ -89,14 +89,20 @@ def test_item_limits_and_plan():
     names = [n for n, _ in ac.plan("full")]
     assert names[:4] == ["lm_step:3", "lm_step:90", "spd_step:tms", "spd_step:resid-mlp"]
     assert [n for n, _ in ac.plan("tiny")][1] == "lm_step:12"
-    assert {k for _, k in ac.plan("full")} | {"precision"} == set(ac.SHARES)
-    # a share of the budget, never more than is left; --only: all that is left
-    assert ac.item_limit(540, 10, 300.0, only=False) == 54
-    assert ac.item_limit(540, 10, 30.5, only=False) == 30
-    assert ac.item_limit(540, 10, 300.0, only=True) == 300
-    # the planned steps fit the budget with room for the setup, opening the device twice and
-    # the reserve (about 50 s of 540); every share can start (>= MIN_START_S of 540 s)
-    assert sum(ac.SHARES[k] for k in ac.PLANNED) <= 91
+    keys = [k for _, k in ac.plan("full")]
+    assert set(keys) == set(ac.SHARES) and keys[: len(ac.PLANNED)] == list(ac.PLANNED)
+    # a planned step: what is left but the later planned steps' shares (4 % and 5 % of 540)
+    assert ac.item_limit(540, "lm_step:b", 200.0, keys[2:], whole=False) == 151  # 200-21.6-27
+    # precision also leaves the driver's start; with no driver step after it, all that is left
+    assert ac.item_limit(540, "precision", 520.0, keys, whole=False) == 520 - 162 - 20  # 30 %
+    assert ac.item_limit(540, "precision", 520.0, [], whole=False) == 520
+    # an unplanned step: at most its share, never more than is left
+    assert ac.item_limit(540, "scan_compile:scan", 300.0, keys[5:], whole=False) == 37
+    assert ac.item_limit(540, "scan_compile:scan", 30.5, keys[5:], whole=False) == 30
+    assert ac.item_limit(540, "lm_step:a", 300.0, keys[1:], whole=True) == 300
+    # the plan for 540 s: about 20 s of setup, precision, the planned steps and the reserve fit
+    limit = ac.item_limit(540, "precision", 540 - 20 - ac.RESERVE_S, keys, whole=False)
+    assert limit >= 300
     assert min(ac.SHARES.values()) * 540 / 100 >= ac.MIN_START_S
 
 
