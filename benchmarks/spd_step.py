@@ -75,13 +75,13 @@ def child(
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
     out: dict = {"config": template, "batch": cfg.train.batch_size, "devices": mesh.size}
     out["device_kind"] = jax.devices()[0].device_kind
-    w_state = w_prog.jit_make_state()(dec["components"])
-    jax.block_until_ready((params, dec, w_state))
+    jax.block_until_ready((params, dec))
     out["init_s"] = time.perf_counter() - t_init
 
     # faithfulness warmup: compile + its steps (the template's, or `warmup_steps`)
     n_warmup = cfg.warmup.steps if warmup_steps is None else warmup_steps
     t0 = time.perf_counter()
+    w_state = w_prog.jit_make_state()(dec["components"])
     w_step = w_prog.jit().lower(params, w_state, None).compile()
     t1 = time.perf_counter()
     ahead: list = []  # as the stage loop: at most MAX_AHEAD steps in flight (a collective
