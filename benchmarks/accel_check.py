@@ -84,26 +84,31 @@ def imports() -> None:
 
 def platform_info() -> dict:
     """What JAX will run on, told without starting it (one process at a time holds a TPU chip,
-    and opening it costs seconds): {platform, kind, chips, peak_tflops}. A TPU host's chips
-    and their generation come from the PCI bus, as JAX counts them; a GPU's kind is known
-    only once JAX runs (the driver's probe)."""
+    and opening it costs seconds): {platform, kind, chips, peak_tflops, libtpu_without_chips}.
+    TPU chips and their generation come from the PCI bus, as JAX counts them; a GPU from
+    pdctl's test (a GPU plugin installed) or NVIDIA's device files, its kind only once JAX
+    runs. "cpu" when neither: the shell then asks JAX itself before it refuses."""
+    import importlib.util
+
     from pdctl.engine import measure, runtime
 
     out: dict = {"platform": "cpu", "kind": None, "chips": 0, "peak_tflops": None}
-    if not runtime.accelerator_host():
-        return out
-    out["platform"] = "gpu"
     try:
         from jax._src import hardware_utils
 
         chips, version = hardware_utils.num_available_tpu_chips_and_device_id()
+        nvidia = hardware_utils.has_visible_nvidia_gpu()
     except Exception:  # another JAX: the driver's probe says what it is
-        chips, version = 0, None
+        chips, version, nvidia = 0, None, False
+    libtpu = importlib.util.find_spec("libtpu") is not None
+    out["libtpu_without_chips"] = libtpu and not chips
     if chips:
         out.update(platform="tpu", chips=int(chips))
         if version is not None:
             out["kind"] = f"TPU {version.name}"
             out["peak_tflops"] = measure.PEAK_TFLOPS.get(out["kind"])
+    elif nvidia or (runtime.accelerator_host() and not libtpu):
+        out["platform"] = "gpu"
     return out
 
 
@@ -621,6 +626,9 @@ def main() -> None:
         later = [k for n, k in plan("full") if not only or n.split(":")[0] in only]
         print(item_limit(int(rest[0]), "precision", float(rest[1]), later, whole=False))
     elif cmd == "probe":
+        from pdctl.engine import runtime
+
+        runtime.configure_devices()  # libtpu without chips: the CPU, as pdctl's commands
         print(json.dumps(probe_devices()))
     elif cmd == "run":
         run(rest)

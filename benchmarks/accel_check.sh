@@ -156,13 +156,21 @@ fi
 
 # --- the device, told without opening it (precision.py is the first process to open it) ------
 "$PY" benchmarks/accel_check.py platform > "$WORK/platform.json" || die "cannot tell the device (above)"
-platform=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["platform"])' < "$WORK/platform.json")
+field() { "$PY" -c 'import json, sys; print(json.load(sys.stdin).get(sys.argv[1]) or "")' "$1" \
+  < "$WORK/platform.json"; }
+platform=$(field platform)
 echo "== device (not opened yet): $(cat "$WORK/platform.json")"
-if [ "$platform" = cpu ]; then
-  [ $allow_cpu = 1 ] || die "JAX sees only the CPU here: this check is for a TPU or a GPU \
+if [ "$platform" = cpu ] && [ $allow_cpu = 0 ]; then
+  # neither the PCI bus nor a GPU's files name an accelerator: JAX itself decides (this opens
+  # the device once more, only on the way to refusing)
+  "$PY" benchmarks/accel_check.py probe > "$WORK/platform.json" || die "JAX found no device (above)"
+  platform=$(field platform)
+  [ "$platform" != cpu ] || die "JAX sees only the CPU here: this check is for a TPU or a GPU \
 (--allow-cpu runs it anyway)"
-  # a CPU machine with libtpu installed (pdctl's tpu-aot extra) and no chips: JAX would try
-  # libtpu first in precision.py (pdctl's own commands keep to the CPU there by themselves)
+fi
+if [ "$(field libtpu_without_chips)" = True ]; then
+  # libtpu installed (pdctl's tpu-aot extra) on a machine without chips: JAX would try it
+  # first in precision.py and take its lock file (pdctl's own commands keep to the CPU there)
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 fi
 if [ "$platform" = gpu ] && command -v nvidia-smi > /dev/null; then
@@ -170,7 +178,7 @@ if [ "$platform" = gpu ] && command -v nvidia-smi > /dev/null; then
 fi
 peak_from="--peak-tflops"
 if [ -z "$peak" ]; then
-  peak=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["peak_tflops"] or "")' < "$WORK/platform.json")
+  peak=$(field peak_tflops)
   peak_from="pdctl.engine.measure's table"
 fi
 

@@ -152,3 +152,19 @@ def test_stopped_records_the_running_item_and_the_rest(tmp_path):
         "spd_step:tms", "spd_step:resid-mlp", "scan_compile:scan",
         "scan_compile:unrolled", "spd_step:llama-mlp")]  # fmt: skip
     assert not (work / "driver.current").exists()
+
+
+@pytest.mark.slow  # ~10-20 s: the imports check and JAX's own look at the devices
+def test_cpu_only_refused_one_line_nothing_written(tmp_path):
+    """Where neither the PCI bus nor JAX sees an accelerator, the check stops before anything
+    runs or is written (--allow-cpu runs it anyway)."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        ["bash", str(BENCH / "accel_check.sh"), "--out", str(out), "--only", "spd_step"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    # (from here on the script's output is one stream, kept for its log)
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert last.startswith("accel_check: JAX sees only the CPU") and "--allow-cpu" in last
+    assert not out.exists()
