@@ -4,24 +4,36 @@
 #
 #     bash benchmarks/accel_check.sh [--out DIR] [--gguf PATH] [--text DIR] [--wheels DIR]
 #         [--index-url URL] [--only NAMES] [--arms "old new"] [--budget S] [--peak-tflops T]
-#         [--commit REV] [--tiny] [--allow-cpu]
+#         [--cache DIR] [--commit REV] [--tiny] [--allow-cpu]
 #     bash benchmarks/accel_check.sh --fetch-wheels DIR [--for-python 3.11] [NAME ...]
 #
-# The steps, in this order, each in fresh processes under a time limit (a share of the budget;
-# none with --only) and skipped when less than 20 s of the budget is left:
-#   precision      benchmarks/precision.py: SmolLM2-135M's layer-15 MLP (C 1024) at 32 x 256
-#                  tokens: warmup floor, step ms, tokens/s, MFU, unmasked KL per arm (--arms,
-#                  default "old new": the policy's step beside the step before it; the whole
-#                  table in one run of its own: --only precision --arms "old new high highest")
-#   spd_step       benchmarks/spd_step.py on tms, resid-mlp, llama-mlp: compile, step ms, MFU,
-#                  memory with and without donation, donation's pointer reuse
-#   lm_step        benchmarks/lm_step.py: SmolLM2-135M at 4 x 64 tokens, C 256, 3 sites (layer
-#                  15's MLP) and, last, 90 (every MLP projection): step / forward ms, MFU
-#   scan_compile   benchmarks/scan_compile.py: a tiny 8-layer Llama unrolled, then scanned
-# --tiny: small sizes everywhere (a smoke test on a CPU: --tiny --allow-cpu --budget 1800).
+# Two processes open the device, one after the other (a TPU chip admits one at a time and
+# each opening costs seconds), in this order, what issue 41 needs most first:
+#   precision      benchmarks/precision.py, a process of its own: SmolLM2-135M's layer-15 MLP
+#                  (C 1024) at 32 x 256 tokens: warmup floor, step ms, tokens/s, MFU, unmasked
+#                  KL per arm (--arms, default "old new": the policy's step beside the step
+#                  before it; the whole table in a run of its own: --only precision --arms
+#                  "old new high highest")
+#   the driver     benchmarks/accel_check.py run: one process, the GGUF loaded once, then
+#     lm_step        SmolLM2-135M at 4 x 64 tokens, C 256, 3 sites (layer 15's MLP), then 90
+#                    (every MLP projection, scanned as pdctl's scan_layers = "auto" does):
+#                    step / forward ms, tokens/s, MFU
+#     spd_step       tms, resid-mlp: compile, step ms, MFU, donation's pointer reuse
+#     scan_compile   a tiny 4-layer Llama scanned, then unrolled
+#     spd_step       llama-mlp (its train step compiles for about a minute on a v5e)
+# The driver's steps through spd_step:resid-mlp are planned: each has a share of the budget
+# (benchmarks/accel_check.py SHARES, estimated for a v5e) that the steps before it, precision
+# included, leave to it; the last three run on what is left, each at most its share. A step
+# with less than 20 s left is skipped, and the summary says so. With --only or --tiny every
+# step may use all that is left. Both
+# processes share a persistent XLA compilation cache (--cache DIR, PDCTL_ACCEL_CACHE, default
+# /tmp/pdctl-accel-cache; none: off): a second run on the same machine compiles almost nothing.
+# --tiny: small sizes everywhere, every step may use what is left of the budget (a smoke test
+# on a CPU: --tiny --allow-cpu --budget 1800).
 #
 # Under --out (default $OUT, else ./accel-check): summary.md (date, commit, device, every
-# table), results.json (the same as numbers) and accel_check.log (everything printed).
+# table, each step's setup / compile / run seconds), results.json (the same as numbers) and
+# accel_check.log (everything printed).
 #
 # Python and JAX: $PYTHON (default python3), JAX from the machine (a TPU VM image puts it on
 # PYTHONPATH) or an activated virtual environment; this checkout goes in front of PYTHONPATH,
@@ -41,17 +53,18 @@ die() { echo "accel_check: $*" >&2; exit 2; }
 
 out="${OUT:-$ROOT/accel-check}" gguf="${PDCTL_SMOLLM2_GGUF:-}" text="${PDCTL_TEXT:-}"
 wheels="${PDCTL_WHEELS:-}" index="" only="" arms="old new" budget=540 peak="" commit=""
+cache="${PDCTL_ACCEL_CACHE:-/tmp/pdctl-accel-cache}"
 tiny=0 allow_cpu=0 fetch="" for_python="" names=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out|--gguf|--text|--wheels|--index-url|--only|--arms|--budget|--peak-tflops|--commit|\
-    --fetch-wheels|--for-python)
+    --fetch-wheels|--for-python|--cache)
       [ $# -ge 2 ] || die "$1 needs a value"
       case "$1" in
         --out) out=$2 ;; --gguf) gguf=$2 ;; --text) text=$2 ;; --wheels) wheels=$2 ;;
         --index-url) index=$2 ;; --only) only=$2 ;; --arms) arms=$2 ;; --budget) budget=$2 ;;
         --peak-tflops) peak=$2 ;; --commit) commit=$2 ;; --fetch-wheels) fetch=$2 ;;
-        --for-python) for_python=$2 ;;
+        --for-python) for_python=$2 ;; --cache) cache=$2 ;;
       esac
       shift 2 ;;
     --tiny) tiny=1; shift ;;
@@ -141,19 +154,31 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 "$PY" benchmarks/accel_check.py imports || exit 2
 
-# --- the device --------------------------------------------------------------------------------
-"$PY" benchmarks/accel_check.py probe > "$WORK/probe.out" || die "JAX found no device (above)"
-cat "$WORK/probe.out"
-platform=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["platform"])' < "$WORK/probe.out")
+# --- the device, told without opening it (precision.py is the first process to open it) ------
+"$PY" benchmarks/accel_check.py platform > "$WORK/platform.json" || die "cannot tell the device (above)"
+field() { "$PY" -c 'import json, sys; print(json.load(sys.stdin).get(sys.argv[1]) or "")' "$1" \
+  < "$WORK/platform.json"; }
+platform=$(field platform)
+echo "== device (not opened yet): $(cat "$WORK/platform.json")"
 if [ "$platform" = cpu ] && [ $allow_cpu = 0 ]; then
-  die "JAX sees only the CPU here: this check is for a TPU or a GPU (--allow-cpu runs it anyway)"
+  # neither the PCI bus nor a GPU's files name an accelerator: JAX itself decides (this opens
+  # the device once more, only on the way to refusing)
+  "$PY" benchmarks/accel_check.py probe > "$WORK/platform.json" || die "JAX found no device (above)"
+  platform=$(field platform)
+  [ "$platform" != cpu ] || die "JAX sees only the CPU here: this check is for a TPU or a GPU \
+(--allow-cpu runs it anyway)"
+fi
+if [ "$(field libtpu_without_chips)" = True ]; then
+  # libtpu installed (pdctl's tpu-aot extra) on a machine without chips: JAX would try it
+  # first in precision.py and take its lock file (pdctl's own commands keep to the CPU there)
+  export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 fi
 if [ "$platform" = gpu ] && command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 fi
 peak_from="--peak-tflops"
 if [ -z "$peak" ]; then
-  peak=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["peak_tflops"] or "")' < "$WORK/probe.out")
+  peak=$(field peak_tflops)
   peak_from="pdctl.engine.measure's table"
 fi
 
@@ -161,81 +186,84 @@ mkdir -p "$out" || die "cannot make --out $out"
 cat "$WORK/setup.log" > "$out/accel_check.log"
 exec > >(tee -a "$out/accel_check.log") 2>&1
 
+# One persistent compilation cache for every process (JAX reads these when it starts); every
+# program is kept, however fast it compiled: on a TPU the many small ones add up.
+if [ "$cache" != none ]; then
+  mkdir -p "$cache" || die "--cache: cannot make $cache"
+  export JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  echo "== compilation cache: $cache ($(find "$cache" -type f | wc -l) entries before this run)"
+fi
+
 # --- sizes ------------------------------------------------------------------------------------
 if [ $tiny = 1 ]; then
   prec_args=(--batch 2 --seq 16 --C 16 --warmup-steps 5 --steps 1 --eval-batch 2)
   prec_shape="layer 15, C 16, 2 x 16 tokens, 5 warmup steps"
-  spd_steps=2 lm_c=16 lm_steps=1 lm_sites=(3 6) scan_layers=2 scan_steps=1
+  sizes=tiny lm_c=16
 else
   # precision.py at 32 x 256 with 300 warmup steps (the floor after 1,000 is its own run:
-  # --only precision): on a v5e each arm compiles its step and its evaluation for minutes
+  # --only precision)
   prec_args=(--warmup-steps 300 --steps 10)
   prec_shape="layer 15, C 1024, 32 x 256 tokens, 300 warmup steps"
-  spd_steps=20 lm_c=256 lm_steps=3 lm_sites=(3 90) scan_layers=8 scan_steps=3
+  sizes=full lm_c=256
 fi
 # On the CPU no peak is known: precision.py's MFU is then against a nominal 1 TFLOP/s.
 "$PY" benchmarks/accel_check.py meta "$WORK/meta.json" "commit=$commit" "budget_s=$budget" \
-  "sizes=$([ $tiny = 1 ] && echo tiny || echo full)" "gguf=$gguf" "text=$text" \
-  "peak_tflops=$peak" "peak_from=$peak_from" "lm_tokens=256" "lm_shape=4 x 64 tokens, C $lm_c" \
+  "sizes=$sizes" "gguf=$gguf" "text=$text" "cache=$cache" \
+  "peak_tflops=$peak" "peak_from=$peak_from" "lm_shape=4 x 64 tokens, C $lm_c" \
   "precision_shape=$prec_shape, arms $arms" || exit 2
 summary() { "$PY" benchmarks/accel_check.py summary "$WORK" "$out" || echo "== summary failed"; }
 summary
 
-# run_step NAME SHARE CMD...: CMD under `timeout`, at most SHARE percent of the budget (with
-# --only: whatever is left of it), its output kept as $WORK/NAME.out; recorded in steps.tsv.
-run_step() {
-  local name=$1 share=$2; shift 2
-  local left=$(( budget - SECONDS - 10 ))  # 10 s: the kill's grace and the summary
-  local limit=$left file="$WORK/${name//:/_}.out"
-  [ -n "$only" ] || limit=$(( budget * share / 100 < left ? budget * share / 100 : left ))
-  if [ $left -lt 20 ]; then
-    echo "== $name: skipped ($left s of the budget left)"
-    printf '%s\tskipped: budget\t0\t-\n' "$name" >> "$WORK/steps.tsv"
-    summary
-    return
-  fi
-  echo "== $name, at most $limit s: $*"
-  local t0=$SECONDS rc status
-  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$file"
-  rc=${PIPESTATUS[0]}
-  case $rc in 0) status=ok ;; 124|137) status="stopped at its limit" ;; *) status="failed (exit $rc)" ;; esac
-  # a TPU process killed at its limit leaves libtpu's lock file behind, and every later process
-  # then fails to open the chip ("libtpu multi-process lockfile"): the step's processes are all
-  # gone here (timeout killed its group), so the file is stale
-  if [ "$platform" = tpu ] && [ "$rc" != 0 ]; then rm -f /tmp/libtpu_lockfile; fi
-  echo "== $name: $status after $(( SECONDS - t0 )) s"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$status" $(( SECONDS - t0 )) "$limit" >> "$WORK/steps.tsv"
-  summary
-}
-
+# --- precision: a process of its own, at most its share of the budget --------------------------
 if wants precision; then
-  # shellcheck disable=SC2086  # the arms are words
-  run_step precision 55 "$PY" benchmarks/precision.py --gguf "$gguf" --text "$text" --arms $arms \
-    --peak-tflops "${peak:-1}" --json "$WORK/precision.json" "${prec_args[@]}"
+  left=$(( budget - SECONDS - 10 ))  # 10 s: the kill's grace and the summary
+  limit=$left
+  # all that is left but the planned driver steps' shares (with --only, or --tiny on a CPU:
+  # all that is left)
+  [ -n "$only" ] || [ $tiny = 1 ] \
+    || limit=$("$PY" benchmarks/accel_check.py limit "$budget" "$left" "$only")
+  [ $limit -le $left ] || limit=$left
+  if [ $left -lt 20 ]; then
+    echo "== precision: skipped ($left s of the budget left)"
+    printf 'precision\tskipped: budget\t0\t-\n' >> "$WORK/steps.tsv"
+  else
+    echo "== precision, at most $limit s"
+    t0=$SECONDS
+    # shellcheck disable=SC2086  # the arms are words
+    timeout --kill-after=5 "$limit" "$PY" benchmarks/precision.py --gguf "$gguf" --text "$text" \
+      --arms $arms --peak-tflops "${peak:-1}" --json "$WORK/precision.json" "${prec_args[@]}" \
+      2>&1 | tee "$WORK/precision.out"
+    rc=${PIPESTATUS[0]}
+    case $rc in 0) status=ok ;; 124|137) status="stopped at its limit" ;; *) status="failed (exit $rc)" ;; esac
+    # a TPU process killed at its limit leaves libtpu's lock file behind, and the next process
+    # then fails to open the chip ("libtpu multi-process lockfile"): timeout has killed the
+    # step's process group, so the file is stale
+    if [ "$platform" = tpu ] && [ "$rc" != 0 ]; then rm -f /tmp/libtpu_lockfile; fi
+    echo "== precision: $status after $(( SECONDS - t0 )) s"
+    printf 'precision\t%s\t%s\t%s\n' "$status" $(( SECONDS - t0 )) "$limit" >> "$WORK/steps.tsv"
+  fi
+  summary
 fi
-if wants spd_step; then
-  for config in tms resid-mlp llama-mlp; do
-    run_step "spd_step:$config" 8 "$PY" benchmarks/spd_step.py --configs "$config" \
-      --devices default --steps $spd_steps ${peak:+--peak-tflops "$peak"} \
-      --json "$WORK/spd_step_$config.json"
-  done
-fi
-# lm_step.py and scan_compile.py replace PYTHONPATH in their children (a machine's JAX on it
-# is lost): their children are run here directly. lm_step's reads the fortunes by absolute
-# path: accel_check.py lm-step gives it PDCTL_TEXT's file instead.
-if wants lm_step; then
-  run_step "lm_step:${lm_sites[0]}" 20 "$PY" benchmarks/accel_check.py lm-step "${lm_sites[0]}" \
-    --steps $lm_steps --C $lm_c
-fi
-if wants scan_compile; then
-  run_step scan_compile:unrolled 10 "$PY" benchmarks/scan_compile.py --child $scan_layers \
-    --steps $scan_steps
-  run_step scan_compile:scan 10 "$PY" benchmarks/scan_compile.py --child $scan_layers \
-    --steps $scan_steps --scan
-fi
-if wants lm_step; then
-  run_step "lm_step:${lm_sites[1]}" 30 "$PY" benchmarks/accel_check.py lm-step "${lm_sites[1]}" \
-    --steps $lm_steps --C $lm_c
+
+# --- the driver: lm_step, spd_step, scan_compile in one process, until the budget ends ---------
+driver_only=""
+for name in lm_step spd_step scan_compile; do wants $name && driver_only="$driver_only $name"; done
+if [ -n "$driver_only" ]; then
+  [ -z "$only" ] || only_arg=(--only "$driver_only")
+  left=$(( budget - SECONDS - 5 ))
+  if [ $left -lt 20 ]; then
+    "$PY" benchmarks/accel_check.py stopped "$WORK" $sizes "${only// /,}" 124
+  else
+    echo "== driver, at most $left s"
+    timeout --kill-after=5 "$left" "$PY" benchmarks/accel_check.py run "$WORK" "$out" \
+      --sizes $sizes --budget "$budget" --seconds "$left" ${only:+"${only_arg[@]}"} \
+      ${peak:+--peak-tflops "$peak"} $([ $allow_cpu = 1 ] && echo --allow-cpu)
+    rc=$?
+    if [ "$platform" = tpu ] && [ "$rc" != 0 ]; then rm -f /tmp/libtpu_lockfile; fi
+    [ $rc = 3 ] && die "JAX sees only the CPU here (--allow-cpu runs it anyway)"
+    [ $rc = 0 ] || "$PY" benchmarks/accel_check.py stopped "$WORK" $sizes "${only// /,}" $rc
+  fi
+  summary
 fi
 
 echo "== done in $SECONDS s: $out/summary.md"

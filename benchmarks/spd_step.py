@@ -33,7 +33,18 @@ import _harness
 BATCHES = {"llama-mlp": 16}  # sequences; the toys use their template's batch
 
 
-def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -> dict:
+def child(
+    template: str,
+    n_steps: int,
+    peak_tflops: float,
+    n_devices: int = 0,
+    warmup_steps: int | None = None,
+    no_donation: bool = True,
+) -> dict:
+    """One config's measurements on the first `n_devices` devices (0: all). `warmup_steps`:
+    the faithfulness warmup's steps (None: the template's); `no_donation`: also compile the
+    step without donation for its memory estimate (one more compile). Callable in a process
+    that has run other configs (benchmarks/accel_check.py): nothing here is global."""
     import jax
     import numpy as np
 
@@ -45,6 +56,7 @@ def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -
     from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key, target_from_config
     from pdctl.templates import create_run
 
+    t_init = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         run = create_run("bench", template, Path(tmp))
         cfg = Project.load(run / "pdctl.toml").config
@@ -63,20 +75,25 @@ def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -
     dec, _ = init_decomposition(cfg, target, mesh, stream_key(cfg, STREAM_DECOMP))
     out: dict = {"config": template, "batch": cfg.train.batch_size, "devices": mesh.size}
     out["device_kind"] = jax.devices()[0].device_kind
+    jax.block_until_ready((params, dec))
+    out["init_s"] = time.perf_counter() - t_init
 
-    # faithfulness warmup: compile + all cfg.warmup.steps steps
+    # faithfulness warmup: compile + its steps (the template's, or `warmup_steps`)
+    n_warmup = cfg.warmup.steps if warmup_steps is None else warmup_steps
     t0 = time.perf_counter()
     w_state = w_prog.jit_make_state()(dec["components"])
     w_step = w_prog.jit().lower(params, w_state, None).compile()
     t1 = time.perf_counter()
     ahead: list = []  # as the stage loop: at most MAX_AHEAD steps in flight (a collective
-    for _ in range(cfg.warmup.steps):  # behind 32 more aborts XLA:CPU: runtime's note)
+    for _ in range(n_warmup):  # behind 32 more aborts XLA:CPU: runtime's note)
         w_state, wm = w_step(params, w_state, None)
         ahead.append(wm)
         if len(ahead) > MAX_AHEAD:
             jax.block_until_ready(ahead.pop(0))
     jax.block_until_ready(w_state)
-    out.update(warmup_compile_s=t1 - t0, warmup_run_s=time.perf_counter() - t1)
+    out.update(
+        warmup_steps=n_warmup, warmup_compile_s=t1 - t0, warmup_run_s=time.perf_counter() - t1
+    )
 
     # the SPD train step (the train stage's program, with and without donation)
     state = prog.jit_make_state()(w_state["components"], dec["ci_fns"], dec["sources"])
@@ -88,7 +105,8 @@ def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -
     t0 = time.perf_counter()
     step = prog.jit().lower(params, state, batch).compile()
     out["train_compile_s"] = time.perf_counter() - t0
-    plain = prog.jit(donate=False).lower(params, state, batch).compile()
+    plain = prog.jit(donate=False).lower(params, state, batch).compile() if no_donation else None
+    out["no_donation_compile_s"] = time.perf_counter() - t0 - out["train_compile_s"]
     state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
 
     def est_peak(compiled) -> float:
@@ -101,8 +119,9 @@ def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -
         )
 
     out["mem_peak_mib"] = est_peak(step) / 2**20
-    out["mem_peak_no_donation_mib"] = est_peak(plain) / 2**20
-    out["donation_saving_x"] = (est_peak(plain) - est_peak(step)) / state_bytes
+    out["mem_peak_no_donation_mib"] = est_peak(plain) / 2**20 if plain else None
+    out["donation_saving_x"] = (est_peak(plain) - est_peak(step)) / state_bytes if plain else None
+    t_run = time.perf_counter()
     before = donation.buffer_bytes_by_ptr(state)
     state, m = step(params, state, batch)
     out["donation_reuse"] = donation.reused_fraction(before, state)[0]
@@ -131,6 +150,7 @@ def child(template: str, n_steps: int, peak_tflops: float, n_devices: int = 0) -
         flops_per_device=flops,
         mfu=measure.mfu(flops, best, peak) if flops and peak else None,
         loss=float(m["loss"]),
+        run_s=time.perf_counter() - t_run,
     )
     return out
 
