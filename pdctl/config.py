@@ -235,6 +235,15 @@ class PrecisionConfig(Section):
         "float32",
         description="dtype of matmuls and activations (the faithfulness term is float32 always)",
     )
+    target_dtype: DType | None = Field(
+        None,
+        examples=["bfloat16"],
+        description=(
+            "dtype an imported target's frozen weights are stored in (unset: param_dtype); "
+            "bfloat16 halves their memory and reads: every stage then decomposes the model with "
+            "its weights rounded to bfloat16 (faithfulness compares V U with those, exactly)"
+        ),
+    )
     matmul: MatmulPrecision = Field(
         "default",
         description=(
@@ -614,6 +623,11 @@ class PpgdConfig(Section):
         description="scope pooled: persistent particles per example; each step every example "
         "draws one, shared by its positions and every site",
     )
+    unroll: bool = Field(
+        False,
+        description="the n_warmup_steps ascents as straight-line code, not a loop (no loop "
+        "boundary for XLA to schedule around; a longer compile)",
+    )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="storage of the sources and of their Adam first moment: float32 | bfloat16 "
@@ -914,6 +928,12 @@ def _check_cross_fields(cfg: Config) -> None:
         raise PdctlError(
             "data.path: an imported model (target.kind = hf) is decomposed on your text; set "
             "data.path to a .txt, .jsonl or .parquet file or a directory of them"
+        )
+    if cfg.precision.target_dtype is not None and cfg.target.kind != "hf":
+        # a self-trained target (pretrain) is trained and stored in param_dtype
+        raise PdctlError(
+            "precision.target_dtype: only an imported target (target.kind = hf) is stored "
+            f"apart from the decomposition, not {cfg.target.kind}; delete the key"
         )
     tc = cfg.train
     if tc.init_from_step is not None and not tc.init_from:

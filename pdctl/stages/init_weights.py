@@ -31,15 +31,29 @@ def nonlinearity_aligned(env: Any, components: dict[str, Any]) -> dict[str, Any]
     """`components` (init-weights' random ones) with the MLP sites' replaced by the
     `nonlinearity_aligned` init of the TRAINED target's weights: called when warmup starts,
     because init-weights runs before pretrain (a self-trained target's weights are not yet the
-    ones decomposed then). Seeded with the sites' component keys (`site_keys`), grouped and
-    vmapped as the random init (`engine.init.grouped_init`), bit-identical to calling
-    `components.aligned_site_components` site by site."""
-    cfg, target, mesh = env.cfg, env.target, env.mesh
+    ones decomposed then). See `aligned_components`."""
+    out, names, n_exact = aligned_components(
+        env.cfg, env.target, env.mesh, pretrained_target(env), components
+    )
+    notify(
+        f"warmup: {len(names)} MLP site(s) start nonlinearity-aligned ({n_exact} with C = "
+        "their neurons: V U = W exactly)"
+    )
+    return out
+
+
+def aligned_components(
+    cfg: Config, target: Target, mesh, params: Any, components: dict[str, Any]
+) -> tuple[dict[str, Any], list[str], int]:
+    """(`components` with the MLP sites' aligned to the target weights in `params`, the sites
+    aligned, how many of them have V U = W exactly). Seeded with the sites' component keys
+    (`site_keys`), grouped and vmapped as the random init (`engine.init.grouped_init`),
+    bit-identical to calling `components.aligned_site_components` site by site."""
     sites = decomposed_sites(cfg, target)
     aligned = aligned_sites(cfg, target, sites)
     order = list(sites)
     comp_keys, _, _ = comps.site_keys(stream_key(cfg, STREAM_DECOMP), len(order))
-    weights = target.site_weights(pretrained_target(env))
+    weights = target.site_weights(params)
     names = [p for p in order if p in aligned]
     dtype = jax.numpy.dtype(cfg.precision.param_dtype)
     out, _ = grouped_init(
@@ -52,11 +66,7 @@ def nonlinearity_aligned(env: Any, components: dict[str, Any]) -> dict[str, Any]
         arrays=[weights[p] for p in names],
     )
     n_exact = sum(sites[p][2] == sites[p][0 if aligned[p] == "in" else 1] for p in names)
-    notify(
-        f"warmup: {len(names)} MLP site(s) start nonlinearity-aligned ({n_exact} with C = "
-        "their neurons: V U = W exactly)"
-    )
-    return {**components, **out}
+    return {**components, **out}, names, n_exact
 
 
 def _aligned(key, W, C, side, shape, dtype):

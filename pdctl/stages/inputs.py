@@ -34,7 +34,8 @@ def target_from_config(cfg: Config, root: Path | None = None, need_weights: bool
     `need_weights` its config.json alone is enough (shapes only)."""
     t = cfg.target
     fields = t.model_dump(exclude={"kind"})
-    fields["param_dtype"] = DTYPES[cfg.precision.param_dtype]
+    # an imported target's frozen weights may be stored apart ([precision] target_dtype)
+    fields["param_dtype"] = DTYPES[cfg.precision.target_dtype or cfg.precision.param_dtype]
     if t.kind in ("tms", "resid_mlp"):
         fields["feature_probability"] = cfg.data.feature_probability
     else:
@@ -42,6 +43,8 @@ def target_from_config(cfg: Config, root: Path | None = None, need_weights: bool
     if t.kind == "hf":
         fields["path"] = str(resolve(root, t.path))
         fields["need_weights"] = need_weights
+        if cfg.precision.target_dtype is not None:  # stored apart: computed in compute_dtype
+            fields["compute_dtype"] = DTYPES[cfg.precision.compute_dtype]
     return build_target(t.kind, **fields)
 
 

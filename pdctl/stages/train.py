@@ -222,7 +222,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
                 return fns.source_step(srcs, g, opt, lr_src), None
 
             (sources, src_opt), _ = jax.lax.scan(
-                ascend, (sources, src_opt), jnp.arange(pcfg.n_warmup_steps)
+                ascend, (sources, src_opt), jnp.arange(pcfg.n_warmup_steps), unroll=pcfg.unroll
             )
         step_frac = loop["step"].astype(jnp.float32) / float(total)
         ((loss, m), (g_tr, g_src)), new_freq = value_and_grads(

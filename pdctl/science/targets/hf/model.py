@@ -81,12 +81,17 @@ class HFCausalLM(LMTarget):
     spec: HfSpec
     seq_len: int = 128
     param_dtype: Any = jnp.float32
+    # the dtype the forwards cast the stored weights to on entry (`[precision] target_dtype`
+    # stores them apart from the compute dtype); None: they compute in the stored dtype
+    compute_dtype: Any = None
     remat: str = "none"  # none | dots_saveable | full: rematerialise each block in the backward
     # `apply_sites` runs the blocks as a scan over layers (`[train] scan_layers`)
     scan_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+        if self.compute_dtype is not None:
+            object.__setattr__(self, "compute_dtype", jnp.dtype(self.compute_dtype))
         self._check_remat()
         s = self.spec
         if self.seq_len > s.max_positions:
@@ -340,6 +345,16 @@ class HFCausalLM(LMTarget):
             return x_BxTxD, root, layers, 0
         return start.x, root, layers, start.layer
 
+    def computed(self, params: Params) -> Params:
+        """The weights as the forwards compute with them: cast to `compute_dtype` (a no-op
+        when unset, or when they already are, as in the train step)."""
+        if self.compute_dtype is None:
+            return params
+        dt = self.compute_dtype
+        return jax.tree.map(
+            lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, params
+        )
+
     def _unembed(self, params: Params, root: Params, x_BxTxD: jax.Array) -> jax.Array:
         s = self.spec
         h = self._norm(x_BxTxD, root["ln_f" if s.is_gpt2 else "norm"])
@@ -363,6 +378,7 @@ class HFCausalLM(LMTarget):
         """tokens (B, T) int -> logits (B, T, vocab) float32, the blocks unrolled (one copy of
         the block per layer in the program; `apply_sites` scans them). `residual` / `start`:
         the stream entering a layer, filled in / started from (`base.Residual`)."""
+        params = self.computed(params)
         x_BxTxD, root, layers, first = self._start(params, tokens, start)
         block_fn = self._block_fn()
         for i in range(first, self.spec.n_layers):
@@ -408,6 +424,7 @@ class HFCausalLM(LMTarget):
         whatever the depth. Other layers (alone, or without sites) stay unrolled. The values
         are those of the unrolled forward up to float reassociation inside the loop body
         (tests/test_scan.py)."""
+        params = self.computed(params)
         site_data = dict(site_data or {})
         capture = tuple(capture)
         if not self.scan_layers:
