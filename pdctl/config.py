@@ -701,6 +701,16 @@ class TrainConfig(Section):
         1000, description="steps between evaluations (CI errors, L0, masked CE/KL for LMs)"
     )
     eval_batch_size: Pos = Field(1024, description="examples per evaluation")
+    eval_accum_steps: Pos = Field(
+        1,
+        description=(
+            "LMs: the evaluation's masked forwards in this many equal micro-batches of the "
+            "evaluation batch, one after another (the same figures to float32 reassociation: "
+            "each micro-batch draws its rows of the whole batch's masks, and the fresh-PGD "
+            "ascent steps on the whole batch's gradient), so that a device holds one "
+            "micro-batch's activations; must divide eval_batch_size. Not part of the fingerprint"
+        ),
+    )
     eval_rounding_threshold: Frac = Field(
         0.0, description='LMs: the "rounded" masking evaluates ci > this as 1, else 0'
     )
@@ -839,6 +849,7 @@ def fingerprint(cfg: Config, stage: str) -> str:
     # How the train step runs, not what it computes (train resumes across it, `stages.train.
     # restore`): not part of any fingerprint.
     dumped.get("train", {}).pop("scan_layers", None)
+    dumped.get("train", {}).pop("eval_accum_steps", None)  # the same figures, in parts
     deps = registry.dependencies(stage)
     if cfg.target.kind == "hf":  # an imported target is not trained: [pretrain] changes nothing
         deps = tuple(d for d in deps if d != "pretrain")
@@ -938,6 +949,11 @@ def _check_cross_fields(cfg: Config) -> None:
     tc = cfg.train
     if tc.init_from_step is not None and not tc.init_from:
         raise PdctlError("train.init_from_step: names a step of the init_from run; set init_from")
+    if tc.eval_batch_size % tc.eval_accum_steps:
+        raise PdctlError(
+            f"train.eval_accum_steps: {tc.eval_accum_steps} does not divide train.eval_batch_size "
+            f"{tc.eval_batch_size}"
+        )
     per_batch = ("per_batch_per_position", "pooled")
     if tc.ppgd.scope in per_batch and tc.batch_size % tc.grad_accum_steps:
         raise PdctlError(

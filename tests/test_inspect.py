@@ -352,8 +352,9 @@ def test_child_error_is_relayed(tmp_path: Path) -> None:
 def test_fit_check_arithmetic_and_verdict(tmp_path: Path) -> None:
     """--device-memory compiles the train step and the evaluation's programs (4 devices, data x
     fsdp); each program's bytes are XLA's memory_analysis() of that compiled program, the
-    peak is argument + output + temporaries - aliased, and the verdict is peak <= budget (exit
-    0 either way). The step's figures equal the plain --compile report's."""
+    peak is argument + output + temporaries - aliased (+ for an evaluation the train state it
+    runs beside), and the verdict is peak <= budget (exit 0 either way). The step's figures
+    equal the plain --compile report's."""
     import jax
 
     from pdctl import inspect as insp
@@ -366,10 +367,14 @@ def test_fit_check_arithmetic_and_verdict(tmp_path: Path) -> None:
     f = report["fit"]
     names = [q["program"] for q in f["programs"]]
     assert names == ["train step", "eval: CI", "eval: masked forwards"]
+    # an evaluation runs beside the train state it does not take (optimizer, sources, ...)
+    held = fit.held_during_eval(insp.array_rows(insp.plan(cfg, "train", sharding_mesh(cfg, 4))))
+    assert held > 0
     for q in f["programs"]:
         assert q["available"]
         parts = q["argument_bytes"] + q["output_bytes"] + q["temp_bytes"] - q["alias_bytes"]
-        assert q["peak_bytes"] == parts > 0
+        assert q["held_bytes"] == (held if q["program"].startswith("eval") else 0)
+        assert q["peak_bytes"] == parts + q["held_bytes"] > 0
     step = f["programs"][0]
     m = report["memory"]
     assert (step["argument_bytes"], step["output_bytes"], step["temp_bytes"]) == (

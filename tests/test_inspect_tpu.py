@@ -162,10 +162,16 @@ def test_xla_tpu_says_what_fits_one_v5e(tmp_path: Path) -> None:
     f = report["fit"]
     assert f["compiler"] == "XLA:TPU v5e:1x1" and f["budget_bytes"] == round(15.75 * GIB)
     assert f["fits"] and f["out_of_memory"] == [], f
-    for q in f["programs"]:  # each program's bytes are the TPU compiler's
+    for q in f["programs"]:  # each program's bytes are the TPU compiler's (+ for an
+        # evaluation the train state it runs beside)
         assert q["available"] and q["peak_bytes"] == (
-            q["argument_bytes"] + q["output_bytes"] + q["temp_bytes"] - q["alias_bytes"]
+            q["argument_bytes"]
+            + q["output_bytes"]
+            + q["temp_bytes"]
+            - q["alias_bytes"]
+            + q["held_bytes"]
         )
+        assert (q["held_bytes"] > 0) == q["program"].startswith("eval")
 
     big = llama(tmp_path, "big", d=2048, d_mlp=8192, seq=2048, batch=64, vocab=32768)
     out = invoke("--project", big, "inspect-sharding", "--topology", "v5e:1x1", "--json")

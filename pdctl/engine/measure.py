@@ -47,3 +47,37 @@ def mfu(flops_per_device_step: float, step_s: float, peak_per_device: float) -> 
     both sides, so the same global batch gives the same MFU on 1 device or on N (each doing
     1/N of the work in, ideally, 1/N of the time)."""
     return flops_per_device_step / step_s / peak_per_device
+
+
+def matmul_flops(closed_jaxpr: Any) -> float:
+    """2 M N K of every `dot_general` of a traced program (`jax.make_jaxpr(fn)(*args)`, for the
+    shapes it was traced with), a scan's body counted once per iteration, a `cond` by its
+    costliest branch, rematerialised blocks as often as they run. XLA's `cost_analysis()`
+    counts a loop's body once (XLA:TPU states one matmul's FLOPs for a 10-step scan of them),
+    so a step whose layers, micro-batches or ascent steps run as scans is undercounted there;
+    this is the count to put over a device's peak. A `while` loop (no static trip count)
+    counts its body once."""
+    import math
+
+    def walk(jaxpr: Any) -> float:
+        total = 0.0
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "dot_general":
+                (_, rc), (_, rb) = eqn.params["dimension_numbers"]
+                lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+                n = math.prod(d for i, d in enumerate(rhs) if i not in (*rc, *rb))
+                total += 2.0 * math.prod(lhs) * n  # lhs = batch x M x K
+            elif name == "scan":
+                total += eqn.params["length"] * walk(eqn.params["jaxpr"].jaxpr)
+            elif name == "cond":
+                total += max(walk(b.jaxpr) for b in eqn.params["branches"])
+            else:
+                for v in eqn.params.values():
+                    if hasattr(v, "eqns"):  # a Jaxpr (remat, shard_map)
+                        total += walk(v)
+                    elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):  # a ClosedJaxpr
+                        total += walk(v.jaxpr)
+        return total
+
+    return walk(closed_jaxpr.jaxpr)

@@ -78,9 +78,16 @@ def device_budget(memory: str | None, kind: str | None) -> tuple[int, str] | Non
 def eval_programs(p: Any) -> dict[str, Any]:
     """The evaluation's own programs for the train stage, lowered from abstract arguments with
     the train state's shardings (the CPU-only replicated evaluation is a CPU workaround, not
-    what a device run compiles): the CI program and, for an LM, the masked-forwards program."""
+    what a device run compiles) as the stage traces them (at `[precision] eval_matmul`, in
+    `[train] eval_accum_steps` micro-batches): the CI program and, for an LM, the
+    masked-forwards program."""
     if p.stage != "train" or p.program is None:
         return {}
+    with p.program.policy.eval_scope():
+        return _eval_programs(p)
+
+
+def _eval_programs(p: Any) -> dict[str, Any]:
     from pdctl.science.spd import evaluate
     from pdctl.stages import train
     from pdctl.stages.inputs import STREAM_TRAIN, scan_layers, stream_key, with_scan
@@ -122,6 +129,7 @@ def eval_programs(p: Any) -> dict[str, Any]:
         fn = evaluate.lm_eval_program(
             target, paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
             cfg.train.eval_rounding_threshold, evaluate.fresh_pgd_config(cfg),
+            cfg.train.eval_accum_steps,
         )  # fmt: skip
         out["eval: masked forwards"] = fn.lower(params, comps, ci_fns, x, x, key)
     return out
@@ -155,23 +163,39 @@ def compile_all(
     return out
 
 
+# What the train stage keeps on the device while its evaluation runs and the evaluation's
+# programs do not take as arguments (they take the target, the components, the CI functions
+# and the evaluation batch): the optimizer states, the PPGD sources, the loop counters, the
+# frequency state, the train batch.
+HELD_DURING_EVAL = ("optimizer", "sources", "loop", "other", "batch")
+
+
+def held_during_eval(rows: list[dict[str, Any]]) -> int:
+    """Bytes per device of the train state that stay on the device beside an evaluation."""
+    return sum(r["bytes_per_device"] for r in rows if r["kind"] in HELD_DURING_EVAL)
+
+
 def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
           rows: list[dict[str, Any]], compiler: str = "XLA:CPU") -> dict[str, Any]:  # fmt: skip
     """Per program XLA's per-device bytes and peak (`memory_report`, as --compile reports the
-    step); the worst against the budget. A program XLA:TPU refused for want of HBM does not
-    fit; its peak is at least what the compiler said it needs."""
+    step); the worst against the budget. An evaluation's peak adds what the train state holds
+    beside it (`held_during_eval`: the stage evaluates with the whole state on the device). A
+    program XLA:TPU refused for want of HBM does not fit; its peak is at least what the
+    compiler said it needs."""
     programs = []
+    held = held_during_eval(rows)
     for name, (c, secs, oom) in compiled.items():
         m = memory_report(c, donated_bytes=0) if oom is None else {"available": False}
         row: dict[str, Any] = {"program": name, "available": m["available"]}
         row["compile_s"] = round(secs, 3)
+        row["held_bytes"] = held if name.startswith("eval") else 0
         if oom is not None:
             row["oom"] = oom["message"]
-            row["peak_bytes"] = oom.get("required_bytes", budget[0] + 1)
+            row["peak_bytes"] = oom.get("required_bytes", budget[0] + 1) + row["held_bytes"]
         if m["available"]:
             for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
                 row[k] = m[k]
-            row["peak_bytes"] = m["peak_bytes_estimate"]
+            row["peak_bytes"] = m["peak_bytes_estimate"] + row["held_bytes"]
         programs.append(row)
     known = [q for q in programs if "peak_bytes" in q]
     peak = max((q["peak_bytes"] for q in known), default=0)
@@ -202,22 +226,31 @@ def render(fit: dict[str, Any], console: Any) -> None:
         title=f"fit check ({fit.get('compiler', 'XLA:CPU')}) against {fit['budget']} per device",
         title_justify="left",
     )
-    for col in ("program", "compile s", "arguments", "outputs", "temporaries", "aliased", "peak"):
+    cols = ("program", "compile s", "arguments", "outputs", "temporaries", "aliased",
+            "state held", "peak")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="left" if col == "program" else "right")
     for q in fit["programs"]:
+        held = fmt_bytes(q.get("held_bytes", 0))
         if "oom" in q:  # XLA:TPU refused it: what it said it needs is the peak's lower bound
-            need = f">= {fmt_bytes(q['peak_bytes'])}"
-            table.add_row(q["program"], f"{q['compile_s']:.1f}", *["n/a"] * 2, need, "n/a", need)
+            need = f">= {fmt_bytes(q['peak_bytes'] - q.get('held_bytes', 0))}"
+            peak = f">= {fmt_bytes(q['peak_bytes'])}"
+            table.add_row(q["program"], f"{q['compile_s']:.1f}", *["n/a"] * 2, need, "n/a", held,
+                          peak)  # fmt: skip
             continue
         if not q["available"]:
-            table.add_row(q["program"], f"{q['compile_s']:.1f}", *["n/a"] * 5)
+            table.add_row(q["program"], f"{q['compile_s']:.1f}", *["n/a"] * 6)
             continue
         table.add_row(
             q["program"], f"{q['compile_s']:.1f}",
             *(fmt_bytes(q[k]) for k in ("argument_bytes", "output_bytes", "temp_bytes",
-                                         "alias_bytes", "peak_bytes")),
+                                         "alias_bytes")),
+            held, fmt_bytes(q["peak_bytes"]),
         )  # fmt: skip
     console.print(table)
+    console.print("state held: the train state an evaluation runs beside and does not take "
+                  "(optimizer, PPGD sources, counters); peak = arguments + outputs + temporaries "
+                  "- aliased + state held", markup=False)  # fmt: skip
     console.print("largest arrays per device (arguments; XLA states temporaries only in sum):",
                   markup=False)  # fmt: skip
     for r in fit["largest_arrays"]:

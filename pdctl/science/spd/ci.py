@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from pdctl.science.spd.components import expand_left
 from pdctl.science.spd.grouped import map_sites
+from pdctl.science.spd.masks import window_draw
 
 Array = jax.Array
 ALPHA = 0.01
@@ -202,6 +203,7 @@ def compute_ci(
     grouped: bool = False,
     order: Sequence[str] | None = None,
     inner: Mapping[str, Array] | None = None,
+    window: tuple[Array | int, int] | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """(ci_lower, ci_upper) per site in `site_inputs`, each (..., C) float32.
 
@@ -213,7 +215,9 @@ def compute_ci(
     CI function runs vmapped over the members) and `order` the per-site order that fixes the
     draws; with `grouped`, same-shaped plain sites run as one vmap too (`grouped.map_sites`).
     `inner` {site: x @ V}, computed by the caller (which shares it with other uses), replaces
-    the site's own product."""
+    the site's own product. `window` (start, full): the inputs are rows of a batch of `full`
+    examples, and binomial sampling's noise is those rows of that batch's draw
+    (`masks.window_draw`)."""
     apply = ci_fn_apply
     if remat != "none":  # recompute the CI MLP's (..., C, hidden) activations in the backward
         apply = jax.checkpoint(ci_fn_apply, policy=REMAT_POLICIES[remat], static_argnums=(0,))
@@ -228,7 +232,8 @@ def compute_ci(
         z = apply(kind, params, x_in, h)
         if sampling == "continuous":
             return squash(z, sigmoid)
-        u = jax.random.uniform(jax.random.fold_in(key, i), z.shape, z.dtype)
+        draw = partial(jax.random.uniform, dtype=z.dtype)
+        u = window_draw(draw, jax.random.fold_in(key, i), z.shape, window)
         return squash(1.05 * z - 0.05 * u, sigmoid)[0], squash(z, sigmoid)[1]
 
     paths = list(site_inputs)

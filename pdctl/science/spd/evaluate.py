@@ -7,7 +7,7 @@ the host (numpy / scipy).
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -29,7 +29,7 @@ from pdctl.science.spd.losses import (
     ppgd_recon_loss,
     prefix_layer,
 )
-from pdctl.science.spd.masks import source_masks, stochastic_masks
+from pdctl.science.spd.masks import source_masks, stochastic_masks, window_draw
 from pdctl.science.targets.base import Residual
 
 Array = jax.Array
@@ -302,24 +302,41 @@ class FreshPgd:
 
 
 def fresh_pgd_sources(
-    recon: Recon, ci_lower: Mapping[str, Array], key: Array, pgd: FreshPgd
+    recon: Recon,
+    ci_lower: Mapping[str, Array],
+    key: Array,
+    pgd: FreshPgd,
+    window: tuple[Array | int, int] | None = None,
 ) -> dict[str, Array]:
     """Fresh sources (`losses.pgd_sources`: C + 1 entries per site with the delta component;
     `scope` shared: one set for the whole batch and every position), then `pgd.n_steps` steps
     s <- clip(s + step_size * sign(dD/ds), 0, 1) ascending D = `recon` (KL(target || masked)
     for an LM) with the CI and the components held fixed (goodfire-ai/param-decomp's fresh
-    sign-PGD probe, `recon_eval.fresh_pgd_recon_sources`; SPEC.md section 10)."""
+    sign-PGD probe, `recon_eval.fresh_pgd_recon_sources`; SPEC.md section 10). `window`: the
+    batch is rows of a larger one (per-example sources drawn as its rows)."""
     recon = recon.detached()
     ci_lower = jax.lax.stop_gradient(dict(ci_lower))
-    srcs = pgd_sources(key, ci_lower, recon.delta, pgd.init, pgd.scope, recon.order)
+    srcs = pgd_sources(key, ci_lower, recon.delta, pgd.init, pgd.scope, recon.order, window)
+    grad = jax.grad(lambda s_: ppgd_recon_loss(recon, ci_lower, s_))
+    return _sign_ascent(srcs, grad, pgd)
+
+
+def _sign_ascent(srcs: dict[str, Array], grad: Any, pgd: FreshPgd) -> dict[str, Array]:
+    """`pgd.n_steps` steps s <- clip(s + step_size * sign(grad(s)), 0, 1)."""
 
     def ascend(s: dict[str, Array], _: Any) -> tuple[dict[str, Array], None]:
-        g = jax.grad(lambda s_: ppgd_recon_loss(recon, ci_lower, s_))(s)
+        g = grad(s)
         return {p: jnp.clip(s[p] + pgd.step_size * jnp.sign(g[p]), 0.0, 1.0) for p in s}, None
 
     if pgd.n_steps:
         srcs, _ = jax.lax.scan(ascend, srcs, None, length=pgd.n_steps)
     return srcs
+
+
+def _ce(logits: Array, labels: Array) -> Array:
+    return jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    )
 
 
 @lru_cache(maxsize=8)
@@ -332,33 +349,51 @@ def lm_eval_program(
     delta: bool,
     rounding: float,
     pgd: FreshPgd | None = None,
+    accum: int = 1,
 ):
     """The jitted masked-forwards evaluation of an LM (`lm_eval` runs it, the fit check lowers
-    it), cached per target and options."""
+    it), cached per target and options. `accum` > 1 (`[train] eval_accum_steps`): the batch
+    in that many equal micro-batches, one after another (`_accumulated`)."""
+    grouped = bool(getattr(target, "scan_layers", False))
+    order = _order(target, paths)
 
-    def ce(logits: Array, labels: Array) -> Array:
-        return jnp.mean(
-            optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-        )
-
-    def run(target_params, components, ci_fns, x, labels, key):
+    def prepare(target_params, components, ci_fns, x, key, window=None):
+        """(clean logits, the stream the masked forwards start from or None, the Recon's
+        residual, ci_lower, the maskings' keys) of batch x."""
         clean, site_inputs, residual = clean_forward(target, target_params, x, paths)
         k_ci, k_mask, k_rand = jax.random.split(key, 3)
-        grouped = bool(getattr(target, "scan_layers", False))
-        order = _order(target, paths)
         # every masked forward starts where the first site is (`losses.Clean.residual`)
         start = None if residual is None else Residual(prefix_layer(target, order), residual)
         ci_lower, _ = compute_ci(
-            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci, grouped, order
+            components, ci_fns, site_inputs, kind, sigmoid, "none", sampling, k_ci, grouped,
+            order, window=window,
+        )  # fmt: skip
+        return clean, start, residual, ci_lower, (k_mask, k_rand)
+
+    def recon_of(target_params, components, x, clean, residual) -> Recon:
+        return Recon(
+            target, target_params, {}, components, x, clean, delta, "kl", grouped, order,
+            None, residual,
+        )  # fmt: skip
+
+    def figures(target_params, components, x, labels, clean, start, ci_lower, keys, pgd_srcs,
+                window=None):  # fmt: skip
+        """{ce/target, ce/<masking>, kl/<masking>} of batch x (`pgd_srcs()`: the fresh-PGD
+        sources; None without them)."""
+        k_mask, k_rand = keys
+        stoch, stoch_delta = stochastic_masks(
+            k_mask, ci_lower, sampling, delta, grouped, order, window
         )
-        stoch, stoch_delta = stochastic_masks(k_mask, ci_lower, sampling, delta, grouped, order)
         mask_sets = {
             "ci_masked": (ci_lower, None),
             "stoch_masked": (stoch, stoch_delta),
             "random_masked": (
                 map_sites(
-                    lambda i, c: jax.random.uniform(
-                        jax.random.fold_in(k_rand, i), c.shape, c.dtype
+                    lambda i, c: window_draw(
+                        partial(jax.random.uniform, dtype=c.dtype),
+                        jax.random.fold_in(k_rand, i),
+                        c.shape,
+                        window,
                     ),
                     list(ci_lower),
                     ci_lower,
@@ -374,24 +409,89 @@ def lm_eval_program(
             "unmasked": ({p: jnp.ones_like(c) for p, c in ci_lower.items()}, None),
             "zero_masked": ({p: jnp.zeros_like(c) for p, c in ci_lower.items()}, None),
         }
-        if pgd is not None:
-            # its own fold of the key: the draws of the maskings above stay as they were
-            recon = Recon(
-                target, target_params, {}, components, x, clean, delta, "kl", grouped, order,
-                None, residual,
-            )  # fmt: skip
-            srcs = fresh_pgd_sources(recon, ci_lower, jax.random.fold_in(key, 3), pgd)
-            mask_sets[PGD_MASKING] = source_masks(ci_lower, srcs, delta)
-        out = {"ce/target": ce(clean, labels)}
+        if pgd_srcs is not None:
+            mask_sets[PGD_MASKING] = source_masks(ci_lower, pgd_srcs(), delta)
+        out = {"ce/target": _ce(clean, labels)}
         for name, (masks, dmasks) in mask_sets.items():
             logits = masked_forward(
                 target, target_params, components, x, masks, dmasks, start=start
             )
-            out[f"ce/{name}"] = ce(logits, labels)
+            out[f"ce/{name}"] = _ce(logits, labels)
             out[f"kl/{name}"] = kl_distance(logits, clean)
         return out
 
-    return jax.jit(run)
+    def run(target_params, components, ci_fns, x, labels, key):
+        clean, start, residual, ci_lower, keys = prepare(target_params, components, ci_fns, x, key)
+
+        def srcs():
+            # its own fold of the key: the draws of the maskings above stay as they were
+            recon = recon_of(target_params, components, x, clean, residual)
+            return fresh_pgd_sources(recon, ci_lower, jax.random.fold_in(key, 3), pgd)
+
+        return figures(target_params, components, x, labels, clean, start, ci_lower, keys,
+                       None if pgd is None else srcs)  # fmt: skip
+
+    def accumulated(target_params, components, ci_fns, x, labels, key):
+        """`run`'s figures from `accum` micro-batches of b = B / accum examples: micro-batch j
+        draws rows j b .. (j + 1) b of every draw the whole batch makes (`masks.window_draw`),
+        each mean is the mean of the micro-batches' means, and the fresh-PGD ascent with
+        shared sources steps on the sign of the mean of the micro-batches' gradients (their
+        clean forward and CI computed again at each step; per-example sources ascend on their
+        own micro-batch, whose loss alone depends on them). So the same figures as `run` to
+        float32 reassociation, with one micro-batch's activations live at a time."""
+        k_pgd = jax.random.fold_in(key, 3)
+        B = x.shape[0]
+        b = B // accum
+        xs = x.reshape(accum, b, *x.shape[1:])
+        ls = labels.reshape(accum, b, *labels.shape[1:])
+
+        def micro(j):
+            x_j = jax.lax.dynamic_index_in_dim(xs, j, keepdims=False)
+            window = (j * b, B)
+            return x_j, window, prepare(target_params, components, ci_fns, x_j, key, window)
+
+        shared = None
+        if pgd is not None and pgd.scope == "shared":
+            # the sources' shapes do not depend on the batch: draw them as `run` does
+            ci_shapes = jax.eval_shape(lambda: micro(0)[2][3])  # ci_lower
+            ci_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ci_shapes)
+            srcs0 = pgd_sources(k_pgd, ci_like, delta, pgd.init, pgd.scope, order)
+
+            def grad(s):
+                def one(total, j):
+                    x_j, _, (clean, _, residual, ci_lower, _) = micro(j)
+                    recon = recon_of(target_params, components, x_j, clean, residual).detached()
+                    ci_lower = jax.lax.stop_gradient(dict(ci_lower))
+                    g = jax.grad(lambda s_: ppgd_recon_loss(recon, ci_lower, s_))(s)
+                    return jax.tree.map(jnp.add, total, g), None
+
+                zero = jax.tree.map(jnp.zeros_like, s)
+                total, _ = jax.lax.scan(one, zero, jnp.arange(accum))
+                return jax.tree.map(lambda t: t / accum, total)
+
+            shared = _sign_ascent(srcs0, grad, pgd)
+
+        def one(j):
+            x_j, window, (clean, start, residual, ci_lower, keys) = micro(j)
+
+            def srcs():
+                if shared is not None:
+                    return shared
+                recon = recon_of(target_params, components, x_j, clean, residual)
+                return fresh_pgd_sources(recon, ci_lower, k_pgd, pgd, window)
+
+            l_j = jax.lax.dynamic_index_in_dim(ls, j, keepdims=False)
+            return figures(target_params, components, x_j, l_j, clean, start, ci_lower, keys,
+                           None if pgd is None else srcs, window)  # fmt: skip
+
+        def body(total, j):
+            return jax.tree.map(jnp.add, total, one(j)), None
+
+        zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, 0))
+        total, _ = jax.lax.scan(body, zero, jnp.arange(accum))
+        return jax.tree.map(lambda t: t / accum, total)
+
+    return jax.jit(run if accum == 1 else accumulated)
 
 
 def fresh_pgd_config(cfg: Config) -> FreshPgd | None:
@@ -415,7 +515,8 @@ def lm_eval(
     the reference's `CEandKLLosses`; and, with `[train.eval_pgd]` on, by the sources of a fresh
     sign-PGD ascent (`fresh_pgd_sources`; `ce/pgd`, `kl/pgd`: the robustness figure). Also
     `ce_difference/<kind>` = ce - ce/target and `ce_unrecovered/<kind>` = (ce - ce/target) /
-    (ce/zero_masked - ce/target)."""
+    (ce/zero_masked - ce/target). With `[train] eval_accum_steps` > 1 the batch goes through
+    in that many micro-batches (`lm_eval_program`): the same figures to float32 reassociation."""
     x = target.inputs(batch)
     labels = batch["tokens"][:, 1:]
     d = cfg.decomp
@@ -428,6 +529,7 @@ def lm_eval(
         d.delta_component,
         cfg.train.eval_rounding_threshold,
         fresh_pgd_config(cfg),
+        cfg.train.eval_accum_steps,
     )
     raw = {k: float(v) for k, v in fn(target_params, components, ci_fns, x, labels, key).items()}
     out = dict(raw)

@@ -58,12 +58,14 @@ from pdctl.science.spd.components import (
 )
 from pdctl.science.spd.grouped import map_sites, members, per_site_views, sites_of
 from pdctl.science.spd.masks import (
+    Window,
     lead_shape,
     mixed_masks,
     route_assigned,
     routing_masks,
     source_masks,
     stochastic_masks,
+    window_draw,
 )
 from pdctl.science.spd.stacked import is_stacked
 from pdctl.science.targets.base import Residual, apply_sites, first_layer
@@ -586,8 +588,11 @@ def pgd_sources(
     init: str,
     scope: str,
     order: Sequence[str] | None = None,
+    window: Window = None,
 ) -> dict[str, Array]:
-    """Fresh PGD sources: per example (the leading axes of ci) or shared, C (+1) entries."""
+    """Fresh PGD sources: per example (the leading axes of ci) or shared, C (+1) entries.
+    `window` (start, full): per-example sources are those rows of a batch of `full` examples'
+    draw (`masks.window_draw`)."""
     if init not in ("random", "ones", "zeroes"):
         raise ValueError(f"unknown PGD init {init!r}")
 
@@ -595,7 +600,9 @@ def pgd_sources(
         n = ci.shape[-1] + (1 if delta else 0)
         shape = (*ci.shape[:-1], n) if scope == "per_example" else (n,)
         if init == "random":
-            return jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32)
+            draw = functools.partial(jax.random.uniform, dtype=jnp.float32)
+            rows = window if scope == "per_example" else None
+            return window_draw(draw, jax.random.fold_in(key, i), shape, rows)
         return (jnp.ones if init == "ones" else jnp.zeros)(shape, jnp.float32)
 
     return map_sites(one, list(ci_lower), ci_lower, grouped=False, order=order)

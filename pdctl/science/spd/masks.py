@@ -14,7 +14,8 @@ carry a leading member axis, `grouped.map_sites`); `order` is the per-site order
 step's sites that fixes each site's draw (default: the dict's own sites in order).
 """
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,21 @@ Dict = Mapping[str, Array]
 ROUTINGS = ("all", "uniform_k", "static_p")
 
 
+Window = tuple[Array | int, int] | None
+
+
+def window_draw(draw: Callable[[Array, tuple[int, ...]], Array], key: Array,
+                shape: tuple[int, ...], window: Window = None) -> Array:  # fmt: skip
+    """`draw(key, shape)`; with `window` = (start, full), rows start .. start + shape[0] of
+    `draw(key, (full, *shape[1:]))`: a micro-batch of a batch of `full` examples draws the bits
+    the whole batch's draw gives its rows (`start` may be traced)."""
+    if window is None:
+        return draw(key, shape)
+    start, full = window
+    whole = draw(key, (full, *shape[1:]))
+    return jax.lax.dynamic_slice_in_dim(whole, start, shape[0], axis=0)
+
+
 def stochastic_masks(
     key: Array,
     ci_lower: Dict,
@@ -35,19 +51,26 @@ def stochastic_masks(
     delta: bool,
     grouped: bool = False,
     order: Sequence[str] | None = None,
+    window: Window = None,
 ) -> tuple[dict[str, Array], dict[str, Array] | None]:
     """One draw of stochastic masks for every site in `ci_lower` (site i uses fold_in(key, i);
-    `grouped`: same-shaped sites drawn under one vmap, the same bits)."""
+    `grouped`: same-shaped sites drawn under one vmap, the same bits). `window`: the CI are
+    rows of a larger batch, and the masks are those rows of the larger batch's draw
+    (`window_draw`)."""
     if sampling not in ("continuous", "binomial"):
         raise ValueError(f"unknown sampling {sampling!r}")
 
     def one(i, ci: Array) -> tuple[Array, Array | None]:
         k_r, k_d = jax.random.split(jax.random.fold_in(key, i))
         if sampling == "continuous":
-            r = jax.random.uniform(k_r, ci.shape, ci.dtype)
+            draw = functools.partial(jax.random.uniform, dtype=ci.dtype)
         else:
-            r = jax.random.bernoulli(k_r, 0.5, ci.shape).astype(ci.dtype)
-        d = jax.random.uniform(k_d, ci.shape[:-1], ci.dtype) if delta else None
+            draw = lambda k, s: jax.random.bernoulli(k, 0.5, s).astype(ci.dtype)  # noqa: E731
+        r = window_draw(draw, k_r, ci.shape, window)
+        d = None
+        if delta:
+            d = window_draw(functools.partial(jax.random.uniform, dtype=ci.dtype), k_d,
+                            ci.shape[:-1], window)  # fmt: skip
         return ci + (1 - ci) * r, d
 
     out = map_sites(one, list(ci_lower), ci_lower, grouped=grouped, order=order)
