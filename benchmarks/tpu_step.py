@@ -58,7 +58,7 @@ import os
 import sys
 import time
 import tomllib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -475,8 +475,12 @@ def run(args: argparse.Namespace, arms: list[Arm]) -> None:
     phase("states")
 
     compiled, compile_s = {}, {}
-    for name, fut in futures.items():
+    names = {fut: name for name, fut in futures.items()}
+    for fut in as_completed(names):
+        name = names[fut]
         compiled[name], compile_s[name] = fut.result()
+        print(f"# compiled {name} in {compile_s[name]:.0f} s ({time.perf_counter() - t_all:.0f} "
+              "s into the run)", flush=True)  # fmt: skip
     pool.shutdown()
     phase("wait for the compiles")
 
@@ -489,6 +493,10 @@ def run(args: argparse.Namespace, arms: list[Arm]) -> None:
         c = cost(compiled[arm.name])
         results[arm.name] = {"spec": arm.spec, "compile_s": compile_s[arm.name], **c,
                              "first_step": first}  # fmt: skip
+        print(f"# {arm.name}: first step faithfulness {first.get('faithfulness', 0):.3g}, "
+              f"total {first.get('total', 0):.4g}; XLA {c['gflop']:,.0f} GFLOP, "
+              f"{c['gb_accessed']:.1f} GB, temp {c.get('temp_gib', 0):.2f} GiB",
+              flush=True)  # fmt: skip
     phase("first steps")
 
     # the evaluations: on the initial components of an arm whose V U = W (the aligned init)
