@@ -12,12 +12,13 @@ sequences.
   `StepProgram` and evaluation programs the train stage runs, `pdctl.inspect.fit`), then
   `--steps` real steps (after `--warmup-steps`) on random token ids (the step's time and memory
   do not depend on which tokens) with a state from the template's random init (nor on the
-  values), then one evaluation of each kind. Measured: ms per step, tokens/s, MFU (matmul
-  FLOPs of the step's jaxpr, scans counted per iteration (`measure.matmul_flops`), over 197
-  TFLOP/s; XLA's `cost_analysis()` FLOPs beside it, which count a scan's body once), the
-  device's `peak_bytes_in_use`. That peak is the process's maximum, so configurations run in
-  increasing order of their predicted peak and each row's measured peak is the maximum so
-  far. The GGUF is read once.
+  values), then one evaluation of each kind, each configuration right after its compile (a
+  run cut short keeps what it printed). Measured: ms per step, tokens/s, MFU (matmul FLOPs of
+  the step's jaxpr, scans counted per iteration (`measure.matmul_flops`), over 197 TFLOP/s;
+  XLA's `cost_analysis()` FLOPs beside it, which count a scan's body once), the device's
+  `peak_bytes_in_use`. That peak is the process's maximum, so list configurations by
+  increasing predicted peak (the default list is: the old setting, refused at compile; the
+  template; 32 x 256); each row's measured peak is the maximum so far. The GGUF is read once.
 - Anywhere else with `--device-kind tpu-v5e` (or `--topology v5e:1x1`): the predictions only,
   compiled by XLA:TPU for that topology from libtpu (`pip install -e ".[tpu-aot]"`).
 
@@ -292,7 +293,7 @@ def main() -> None:
         devices, budget = topology.devices(topo), topo.budget
         compiler = f"XLA:TPU {topo.name} (AOT, libtpu)"
         print(f"# no TPU chip: predictions only, compiled for {topo.name} by libtpu", flush=True)
-    fits, eval_cache = [], {}
+    fits, eval_cache, params = [], {}, {}
     for name in args.configs:
         t = time.perf_counter()
         f = Fit(name, args, devices, budget, compiler, eval_cache)
@@ -305,21 +306,27 @@ def main() -> None:
             f"at {time.perf_counter() - T0:.0f} s",
             flush=True,
         )
-    if real:
-        params: dict = {}
-        # the device's peak is the process's maximum: smaller predicted peaks first
-        for f in sorted(fits, key=lambda f: f.peak):
-            t = time.perf_counter()
-            f.run(args, params)
-            m = f.measured
-            print(
-                f"# {f.name}: ran in {time.perf_counter() - t:.0f} s; {m.get('ms', 0):.1f} ms "
-                f"a step, peak {g(m.get('peak_after_steps'))} / after eval "
-                f"{g(m.get('peak_after_eval'))} GiB; at {time.perf_counter() - T0:.0f} s",
-                flush=True,
-            )
-        if "load_s" in params:
-            print(f"# GGUF read in {params['load_s']:.0f} s")
+        if not real:
+            continue
+        # each configuration runs as soon as it has compiled, so that a run cut short keeps
+        # what it measured; the device's peak is the process's maximum: list configurations
+        # by increasing predicted peak (the default list is)
+        if any(e.peak > f.peak for e in fits[:-1] if e.measured):
+            print(f"# {name}: an earlier configuration's peak was higher: its measured peak is "
+                  "that maximum")  # fmt: skip
+        t = time.perf_counter()
+        f.run(args, params)
+        m = f.measured
+        tok = f.cfg.train.batch_size * f.cfg.data.seq_len
+        rate = f"{tok / m['ms'] * 1e3:,.0f} tokens/s, " if "ms" in m else ""
+        print(
+            f"# {f.name}: ran in {time.perf_counter() - t:.0f} s; {m.get('ms', 0):.1f} ms "
+            f"a step, {rate}peak {g(m.get('peak_after_steps'))} / after eval "
+            f"{g(m.get('peak_after_eval'))} GiB; at {time.perf_counter() - T0:.0f} s",
+            flush=True,
+        )
+    if "load_s" in params:
+        print(f"# GGUF read in {params['load_s']:.0f} s")
     print()
     print(table(fits, real))
     print(f"\n# {compiler}; budget {budget[1]}; wall {time.perf_counter() - T0:.0f} s")
