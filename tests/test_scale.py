@@ -108,6 +108,22 @@ def test_train_grad_accumulation_equals_big_batch():
     assert counts and all(int(c) == 1 for c in counts)
 
 
+def test_accumulation_forms_the_faithfulness_term_once_a_step():
+    """W - V U has no batch in it: with accumulation it is formed once per step, not once per
+    micro-batch (on a TPU at six bf16 passes per product, it was most of an accumulated
+    step's matmul time). The step's matmul FLOPs (scans per iteration) at 4 micro-batches are
+    those at 2; 2 against 1 adds the importance sums' forward-only pass."""
+    from pdctl.engine.measure import matmul_flops
+
+    flops = {}
+    for k in (1, 2, 4):
+        cfg = parse_config(template("tms", **{"train": {"batch_size": 64, "grad_accum_steps": k}}))
+        prog = spd_setup(cfg)[2]
+        step = jax.make_jaxpr(prog.policy.scoped(prog.step))(*prog.abstract_args())
+        flops[k] = matmul_flops(step)
+    assert flops[4] == flops[2] > flops[1], flops
+
+
 def test_train_grad_accumulation_without_batch_sums_differs():
     """The gate can fail: summing importance minimality per micro-batch (beta > 0) is wrong."""
     from pdctl.science.spd.losses import importance_minimality_loss

@@ -89,16 +89,29 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     freq_on = lcfg.frequency > 0
 
     def loss_fn(
-        trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None, freq=None
-    ):
+        trainable, sources, target_params, clean, x, key, step_frac, imp_totals=None, freq=None,
+        skip=(),
+    ):  # fmt: skip
         # `target_params` as stored: the terms see their compute-dtype cast, faithfulness the
         # stored values (`pdctl.engine.precision`)
         return fns.loss(
             policy.to_compute(trainable), policy.to_compute(target_params), sources, clean, x,
             key, step_frac, imp_totals, freq, exact=(trainable["components"], target_params),
+            skip=skip,
         )  # fmt: skip
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    # With accumulation the faithfulness term (W - V U of every site: no batch in it, at full
+    # float32 precision, on a TPU six bf16 passes) is formed once per step, not once per
+    # micro-batch; the micro-batches' mean would be the same value to float32 reassociation.
+    faith_once = k_accum > 1 and not is_traced(lcfg.faithfulness) and lcfg.faithfulness > 0
+    micro_grad_fn = (
+        jax.value_and_grad(
+            functools.partial(loss_fn, skip=("faithfulness",)), argnums=(0, 1), has_aux=True
+        )
+        if faith_once
+        else grad_fn
+    )
 
     def split_step(x, clean):
         # a stacked unit's captured inputs have its layers ahead of the batch: (L, B, ...)
@@ -129,7 +142,7 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             n_mb = x.shape[0] // k_accum * positions
             imp_totals = (S, n_mb, n_mb * k_accum)
         out = accumulate(
-            lambda mb, i: grad_fn(
+            lambda mb, i: micro_grad_fn(
                 trainable,
                 sources,
                 target_params,
@@ -144,6 +157,15 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             k_accum,
         )
         (loss, m), grads = out
+        if faith_once:
+            value, g = jax.value_and_grad(fns.faithfulness_loss)(
+                trainable["components"], target_params
+            )
+            loss = loss + lcfg.faithfulness * value
+            m = {**m, "faithfulness": value, "total": loss}
+            g_tr, g_src = grads
+            comps = jax.tree.map(lambda a, b: a + lcfg.faithfulness * b, g_tr["components"], g)
+            grads = ({**g_tr, "components": comps}, g_src)
         m.pop(FREQ_STATE, None)  # the mean over micro-batches: recomputed below
         new_freq = None
         if imp_totals is not None:  # report the whole batch's values, not the surrogates'

@@ -871,6 +871,7 @@ def make_spd_fns(
         imp_totals: tuple[Mapping[str, Array], int, int] | None = None,
         freq_state: FreqState | None = None,
         exact: tuple[Components, Any] | None = None,
+        skip: tuple[str, ...] = (),
     ) -> tuple[Array, dict[str, Array]]:
         comps, ci_fns = trainable["components"], trainable["ci_fns"]
         aux: dict[str, Any] = {}
@@ -931,6 +932,8 @@ def make_spd_fns(
         total = jnp.zeros((), jnp.float32)
         metrics: dict[str, Array] = {}
         for name in TERMS + RECIPE_TERMS:
+            if name in skip:  # the caller adds it (a term that does not depend on the batch)
+                continue
             coeff, k_i = getattr(lcfg, name), jax.random.fold_in(key, _term_fold(name))
             if is_traced(coeff):  # a sweep's member may have it or not: computed where on
                 value, part = term_if_on(coeff, compute[name], k_i)
