@@ -32,3 +32,24 @@ def test_mfu_of_the_same_global_batch_matches_on_1_and_4_devices(tmp_path, templ
     )
     # and the loop's figure is exactly that
     assert measure.mfu(flops[1], step_s, peak) == flops[1] / step_s / peak
+
+
+def test_the_loops_flops_count_a_scans_matmuls_per_iteration(tmp_path):
+    """The loop's FLOPs (its MFU's numerator) are the step's matmul FLOPs with a scan's body
+    counted once per iteration, one device's share: XLA's cost_analysis counts the body once."""
+    import jax.numpy as jnp
+    from helpers import make_loop
+
+    from pdctl.engine.loop import loop_counters
+
+    def step(state, batch):
+        x = jax.lax.scan(lambda c, _: (jnp.tanh(c @ c), None), state["x"], None, length=10)[0]
+        loop = {**state["loop"], "step": state["loop"]["step"] + 1}
+        return {"x": x, "loop": loop}, {"loss": jnp.sum(x), "max_bad_run": loop["max_bad_run"]}
+
+    state = {"x": jnp.eye(64) * 0.5, "loop": loop_counters(jax.random.PRNGKey(0))}
+    loop, _, _ = make_loop(jax.jit(step, donate_argnums=0), state, tmp_path, total=1, log_every=1)
+    compiled = loop.compile()
+    one = 2.0 * 64**3  # one 64 x 64 @ 64 x 64
+    assert loop.flops_per_step == 10 * one / jax.device_count()
+    assert measure.step_flops(compiled) < 2 * one  # XLA: the body once (plus the tanh)

@@ -9,7 +9,8 @@ evaluation used to dispatch dozens of small per-site ops over the data-sharded e
 (each reduction an all-reduce) without a sync in between, which is that pattern; under CPU load
 the devices fall behind the dispatching thread and the queue reaches the limit.
 
-- `test_xla_cpu_deadlocks_behind_a_collective` pins XLA's condition (fast, deterministic).
+- `test_xla_cpu_deadlocks_behind_a_collective` pins XLA's condition (fast; the deadlock is a
+  race that reproduced everywhere but on one CI machine, so an abort is checked when it comes).
 - `test_the_evaluation_has_no_collective_on_a_cpu_mesh` pins the fix: on a multi-device CPU
   mesh every program the evaluation compiles is collective-free (fast, deterministic; fails on
   the code before the fix, whose evaluation programs all-reduce over the batch).
@@ -78,8 +79,10 @@ for n in map(int, sys.argv[1:]):
 @pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_xla_cpu_deadlocks_behind_a_collective():
     """Behind a program with a collective, 8 more such programs in flight (the loop's
-    MAX_AHEAD) complete; 256 deadlock XLA:CPU and it aborts the process. The second half is
-    XLA's bug, not pdctl's: if it stops reproducing, XLA has fixed it (see
+    MAX_AHEAD) always complete. 256 may deadlock XLA:CPU, which then aborts the process with
+    its termination message: XLA's bug, not pdctl's, and a race (it reproduced on every run on
+    this project's machines, and did not on one CI machine), so the second half is checked
+    only when it happens: an abort must be that deadlock, never another failure (see
     runtime.CPU_INFLIGHT_LIMIT)."""
     from pdctl.engine.loop import MAX_AHEAD
     from pdctl.engine.runtime import CPU_INFLIGHT_LIMIT
@@ -93,7 +96,9 @@ def test_xla_cpu_deadlocks_behind_a_collective():
         timeout=300,
     )
     assert f"completed {MAX_AHEAD}" in r.stdout, r.stdout + r.stderr[-3000:]
-    assert f"completed {8 * CPU_INFLIGHT_LIMIT}" not in r.stdout
+    if f"completed {8 * CPU_INFLIGHT_LIMIT}" in r.stdout:  # the race was not hit this time
+        assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+        return
     assert r.returncode == -signal.SIGABRT, (r.returncode, r.stderr[-3000:])
     assert "Termination timeout for `all reduce" in r.stderr
 

@@ -165,11 +165,16 @@ class Loop:
         t0 = time.perf_counter()
         batch = self._peek_batch()
         state = self.state if state is None else state
-        lowered = self.step_fn.lower(*self.frozen, state, batch)
+        args = (*self.frozen, state, batch)
+        if hasattr(self.step_fn, "trace"):  # a jax.jit: its jaxpr gives the matmul FLOPs
+            traced = self.step_fn.trace(*args)
+            lowered, jaxpr = traced.lower(), traced.jaxpr
+        else:  # anything else with .lower (a wrapper): XLA's count
+            lowered, jaxpr = self.step_fn.lower(*args), None
         # XLA's compile is one long C++ call: a stop request is still acted on during it
         compiled = runtime.interruptible(lowered.compile, what="compiling the step")
         self.compile_s = time.perf_counter() - t0
-        self.flops_per_step = measure.step_flops(compiled)
+        self.flops_per_step = measure.flops_per_device(jaxpr, compiled, jax.device_count())
         return compiled
 
     _peeked: Any = None
@@ -487,8 +492,8 @@ class Loop:
         if self.tokens_per_step:
             rec["tokens_per_s"] = self.tokens_per_step / dt
         if self.flops_per_step:
-            # flops_per_step is one device's share (XLA's count of the partitioned program);
-            # peak_flops is one device's peak.
+            # flops_per_step is one device's share of the step's matmul FLOPs (a scan's body
+            # counted per iteration); peak_flops is one device's peak.
             rec["tflops_per_s"] = self.flops_per_step * jax.device_count() / dt / 1e12
             if self.peak_flops:
                 rec["mfu"] = measure.mfu(self.flops_per_step, dt, self.peak_flops)
