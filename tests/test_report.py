@@ -611,3 +611,24 @@ def test_figures_leave_matplotlib_global_state_alone(tmp_path) -> None:
     assert out.stdout.split() == ["False", "True"]
     with Image.open(tmp_path / "c.png") as im:
         assert im.size == F.size_of("curves")
+
+
+def test_the_config_table_names_every_loss_term_the_step_uses(tmp_path: Path) -> None:
+    """The report's loss row lists the LM recipe's terms (merged reconstruction, the frequency
+    term, the smooth-L0 penalty's gamma anneal) as well as the classic ones."""
+    rows = dict(
+        report_build.config_rows(
+            Project.load(make_run(tmp_path, "smollm2", tiny=False) / "pdctl.toml")
+        )
+    )
+    loss = rows["loss"]
+    for part in (
+        "faithfulness",
+        "merged_recon 1 (adv_fraction 0.5)",
+        "frequency 1e-05 (EMA half-life 200)",
+        "smooth_l0 gamma 1 → 0.01",
+        "output kl",
+    ):
+        assert part in loss, loss
+    toy = dict(report_build.config_rows(Project.load(make_run(tmp_path, "tms") / "pdctl.toml")))
+    assert "; p 1, output mse" in toy["loss"] and "smooth_l0" not in toy["loss"]

@@ -523,7 +523,17 @@ def config_rows(project: Project) -> list[tuple[str, str]]:
     tc = cfg.train
     loss = tc.loss.model_dump()
     coeffs = [f"{k} {v:g}" for k, v in loss.items() if k in TERMS and v]
-    p = f"p {tc.loss.p:g}" + (f" → {tc.loss.p_final:g}" if tc.loss.p_final is not None else "")
+    lc = tc.loss
+    if lc.merged_recon:
+        coeffs.append(f"merged_recon {lc.merged_recon:g} (adv_fraction {lc.adv_fraction:g})")
+    if lc.frequency:
+        ema = lc.frequency_ema_halflife
+        coeffs.append(f"frequency {lc.frequency:g}" + (f" (EMA half-life {ema:g})" if ema else ""))
+    if lc.sparsity == "smooth_l0":
+        g = lc.gamma_final
+        p = f"smooth_l0 gamma {lc.gamma:g}" + (f" → {g:g}" if g is not None else "")
+    else:
+        p = f"p {lc.p:g}" + (f" → {lc.p_final:g}" if lc.p_final is not None else "")
     e = tc.eval_pgd
     pgd = (
         f"; fresh PGD: {e.n_steps} sign steps of {e.step_size:g}, {e.init} {e.scope} sources"
