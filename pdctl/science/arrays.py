@@ -1,7 +1,22 @@
 """Small array helpers the targets and the decomposition share."""
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+# `[train] remat` / `[pretrain] remat`: what a rematerialised block may keep from its forward
+# ("none" = no remat: the block is not wrapped).
+REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
+
+
+def remat(fn: Callable, policy: str, **kw: Any) -> Callable:
+    """`fn` rematerialised in the backward under the named `REMAT_POLICIES` entry; `fn` itself
+    for "none". `kw` goes to `jax.checkpoint` (static_argnums)."""
+    if policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], **kw)
 
 
 def expand_left(a: jax.Array, ndim: int) -> jax.Array:

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pdctl.science import arrays
 from pdctl.science.spd.components import expand_left
 from pdctl.science.spd.grouped import map_sites
 from pdctl.science.spd.masks import window_draw
@@ -187,10 +188,6 @@ def _per_component(a: Array, W: Array) -> Array:
     return jnp.einsum("...ci,cio->...co", a, W)
 
 
-# `[train] remat` / `[pretrain] remat`: what a rematerialised block may keep from its forward.
-REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
-
-
 def compute_ci(
     components: Mapping[str, Mapping[str, Array]],
     ci_fns: Mapping[str, Mapping[str, Mapping[str, Array]]],
@@ -218,9 +215,8 @@ def compute_ci(
     the site's own product. `window` (start, full): the inputs are rows of a batch of `full`
     examples, and binomial sampling's noise is those rows of that batch's draw
     (`masks.window_draw`)."""
-    apply = ci_fn_apply
-    if remat != "none":  # recompute the CI MLP's (..., C, hidden) activations in the backward
-        apply = jax.checkpoint(ci_fn_apply, policy=REMAT_POLICIES[remat], static_argnums=(0,))
+    # remat: recompute the CI MLP's (..., C, hidden) activations in the backward
+    apply = arrays.remat(ci_fn_apply, remat, static_argnums=(0,))
     if sampling == "binomial" and key is None:
         raise ValueError("binomial sampling needs a key for the lower-leaky input noise")
     if sampling not in ("continuous", "binomial"):

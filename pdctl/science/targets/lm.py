@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pdctl.science import arrays
+from pdctl.science.arrays import REMAT_POLICIES
 from pdctl.science.targets.base import Params, Target
-
-REMAT_POLICIES = {"dots_saveable": jax.checkpoint_policies.dots_saveable, "full": None}
 
 
 class LMTarget(Target):
@@ -79,9 +79,7 @@ class LMTarget(Target):
 
     def _remat(self, fn: Callable) -> Callable:
         """`fn` (a block) rematerialised in the backward by the `remat` policy."""
-        if self.remat == "none":
-            return fn
-        return jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])
+        return arrays.remat(fn, self.remat)
 
     # Training interface: next-token cross-entropy on packed text.
 
