@@ -4,7 +4,8 @@ For each template (tiny-but-realistic sizes, one device by default) it builds th
 step exactly as `pdctl pretrain` does (`pdctl.stages.pretrain.program`, donating,
 sharded) and measures, in one run:
 
-  direct   the compiled step called back to back, `block_until_ready` once at the end
+  direct   the compiled step called back to back, the host at most MAX_AHEAD steps ahead of
+           the devices (as in the Loop; without that bound 2+ CPU devices deadlock XLA:CPU)
   loop     the real `pdctl.engine.loop.Loop` (donation check, transfer guard, logging only at
            the end of each window, the LM's batches from the real prefetching text pipeline)
 
@@ -111,13 +112,9 @@ def _bench(template, run, mesh, args, make_loop, pretrain_on, text_batches) -> d
     t0 = time.perf_counter()
     step = pt.step_fn().lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
-    for _ in range(3):
-        state, m = step(state, batch)
-    jax.block_until_ready(state)
+    state, _ = _direct(step, state, batch, 3)
     t0 = time.perf_counter()
-    for _ in range(5):
-        state, m = step(state, batch)
-    jax.block_until_ready(state)
+    state, _ = _direct(step, state, batch, 5)
     n = max(10, int(args.seconds / ((time.perf_counter() - t0) / 5)))
 
     # Rounds of: one direct window (back to back, one sync at the end), then a real Loop run
@@ -129,9 +126,7 @@ def _bench(template, run, mesh, args, make_loop, pretrain_on, text_batches) -> d
     same = itertools.repeat(batch) if pt.is_text else None
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        for _ in range(n):
-            state, m = step(state, batch)
-        jax.block_until_ready((state, m))
+        state, _ = _direct(step, state, batch, n)
         direct.append((time.perf_counter() - t0) / n)
         looped += _loop_windows(pt, step, n, same, make_loop)
         if pt.is_text:
@@ -162,6 +157,27 @@ def _bench(template, run, mesh, args, make_loop, pretrain_on, text_batches) -> d
     }
 
 
+def _direct(step, state, batch, n):
+    """`n` calls of the compiled `step` back to back, the host at most MAX_AHEAD steps ahead of
+    the devices as in the Loop (each call waits on the metrics of the step MAX_AHEAD behind):
+    unbounded, a multi-device CPU mesh deadlocks XLA:CPU's collective rendezvous
+    (tests/test_rendezvous.py). Returns (state, metrics) of the last step, ready."""
+    import collections
+
+    import jax
+
+    from pdctl.engine.loop import MAX_AHEAD
+
+    behind = collections.deque()
+    for _ in range(n):
+        state, m = step(state, batch)
+        behind.append(m)
+        if len(behind) > MAX_AHEAD:
+            jax.block_until_ready(behind.popleft())
+    jax.block_until_ready((state, m))
+    return state, m
+
+
 def _empty_step(mesh, args, make_loop) -> tuple[float, float]:
     """(direct, Loop) microseconds per step of a step that does nothing but count: the Loop's
     absolute per-step cost, free of any model's noise."""
@@ -180,9 +196,7 @@ def _empty_step(mesh, args, make_loop) -> tuple[float, float]:
     for _ in range(args.repeats):
         state = init()
         t0 = time.perf_counter()
-        for _ in range(n):
-            state, m = compiled(state, None)
-        jax.block_until_ready((state, m))
+        state, _ = _direct(compiled, state, None, n)
         direct.append((time.perf_counter() - t0) / n)
         with tempfile.TemporaryDirectory() as d:
             loop, _, _ = make_loop(Precompiled(compiled), init(), Path(d), total=2 * n, log_every=n)
