@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli, cli_fails, make_run
+from helpers import cli, cli_fails, cli_ok, make_run, state
 
 from pdctl.harvest import db
 from pdctl.harvest import run as hv
@@ -866,6 +866,195 @@ def test_a_full_disk_during_harvest_is_one_line(trained_copy: Path, monkeypatch)
     line = cli_fails(2, "--project", run, *HV)
     assert "harvest: cannot write" in line and "database or disk is full" in line, line
     assert sorted(p.name for p in (run / "harvest").iterdir()) == ["partial.npz"]  # kept
+
+
+# ---- a re-harvest: what later commands added to harvest.db ----------------------------------
+
+SOME_LABELS = [  # what a labeller might write, scores included
+    {"site": "linear1", "component": 0, "label": "feature ⟨0⟩ — \"zero\"", "reasoning": "a\nb",
+     "confidence": 0.1, "detection": 1 / 3, "source": "me"},
+    {"key": "linear2:1", "label": "feature 1", "fuzzing": 0.7000000000000001},
+    {"site": "linear1", "component": 3, "label": "feature 3", "reasoning": ""},
+]  # fmt: skip
+
+
+def _label(run: Path, tmp_path: Path) -> dict:
+    """SOME_LABELS imported into the run's harvest.db: its labels."""
+    import json
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in SOME_LABELS), "utf-8")
+    cli_ok("--project", run, "interp", "import", f)
+    return _labels_of(run)
+
+
+def _labels_of(run: Path) -> dict:
+    con = db.open_readonly(run / "harvest" / "harvest.db")
+    try:
+        return db.read_labels(con)
+    finally:
+        con.close()
+
+
+def _tables(path: Path) -> set[str]:
+    con = db.open_readonly(path)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    finally:
+        con.close()
+
+
+def _lines(r) -> list[str]:
+    """The harvest's stdout: its `harvested ...` line (which rich may wrap), then each line
+    saying what it kept (one line each, never wrapped)."""
+    out = r.stdout.splitlines()
+    said = [i for i, line in enumerate(out) if line.startswith(("kept ", "did not keep ",
+                                                               "dropped "))]  # fmt: skip
+    first = said[0] if said else len(out)
+    assert said == list(range(first, len(out))), out
+    return [" ".join(" ".join(out[:first]).split()), *out[first:]]
+
+
+def test_a_reharvest_of_the_same_checkpoint_keeps_the_labels_and_drops_what_is_derived(
+    trained_copy: Path, tmp_path: Path
+):
+    """Labels (the user's) are carried into the new database, row for row, in the same write;
+    the clusters and attributions (computed from the old statistics) are dropped, and one line
+    names each kind with the command that makes it again, with its options."""
+    import json
+
+    from pdctl.harvest import attributions
+
+    run, path = trained_copy, trained_copy / "harvest" / "harvest.db"
+    r = cli_ok("--project", run, *HV)
+    assert len(_lines(r)) == 1 and _lines(r)[0].startswith("harvested 2048 positions"), r.stdout
+    fresh = _dump(path)
+    labels = _label(run, tmp_path)
+    assert len(labels) == 3
+    cli_ok("--project", run, "cluster", "--min-jaccard", "0.25")
+
+    def attr(dst: sqlite3.Connection) -> None:  # a toy has none: stand-in rows
+        dst.executescript(attributions.SCHEMA)
+        dst.execute("INSERT INTO attr_inputs VALUES ('linear1', 0, 0, 0.5)")
+        dst.executemany("INSERT INTO attr_meta VALUES (?, ?)",
+                        [("components", json.dumps(7)), ("top", json.dumps(3))])  # fmt: skip
+
+    db.amend(path, attr, "test")
+    con = db.open_readonly(path)
+    want = con.execute("SELECT * FROM labels ORDER BY rowid").fetchall()
+    con.close()
+
+    r = cli_ok("--project", run, *HV)
+    lines = _lines(r)
+    assert len(lines) == 3, lines
+    assert lines[1] == (
+        "kept the 3 labels of the harvest.db it replaces (the same decomposition: train "
+        f"checkpoint 20 of run {state(run, 'train')['run_id']})"
+    ), lines
+    assert lines[2] == (
+        "dropped the clusters and attributions of the harvest.db it replaces (computed from its "
+        "statistics): run `pdctl cluster --min-jaccard 0.25 --min-count 1 --max-components "
+        "8192` and `pdctl attributions --components 7 --top 3` again"
+    ), lines
+    con = db.open_readonly(path)
+    assert con.execute("SELECT * FROM labels ORDER BY rowid").fetchall() == want
+    con.close()
+    assert _labels_of(run) == labels
+    assert _tables(path) == {*db.TABLES, "labels"}  # no clusters, no attr_*
+    # everything else is what a harvest into an empty directory writes
+    assert [x for x in _dump(path) if 'INSERT INTO "labels"' not in x] == fresh
+    assert sorted(p.name for p in (run / "harvest").iterdir()) == ["harvest.db"]  # no file
+
+    r = cli_ok("--project", run, *HV)  # and again: still kept, nothing derived to drop
+    assert len(_lines(r)) == 2 and _lines(r)[1].startswith("kept the 3 labels"), r.stdout
+    assert _labels_of(run) == labels
+
+
+def test_a_harvest_after_more_training_saves_the_labels_beside_it(
+    trained_copy: Path, tmp_path: Path
+):
+    """Another checkpoint is another decomposition: its components are not the labelled ones,
+    so the labels are not carried; they are saved beside the database first, in a file that
+    `pdctl interp import` reads back, and one line says where and why."""
+    run, path = trained_copy, trained_copy / "harvest" / "harvest.db"
+    cli_ok("--project", run, "train", "--fresh", "--until", "10")
+    rid = state(run, "train")["run_id"]
+    cli_ok("--project", run, *HV)
+    labels = _label(run, tmp_path)
+    cli_ok("--project", run, "train", "--resume")
+    assert state(run, "train")["checkpoint"] == 20
+    r = cli_ok("--project", run, *HV)
+    saved = run / "harvest" / f"labels-train-10-{rid}.jsonl"
+    assert _lines(r)[1:] == [
+        f"did not keep the 3 labels of the harvest.db it replaces: they describe train "
+        f"checkpoint 10 of run {rid}, this harvest train checkpoint 20 of run {rid}; saved to "
+        f"{saved} (`pdctl interp import` reads it)"
+    ], r.stdout
+    assert "labels" not in _tables(path)
+    cli_ok("--project", run, "interp", "import", saved)
+    assert _labels_of(run) == labels  # every row and field, back
+
+
+def _old_db(tmp_path: Path, meta: dict, labels: dict | None = None) -> Path:
+    """The closed-form harvest (sites a: 3, b: 2) at tmp_path/harvest/harvest.db, from the
+    host reference accumulator (no compile)."""
+    from pdctl.harvest import reference
+
+    path = tmp_path / "harvest" / "harvest.db"
+    path.parent.mkdir(exist_ok=True)
+    h = reference.Harvest({"a": 3, "b": 2}, 0.1, top_k=3, n_samples=2, window=1, vocab=VOCAB)
+    h.add(closed_form_ci(TOKENS), TOKENS, start=0)
+    db.write(path, h, meta)
+    if labels:
+        db.replace_labels(path, labels)
+    return path
+
+
+LAB = {("a", 0): {"label": "zero", "reasoning": None, "confidence": 0.5, "detection": None,
+                  "fuzzing": None, "source": "me"},
+       ("a", 2): {"label": "two", "reasoning": "r", "confidence": None, "detection": 0.25,
+                  "fuzzing": 1.0, "source": None}}  # fmt: skip
+SAME = {"run_id": "r1", "stage": "train", "step": 5}
+
+
+def test_what_a_harvest_keeps_of_a_closed_form_database(tmp_path: Path):
+    from pdctl.harvest import keep
+
+    path = tmp_path / "harvest" / "harvest.db"
+    assert keep.keep(path, SAME, {"a": 3, "b": 2}) == keep.Kept({}, [])  # nothing there
+    _old_db(tmp_path, SAME)
+    assert keep.keep(path, SAME, {"a": 3, "b": 2}) == keep.Kept({}, [])  # nothing added to it
+    _old_db(tmp_path, SAME, LAB)
+    got = keep.keep(path, SAME, {"a": 3, "b": 2})
+    assert got.labels == LAB and got.lines[0].startswith("kept the 2 labels")
+    # a component the new harvest lacks: the others are carried, all of them saved
+    got = keep.keep(path, SAME, {"a": 2, "b": 2})
+    assert got.labels == {("a", 0): LAB[("a", 0)]}
+    saved = path.parent / "labels-train-5-r1.jsonl"
+    assert got.lines == [
+        f"kept 1 of the 2 labels of the harvest.db it replaces; 1 name components this harvest "
+        f"does not have: all 2 saved to {saved}"
+    ]
+    from pdctl.interp import labels as lb
+
+    assert lb.parse(saved, {"a": 3, "b": 2}) == LAB  # what `pdctl interp import` reads
+    # an unknown run is another run; a name taken by other labels is not overwritten
+    _old_db(tmp_path, {**SAME, "run_id": None}, {("b", 1): LAB[("a", 0)]})
+    none = path.parent / "labels-train-5-None.jsonl"
+    none.write_text("mine\n")
+    got = keep.keep(path, SAME, {"a": 3, "b": 2})
+    assert got.labels == {} and "did not keep the 1 labels" in got.lines[0], got.lines
+    assert none.read_text() == "mine\n"
+    assert lb.parse(none.with_name("labels-train-5-None-2.jsonl"), {"a": 3, "b": 2}) == {
+        ("b", 1): LAB[("a", 0)]
+    }
+    # saving the same labels again (a harvest that failed after saving them) reuses the file
+    keep.keep(path, SAME, {"a": 3, "b": 2})
+    assert not none.with_name("labels-train-5-None-3.jsonl").exists()
+    # the old database's meta in the file's name: only letters, digits, _ and .
+    _old_db(tmp_path, {**SAME, "stage": "../../x"}, LAB)
+    assert "did not keep the 2 labels" in keep.keep(path, SAME, {"a": 3, "b": 2}).lines[0]
+    assert (path.parent / "labels-.._.._x-5-r1.jsonl").is_file()
 
 
 PAYLOAD = "<img src=x onerror=\"document.title='pwned'\">"

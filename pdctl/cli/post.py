@@ -121,6 +121,8 @@ def harvest(
         f"{result.path}",
         markup=False,
     )
+    for line in result.kept:  # what it kept of the database it replaced: one line each
+        console.print(line, markup=False, soft_wrap=True)
 
 
 def browse(

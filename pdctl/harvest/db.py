@@ -20,10 +20,18 @@ Tables (component = index within its site; "global" = index over all sites in si
 
 Added afterwards by other commands (`amend`: a whole new file renamed over the old one, as the
 harvest writes it), absent until they run (readers treat a missing table as empty):
+  labels(site, component, label, reasoning, confidence, detection, fuzzing, source)
+                                                          `pdctl interp import` / `score`
   clusters(cluster, site, component), cluster_meta(key, value)         `pdctl cluster`
   attr_inputs(site, component, offset, attr)                           `pdctl attributions`
   attr_sources(site, component, kind, rank, source_site, source_component, attr)
   attr_examples(site, component, rank, position, attrs), attr_meta(key, value)
+
+What a new harvest keeps of the database it replaces (`keep`, one line said for each table not
+kept): the labels, written in the same atomic write (`write(labels=...)`), when the old database
+describes the same decomposition (the same run, stage and checkpoint step in `meta`), else saved
+beside it in a file `pdctl interp import` reads; never the clusters or attributions, which were
+computed from the old harvest's statistics (the line names the commands to run again).
 """
 
 from __future__ import annotations
@@ -105,9 +113,11 @@ def write(
     effects: dict[tuple[str, int], dict[str, list[tuple[int, float]]]] | None = None,
     top_pairs: int = 20,
     top_tokens: int = 20,
+    labels: dict[tuple[str, int], dict[str, Any]] | None = None,
 ) -> None:
     """The whole database for accumulator `h`, atomically at `path`; `norms` {site: (|V[:, c]|,
-    |U[c, :]|)} per component when known."""
+    |U[c, :]|)} per component when known; `labels` (`read_labels`' form) in a labels table when
+    given (those of the database it replaces: `keep`)."""
     from pdctl.errors import PdctlError
 
     tmp = path.with_name(path.name + ".tmp")
@@ -117,7 +127,7 @@ def write(
     for p in side:
         p.unlink(missing_ok=True)
     try:
-        _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens)
+        _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens, labels)
         os.replace(tmp, path)
     except (sqlite3.Error, OSError) as e:
         for p in side:
@@ -128,7 +138,7 @@ def write(
         ) from None
 
 
-def _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens) -> None:
+def _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens, labels) -> None:
     con = sqlite3.connect(tmp)
     try:
         con.executescript(SCHEMA)
@@ -191,6 +201,8 @@ def _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens) ->
              for kind, rows in changes.items()
              for rank, (tok, nats) in enumerate(rows)],
         )  # fmt: skip
+        if labels:
+            _insert_labels(con, labels)
         con.commit()
     finally:
         con.close()
@@ -264,14 +276,19 @@ def replace_labels(path: Path, labels: dict[tuple[str, int], dict[str, Any]]) ->
 
     def change(dst: sqlite3.Connection) -> None:
         dst.execute("DROP TABLE IF EXISTS labels")
-        dst.executescript(LABELS_SCHEMA)
-        cols = ", ".join(LABEL_FIELDS)
-        dst.executemany(
-            f"INSERT INTO labels (site, component, {cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [(s, c, *(row.get(k) for k in LABEL_FIELDS)) for (s, c), row in labels.items()],
-        )
+        _insert_labels(dst, labels)
 
     amend(path, change, "the labels")
+
+
+def _insert_labels(con: sqlite3.Connection, labels: dict[tuple[str, int], dict[str, Any]]) -> None:
+    """A new labels table holding `labels`, in their order."""
+    con.executescript(LABELS_SCHEMA)
+    cols = ", ".join(LABEL_FIELDS)
+    con.executemany(
+        f"INSERT INTO labels (site, component, {cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [(s, c, *(row.get(k) for k in LABEL_FIELDS)) for (s, c), row in labels.items()],
+    )
 
 
 def has_table(con: sqlite3.Connection, name: str) -> bool:

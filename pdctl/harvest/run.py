@@ -26,6 +26,9 @@ merges them (`accumulate.merge_states`: the state one process would have, bit fo
 output effects are shared out (every n-th component) and gathered through small JSON files, and
 process 0 writes the database. The run directory must be shared, as for checkpoints.
 
+A harvest.db already there is replaced whole; what later commands had added to it (labels,
+clusters, attributions) is kept or saved, and said, as `keep` describes.
+
 SIGTERM / SIGINT (`runtime.stop_signals`, as the stages use it) stop the harvest after the
 batch in flight: the state is saved and `Interrupted` (exit 3) says how to go on. Restoring,
 tokenizing and the first (compiling) batch run `runtime.interruptible`, so a stop is acted on
@@ -41,7 +44,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +52,7 @@ import jax
 import numpy as np
 
 from pdctl.errors import PdctlError
-from pdctl.harvest import db
+from pdctl.harvest import db, keep
 from pdctl.harvest.accumulate import CoocCounter, Harvest, merge_states
 from pdctl.project import Project, now
 
@@ -75,6 +78,8 @@ class Result:
     resumed_from: int  # batches already done by an earlier, interrupted harvest
     batches: int
     processes: int = 1
+    # what it kept of the database it replaced, and what not (`keep`): one line each
+    kept: list[str] = field(default_factory=list)
 
 
 def harvest_dir(project: Project) -> Path:
@@ -481,14 +486,15 @@ def _harvest(
             np.linalg.norm(np.asarray(c["U"], np.float32), axis=1))
         for s, c in dec.components.items()
     }  # fmt: skip
-    db.write(path, h, meta, toy_features=toy, norms=norms, effects=changes)
+    kept = keep.keep(path, meta, sites)  # labels to carry; those it does not are saved now
+    db.write(path, h, meta, toy_features=toy, norms=norms, effects=changes, labels=kept.labels)
     for p in range(nproc):
         (out_dir / partial_name(p, nproc)).unlink(missing_ok=True)
         (out_dir / f"effects-{p}of{nproc}.json").unlink(missing_ok=True)
         (out_dir / f"cooc-{p}of{nproc}.npz").unlink(missing_ok=True)
     if nproc > 1:
         runtime.barrier("pdctl-harvest-written", PEER_TIMEOUT_S)
-    return Result(path, h.n_positions, start_batch - first, n_batches, nproc)
+    return Result(path, h.n_positions, start_batch - first, n_batches, nproc, kept.lines)
 
 
 def _cooc_part(d: Path, key: str, p: int, nproc: int) -> np.ndarray:
