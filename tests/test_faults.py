@@ -159,10 +159,16 @@ def initialized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _base(tmp_path_factory, "init", ["init-weights"])
 
 
+def done_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pdctl run` done: every stage done, checkpoints pretrain 15/20, warmup 5, train 5/10.
+    Built once per session and shared (test_resume and test_harvest copy it too, for fast tests
+    that need any trained TMS run): copy it; never write into it."""
+    return _base(tmp_path_factory, "done", ["run"])
+
+
 @pytest.fixture(scope="module")
 def done(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`pdctl run` done: every stage done, checkpoints pretrain 15/20, warmup 5, train 5/10."""
-    return _base(tmp_path_factory, "done", ["run"])
+    return done_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -257,6 +257,29 @@ def stopped(base: Path, tmp_path_factory) -> Path:
     return run
 
 
+# A train stopped by `--until` for the fast tests below: they need a train checkpoint with PPGD
+# sources, not the bit-exact TMS runs above, so they start from test_faults' session run of the
+# TMS template (every stage done, built once per session and shared with test_faults and
+# test_harvest), turn PPGD on and train again: only the train step compiles here, where `base`
+# and `stopped` compile init, pretrain, warmup and train (~20 s of the fast tier on 2 cores).
+# Checkpoints every 5 steps of 10 (test_faults' ISSUE table): steps 5 (a periodic save) and
+# 10 (the final one).
+PPGD_STEPS = (5, 10)
+
+
+@pytest.fixture(scope="module")
+def trained_ppgd(tmp_path_factory) -> Path:
+    """`train --fresh` (10 steps) with ppgd_recon on, on a copy of test_faults' `done` run
+    (in-process). Copy it before changing it."""
+    from test_faults import done_run
+
+    run = copy_run(done_run(tmp_path_factory), tmp_path_factory.mktemp("ppgd-trained") / "r")
+    edit_config(run, {"train": {"loss": {"ppgd_recon": 0.5}}})
+    assert "train: done at step 10" in ok("--project", run, "train", "--fresh").stdout
+    assert Checkpointer(run / "checkpoints" / "train", keep=2).all_steps() == list(PPGD_STEPS)
+    return run
+
+
 # ---- bit-exact continuation ------------------------------------------------------------------
 
 
@@ -303,19 +326,21 @@ def test_train_until_then_resume_is_bit_exact(base: Path, stopped: Path, tmp_pat
 
 
 def test_train_checkpoints_are_split_and_analysis_reads_only_the_decomposition(
-    stopped: Path, tmp_path: Path
+    trained_ppgd: Path, tmp_path: Path
 ) -> None:
     """A train checkpoint holds two items, `decomposition` (V/U, CI functions) and `training`
     (optimizer states, sources, counters); export works with every `training` item gone
-    (without the sources, which are training state)."""
-    run = copy_run(stopped, tmp_path / "run")
-    ok("--project", run, "resume")
+    (without the sources, which are training state). Both kinds of save are looked at: a
+    periodic one (step 5) and the final one (step 10)."""
+    run = copy_run(trained_ppgd, tmp_path / "run")
     ckpts = run / "checkpoints" / "train"
     steps = Checkpointer(ckpts, keep=2).all_steps()
+    assert steps == list(PPGD_STEPS)
     for step in steps:
         on_disk = {p.name for p in (ckpts / str(step)).iterdir() if p.is_dir()}
         assert on_disk == {"decomposition", "training", "meta"}, on_disk
     before = exported(run, tmp_path / "a.npz")
+    assert any(k.startswith("sources.") for k in before)  # PPGD on: there are sources to lose
     for step in steps:
         shutil.rmtree(ckpts / str(step) / "training")
     after = exported(run, tmp_path / "b.npz")
@@ -425,7 +450,8 @@ def _checkpoint_meta(directory: Path, step: int) -> dict[str, Any]:
 class TrainPieces:
     """The train stage's program, as `train.run` compiles it (no lock, no loop)."""
 
-    def __init__(self, run: Path):
+    def __init__(self, run: Path, step: int = TMS_UNTIL):
+        self.step = step  # the checkpoint restored
         proj = Project.load(run / "pdctl.toml")
         cfg = self.cfg = proj.config
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
@@ -451,19 +477,21 @@ class TrainPieces:
         before = donation.buffer_bytes_by_ptr(state)
         new, metrics = self.step_fn(self.target_params, state, None)
         jax.block_until_ready(new)
-        assert int(new["loop"]["step"]) == TMS_UNTIL + 1 and float(metrics["finite"]) == 1.0
+        assert int(new["loop"]["step"]) == self.step + 1 and float(metrics["finite"]) == 1.0
         assert not any(x.is_deleted() for x in jax.tree.leaves(self.target_params))
         fraction, _ = donation.reused_fraction(before, new)
         return fraction
 
 
 @pytest.fixture(scope="module")
-def pieces(stopped: Path) -> TrainPieces:
-    return TrainPieces(stopped)
+def pieces(trained_ppgd: Path) -> TrainPieces:
+    """On the fast tests' run, from its step-5 checkpoint: a state with sources and both
+    optimizers' moments, every kind of leaf a train state restores."""
+    return TrainPieces(trained_ppgd, PPGD_STEPS[0])
 
 
 def test_rematerialized_restore_is_donated(pieces: TrainPieces) -> None:
-    restored = pieces.restore(TMS_UNTIL)
+    restored = pieces.restore(PPGD_STEPS[0])
     state = rematerialize(restored, pieces.state_sh)
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
