@@ -310,6 +310,21 @@ def tms_trained(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def tms_done(tmp_path_factory) -> Path:
+    """For the fast tests: a copy of test_faults' session run of the TMS template (every stage
+    done, train checkpoints 5 and 10), which test_faults and test_resume share, so that the
+    fast tier trains one TMS run where it trained two; any trained toy decomposition serves
+    these tests (the slow ones keep `tms_trained`)."""
+    import shutil
+
+    from test_faults import done_run
+
+    run = tmp_path_factory.mktemp("hv-done") / "t"
+    shutil.copytree(done_run(tmp_path_factory), run, symlinks=True)
+    return run
+
+
 def _dump(path: Path) -> list[str]:
     con = db.open_readonly(path)
     try:
@@ -382,9 +397,7 @@ def test_harvest_of_a_toy_run_and_an_interrupted_one_resumes(tms_trained: Path, 
     assert _dump(path) == full
 
 
-def test_sigterm_saves_the_state_exits_3_and_the_rerun_ends_the_same(
-    tms_trained: Path, monkeypatch
-):
+def test_sigterm_saves_the_state_exits_3_and_the_rerun_ends_the_same(tms_done: Path, monkeypatch):
     """A real SIGTERM to this process during batch 3 of 8 (`runtime.stop_signals` is in place
     while `pdctl harvest` runs): exit 3, one line saying how to go on, the state after batch 3
     saved; the rerun goes on from there and writes the database an uninterrupted harvest
@@ -393,8 +406,8 @@ def test_sigterm_saves_the_state_exits_3_and_the_rerun_ends_the_same(
     import signal
 
     before = signal.getsignal(signal.SIGTERM)
-    path = tms_trained / "harvest" / "harvest.db"
-    args = ("--project", tms_trained, "harvest", "--tokens", "2048", "--batch-size", "256")
+    path = tms_done / "harvest" / "harvest.db"
+    args = ("--project", tms_done, "harvest", "--tokens", "2048", "--batch-size", "256")
     assert cli(*args).exit_code == 0
     full = _dump(path)
     path.unlink()
@@ -413,7 +426,7 @@ def test_sigterm_saves_the_state_exits_3_and_the_rerun_ends_the_same(
         "error: harvest: stopped by SIGTERM after batch 3 of 8; the work so far is saved: run "
         "`pdctl harvest` again with the same options to go on"
     ), line
-    assert (tms_trained / "harvest" / "partial.npz").exists() and not path.exists()
+    assert (tms_done / "harvest" / "partial.npz").exists() and not path.exists()
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
     monkeypatch.setattr(hv.Harvest, "add", real)
     r = cli(*args)
@@ -427,12 +440,12 @@ def _project(run: Path):
     return Project.load(run / "pdctl.toml")
 
 
-def test_bad_input_is_one_line(tms_trained: Path, tmp_path: Path):
-    assert "--tokens: must be >= 1" in cli_fails(2, "--project", tms_trained, "harvest",
+def test_bad_input_is_one_line(tms_done: Path, tmp_path: Path):
+    assert "--tokens: must be >= 1" in cli_fails(2, "--project", tms_done, "harvest",
                                                  "--tokens", "0")  # fmt: skip
-    line = cli_fails(2, "--project", tms_trained, "harvest", "--batch-size", "3")
+    line = cli_fails(2, "--project", tms_done, "harvest", "--batch-size", "3")
     assert "--batch-size: 3 is not divisible by the 4 devices" in line
-    assert "has no decomposition" in cli_fails(2, "--project", tms_trained, "harvest",
+    assert "has no decomposition" in cli_fails(2, "--project", tms_done, "harvest",
                                                "--stage", "pretrain")  # fmt: skip
     fresh = make_run(tmp_path, "tms", "fresh")
     line = cli_fails(2, "--project", fresh, "harvest")
@@ -700,11 +713,15 @@ def _tree(root: Path) -> dict[str, object]:
 
 
 @pytest.fixture
-def trained_copy(tms_trained: Path, tmp_path: Path) -> Path:
+def trained_copy(tmp_path_factory, tmp_path: Path) -> Path:
+    """A copy of test_faults' session run (see `tms_done`): train checkpoints 5 and 10."""
     import shutil
 
+    from test_faults import done_run
+
     run = tmp_path / "run"
-    shutil.copytree(tms_trained, run, symlinks=True, ignore=shutil.ignore_patterns("harvest"))
+    shutil.copytree(done_run(tmp_path_factory), run, symlinks=True,
+                    ignore=shutil.ignore_patterns("harvest"))  # fmt: skip
     return run
 
 
@@ -949,7 +966,7 @@ def test_a_reharvest_of_the_same_checkpoint_keeps_the_labels_and_drops_what_is_d
     assert len(lines) == 3, lines
     assert lines[1] == (
         "kept the 3 labels of the harvest.db it replaces (the same decomposition: train "
-        f"checkpoint 20 of run {state(run, 'train')['run_id']})"
+        f"checkpoint 10 of run {state(run, 'train')['run_id']})"
     ), lines
     assert lines[2] == (
         "dropped the clusters and attributions of the harvest.db it replaces (computed from its "
@@ -977,17 +994,17 @@ def test_a_harvest_after_more_training_saves_the_labels_beside_it(
     so the labels are not carried; they are saved beside the database first, in a file that
     `pdctl interp import` reads back, and one line says where and why."""
     run, path = trained_copy, trained_copy / "harvest" / "harvest.db"
-    cli_ok("--project", run, "train", "--fresh", "--until", "10")
+    cli_ok("--project", run, "train", "--fresh", "--until", "5")
     rid = state(run, "train")["run_id"]
     cli_ok("--project", run, *HV)
     labels = _label(run, tmp_path)
     cli_ok("--project", run, "train", "--resume")
-    assert state(run, "train")["checkpoint"] == 20
+    assert state(run, "train")["checkpoint"] == 10
     r = cli_ok("--project", run, *HV)
-    saved = run / "harvest" / f"labels-train-10-{rid}.jsonl"
+    saved = run / "harvest" / f"labels-train-5-{rid}.jsonl"
     assert _lines(r)[1:] == [
         f"did not keep the 3 labels of the harvest.db it replaces: they describe train "
-        f"checkpoint 10 of run {rid}, this harvest train checkpoint 20 of run {rid}; saved to "
+        f"checkpoint 5 of run {rid}, this harvest train checkpoint 10 of run {rid}; saved to "
         f"{saved} (`pdctl interp import` reads it)"
     ], r.stdout
     assert "labels" not in _tables(path)
