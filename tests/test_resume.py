@@ -9,7 +9,9 @@
   checkpoint at the stopped step; `pdctl resume` then ends bit-identical to a straight run.
 
 Runs are tiny (TMS 5-2, C=8, batch 64). init-weights → pretrain → warmup is built once per
-session (`tms_base`) and copied with `shutil.copytree`, so every branch shares it. In-process
+session (`tms_base`) and copied with `shutil.copytree`, so every branch shares it. The fast
+tests (split checkpoints, donation of a re-materialised restore) train instead on a copy of
+test_faults' session run (`trained_ppgd`), which the fast tier builds anyway. In-process
 commands go through the real Typer app (`helpers.cli`); subprocess ones through
 `python -m pdctl` with the device count set by XLA_FLAGS. A persistent compilation cache (a
 `[compile] cache_dir` in subprocess runs, the same directory as the session's in-process one)
@@ -257,9 +259,9 @@ def stopped(base: Path, tmp_path_factory) -> Path:
     return run
 
 
-# A train stopped by `--until` for the fast tests below: they need a train checkpoint with PPGD
-# sources, not the bit-exact TMS runs above, so they start from test_faults' session run of the
-# TMS template (every stage done, built once per session and shared with test_faults and
+# A trained run for the fast tests below: they need train checkpoints with PPGD sources (of any
+# TMS decomposition), not the bit-exact runs above, so they start from test_faults' session run
+# of the TMS template (every stage done, built once per session and shared with test_faults and
 # test_harvest), turn PPGD on and train again: only the train step compiles here, where `base`
 # and `stopped` compile init, pretrain, warmup and train (~20 s of the fast tier on 2 cores).
 # Checkpoints every 5 steps of 10 (test_faults' ISSUE table): steps 5 (a periodic save) and
