@@ -202,8 +202,11 @@ def test_spd_loss_and_grads_scan_equal_unrolled(tmp_path):
     from pdctl.science.spd.components import init_decomposition_reference
 
     unrolled, scanned = _targets(tmp_path, "llama", n_layers=3)
-    # the MLP sites of all layers and q_proj of two: a scanned run of 2 layers, one unrolled
-    cfg = _cfg([{"pattern": "*.mlp.*", "C": 6}, {"pattern": "*.[01].*.q_proj", "C": 4}])
+    # up/down_proj of all layers and q_proj of two: a scanned run of 2 layers, one unrolled.
+    # (8 sites, 11 with gate_proj before: every loss term compiles per site; gate_proj is
+    # the same kind of MLP site as up_proj, so the same code paths run)
+    mlp = [{"pattern": f"*.mlp.{k}_proj", "C": 6} for k in ("up", "down")]
+    cfg = _cfg([*mlp, {"pattern": "*.[01].*.q_proj", "C": 4}])
     params = jax.jit(unrolled.init)(jax.random.key(0))
     site_C = match_sites(cfg, unrolled.site_paths())
     sites = {p: (*unrolled.site_shapes()[p], C) for p, C in site_C.items()}
@@ -221,12 +224,12 @@ def test_spd_loss_and_grads_scan_equal_unrolled(tmp_path):
 
         grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         out[t.scan_layers] = grad({"components": comps, "ci_fns": ci_fns}, sources)
-    # ... and on the stacked train state's layout (the MLP sites of all 3 layers as three
+    # ... and on the stacked train state's layout (the MLP sites of all 3 layers as two
     # units, q_proj of layers 0-1 as one): the functions take the groups as they are
     stacking = train.stacking_for(cfg, scanned)
-    assert len(stacking.groups) == 4, stacking.groups
+    assert len(stacking.groups) == 3, stacking.groups
     fns = L.make_spd_fns(scanned, site_C, cfg, stacking=stacking)
-    assert len(fns.units) == 4
+    assert len(fns.units) == 3
 
     def stacked_loss(tr, src):
         c = fns.clean(params, tokens)
@@ -297,8 +300,12 @@ def test_grad_accumulation_with_stacked_units_equals_unrolled(tmp_path):
     tokens = jax.random.randint(jax.random.key(2), (4, SEQ + 1), 0, 64)
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
     out = {}
+    # an MLP unit (up_proj, whose sources are checked below) and an attention unit (q_proj)
+    # stacked over both layers: 4 sites, 14 before (every loss term compiles per site; the
+    # other sites are more units of the same two kinds)
+    sites = [{"pattern": "*.mlp.up_proj", "C": 6}, {"pattern": "*.q_proj", "C": 4}]
     for scan in (False, True):
-        cfg = _cfg(scan_layers=scan, grad_accum_steps=2)
+        cfg = _cfg(sites, scan_layers=scan, grad_accum_steps=2)
         tc = cfg.train
         ppgd = tc.ppgd.model_copy(update={"scope": "per_batch_per_position", "n_warmup_steps": 1})
         cfg = cfg.model_copy(
