@@ -202,11 +202,8 @@ def test_spd_loss_and_grads_scan_equal_unrolled(tmp_path):
     from pdctl.science.spd.components import init_decomposition_reference
 
     unrolled, scanned = _targets(tmp_path, "llama", n_layers=3)
-    # up/down_proj of all layers and q_proj of two: a scanned run of 2 layers, one unrolled.
-    # (8 sites, 11 with gate_proj before: every loss term compiles per site; gate_proj is
-    # the same kind of MLP site as up_proj, so the same code paths run)
-    mlp = [{"pattern": f"*.mlp.{k}_proj", "C": 6} for k in ("up", "down")]
-    cfg = _cfg([*mlp, {"pattern": "*.[01].*.q_proj", "C": 4}])
+    # the MLP sites of all layers and q_proj of two: a scanned run of 2 layers, one unrolled
+    cfg = _cfg([{"pattern": "*.mlp.*", "C": 6}, {"pattern": "*.[01].*.q_proj", "C": 4}])
     params = jax.jit(unrolled.init)(jax.random.key(0))
     site_C = match_sites(cfg, unrolled.site_paths())
     sites = {p: (*unrolled.site_shapes()[p], C) for p, C in site_C.items()}
@@ -224,12 +221,12 @@ def test_spd_loss_and_grads_scan_equal_unrolled(tmp_path):
 
         grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         out[t.scan_layers] = grad({"components": comps, "ci_fns": ci_fns}, sources)
-    # ... and on the stacked train state's layout (the MLP sites of all 3 layers as two
+    # ... and on the stacked train state's layout (the MLP sites of all 3 layers as three
     # units, q_proj of layers 0-1 as one): the functions take the groups as they are
     stacking = train.stacking_for(cfg, scanned)
-    assert len(stacking.groups) == 3, stacking.groups
+    assert len(stacking.groups) == 4, stacking.groups
     fns = L.make_spd_fns(scanned, site_C, cfg, stacking=stacking)
-    assert len(fns.units) == 3
+    assert len(fns.units) == 4
 
     def stacked_loss(tr, src):
         c = fns.clean(params, tokens)
