@@ -39,7 +39,10 @@ from test_resume import (
 from pdctl.project import Project
 
 SEED = 20261130
-MIN_KILLS = 12
+# Each kill costs a process start (imports, restore, a cache-hit compile): 6 kills, 12 before.
+# Still kills in start-up, mid-save and after checkpoints, resumes and fresh starts, and at
+# least one kill with a save in flight is asserted below; the seed picks the same moments.
+MIN_KILLS = 6
 EVERY = SUB["checkpoint"]["every"]
 
 

@@ -297,8 +297,12 @@ def test_grad_accumulation_with_stacked_units_equals_unrolled(tmp_path):
     tokens = jax.random.randint(jax.random.key(2), (4, SEQ + 1), 0, 64)
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
     out = {}
+    # an MLP unit (up_proj, whose sources are checked below) and an attention unit (q_proj)
+    # stacked over both layers: 4 sites, 14 before (every loss term compiles per site; the
+    # other sites are more units of the same two kinds)
+    sites = [{"pattern": "*.mlp.up_proj", "C": 6}, {"pattern": "*.q_proj", "C": 4}]
     for scan in (False, True):
-        cfg = _cfg(scan_layers=scan, grad_accum_steps=2)
+        cfg = _cfg(sites, scan_layers=scan, grad_accum_steps=2)
         tc = cfg.train
         ppgd = tc.ppgd.model_copy(update={"scope": "per_batch_per_position", "n_warmup_steps": 1})
         cfg = cfg.model_copy(
