@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -42,11 +43,43 @@ def _run(tmp_path: Path, hf_llama: dict[str, Path], **over) -> Path:
     return run
 
 
-@pytest.mark.slow
-def test_run_decomposes_an_imported_llama_and_resume_is_bit_exact(tmp_path, hf_llama):
-    run = _run(tmp_path, hf_llama)
+def _copy(run: Path, parent: Path) -> Path:
+    """A copy of the run directory `run` as parent/x, to change without touching the shared one
+    (a run directory resumes from anywhere: its paths are the config's, absolute here)."""
+    return Path(shutil.copytree(run, parent / "x", symlinks=True))
+
+
+@pytest.fixture(scope="module")
+def llama_done(tmp_path_factory, hf_llama) -> dict[str, Path]:
+    """`pdctl run` of `_run`'s config, once for the module: {"run": its directory (init-weights,
+    warmup and train done; a test that changes it works on a `_copy`), "final": its train
+    export (.npz)}. Every pdctl call in-process costs seconds even on a compile-cache hit
+    (tracing, restoring, the evaluations); the tests below each built this same run before."""
+    root = tmp_path_factory.mktemp("llama-run")
+    run = _run(root, hf_llama)
     r = cli("--project", run, "run")
     assert r.exit_code == 0, r.output
+    return {"run": run, "final": _export_npz(run, root / "final.npz")}
+
+
+@pytest.fixture(scope="module")
+def llama_at5(tmp_path_factory, llama_done) -> Path:
+    """A copy of llama_done's run retrained with `train --fresh --until 5`: stopped at the
+    step-5 checkpoint, written with one array per site (scan_layers "auto" stacks nothing in
+    2 layers); a test resumes a `_copy` of it."""
+    run = _copy(llama_done["run"], tmp_path_factory.mktemp("llama-at5"))
+    r = cli("--project", run, "train", "--fresh", "--until", "5")
+    assert r.exit_code == 0, r.output
+    assert state(run, "train")["status"] == "interrupted"
+    assert state(run, "train")["step"] == 5
+    return run
+
+
+@pytest.mark.slow
+def test_run_decomposes_an_imported_llama_and_resume_is_bit_exact(
+    tmp_path, hf_llama, llama_done, llama_at5
+):
+    run = _copy(llama_done["run"], tmp_path)
     pre = state(run, "pretrain")
     assert pre["status"] == "imported"
     assert pre["source"] == str(hf_llama["model"].resolve()) and len(pre["checksum"]) == 64
@@ -81,12 +114,13 @@ def test_run_decomposes_an_imported_llama_and_resume_is_bit_exact(tmp_path, hf_l
     contexts = json.loads((rep / "top_contexts.json").read_text())
     assert "model.layers.1.mlp.down_proj" in json.dumps(contexts)
     assert not list(rep.glob("ci_matrix_*")) and not (rep / "mmcs_ml2r.png").exists()
-    # resume mid-train is bit-exact: stop at 5, resume to 10, compare with the run above
-    final = np.load(_export_npz(run, tmp_path / "a.npz"))
-    assert cli("--project", run, "train", "--fresh", "--until", "5").exit_code == 0
-    assert state(run, "train")["status"] == "interrupted"
-    assert cli("--project", run, "resume").exit_code == 0
-    again = np.load(_export_npz(run, tmp_path / "b.npz"))
+    # resume mid-train is bit-exact: the same run stopped at 5 (`train --fresh --until 5`)
+    # and resumed to 10 ends on the arrays of the unbroken run
+    final = np.load(llama_done["final"])
+    resumed = _copy(llama_at5, tmp_path / "resumed")
+    assert cli("--project", resumed, "resume").exit_code == 0
+    assert state(resumed, "train")["status"] == "done"
+    again = np.load(_export_npz(resumed, tmp_path / "b.npz"))
     assert set(final.files) == set(again.files)
     for k in final.files:
         np.testing.assert_array_equal(final[k], again[k], err_msg=k)
@@ -163,36 +197,40 @@ def test_pretrain_of_an_imported_model_is_refused(tmp_path, hf_llama):
 
 
 @pytest.mark.slow
-def test_train_resumes_across_the_state_layout(tmp_path, hf_llama):
+def test_train_resumes_across_the_state_layout(tmp_path, llama_done, llama_at5):
     """A checkpoint written with one array per site (`scan_layers = false`, as every pdctl
     before stacked sites wrote them) resumes with the layers scanned and the sites stacked,
     and the other way round; the results agree with an unbroken run to float reassociation
-    (the scanned step sums in another order), and nothing is stale."""
+    (the scanned step sums in another order), and nothing is stale.
 
-    def make(name: str, scan: bool) -> Path:
-        (tmp_path / name).mkdir()
-        run = _run(tmp_path / name, hf_llama)
-        edit_config(run, {"train": {"scan_layers": scan}})
-        return run
+    All from llama_done's init-weights and warmup: neither has a layout (only the train step
+    scans, and `scan_layers` is in no fingerprint), so a run made with the layers scanned
+    would start its train from the same arrays."""
+    from pdctl.config import AUTO_SCAN_LAYERS
+
+    # llama_done's 2 layers under "auto": one array per site, the unbroken per-site run
+    assert AUTO_SCAN_LAYERS > 2
+    straight = np.load(llama_done["final"])
 
     # stacked sites resume bit for bit, as the per-site layout does (the test above)
-    stacked = make("s", True)
-    assert cli("--project", stacked, "run").exit_code == 0
+    stacked = _copy(llama_done["run"], tmp_path / "s")
+    edit_config(stacked, {"train": {"scan_layers": True}})
+    r = cli("--project", stacked, "train", "--fresh")
+    assert r.exit_code == 0, r.output
     final = np.load(_export_npz(stacked, tmp_path / "s1.npz"))
-    assert cli("--project", stacked, "train", "--fresh", "--until", "5").exit_code == 0
-    assert cli("--project", stacked, "resume").exit_code == 0
+    r = cli("--project", stacked, "train", "--fresh", "--until", "5")
+    assert r.exit_code == 0, r.output
+    stacked_at5 = _copy(stacked, tmp_path / "bTrue")  # for the stacked -> per-site resume
+    r = cli("--project", stacked, "resume")
+    assert r.exit_code == 0, r.output
+    assert "written in the other layout" not in r.output, r.output
     again = np.load(_export_npz(stacked, tmp_path / "s2.npz"))
+    assert set(final.files) == set(again.files)
     for k in final.files:
         np.testing.assert_array_equal(final[k], again[k], err_msg=k)
 
-    per_site = make("a", False)
-    assert cli("--project", per_site, "run").exit_code == 0
-    straight = np.load(_export_npz(per_site, tmp_path / "straight.npz"))
-    for first, then in ((False, True), (True, False)):
-        run = make(f"b{first}", first)
-        assert cli("--project", run, "run").exit_code == 0
-        r = cli("--project", run, "train", "--fresh", "--until", "5")
-        assert r.exit_code == 0, r.output
+    per_site_at5 = _copy(llama_at5, tmp_path / "bFalse")
+    for run, then in ((per_site_at5, True), (stacked_at5, False)):
         assert state(run, "train")["status"] == "interrupted"
         edit_config(run, {"train": {"scan_layers": then}})
         r = cli("--project", run, "resume")
@@ -200,7 +238,7 @@ def test_train_resumes_across_the_state_layout(tmp_path, hf_llama):
         assert "written in the other layout" in r.output, r.output
         tr = state(run, "train")
         assert tr["status"] == "done" and tr["step"] == 10
-        got = np.load(_export_npz(run, tmp_path / f"b{first}.npz"))
+        got = np.load(_export_npz(run, tmp_path / f"b{not then}.npz"))
         assert set(got.files) == set(straight.files)
         for k in straight.files:
             # The PPGD sources take an ascent step per train step from gradients the scan sums
@@ -211,23 +249,21 @@ def test_train_resumes_across_the_state_layout(tmp_path, hf_llama):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_run_matches_data_parallel_and_resumes_bit_exact(tmp_path, hf_llama):
+def test_tensor_parallel_run_matches_data_parallel_and_resumes_bit_exact(
+    tmp_path, hf_llama, llama_done
+):
     """`[mesh] tp = 2` (data 2 x tp 2 on the session's 4 devices) through the CLI: the run
-    ends as the data-parallel one does (float32 reassociation of the tp all-reduces:
-    measured 3.8e-5 at most on the exported arrays after 10 steps), resumes bit for bit, and a
-    tp that the kv heads do not divide is one line before anything runs."""
-    (tmp_path / "dp").mkdir()
+    ends as the data-parallel one (llama_done: data 4) does (float32 reassociation of the tp
+    all-reduces: measured 3.8e-5 at most on the exported arrays after 10 steps), resumes bit
+    for bit, and a tp that the kv heads do not divide is one line before anything runs."""
     (tmp_path / "tp").mkdir()
-    dp, tp = _run(tmp_path / "dp", hf_llama), _run(tmp_path / "tp", hf_llama)
+    tp = _run(tmp_path / "tp", hf_llama)  # its own init-weights and warmup run on the tp mesh
     edit_config(tp, {"mesh": {"data": 2, "tp": 2}})
-    for run in (dp, tp):
-        r = cli("--project", run, "run")
-        assert r.exit_code == 0, r.output
+    r = cli("--project", tp, "run")
+    assert r.exit_code == 0, r.output
     assert state(tp, "train")["mesh"] == {"data": 2, "fsdp": 1, "tp": 2}
-    a, b = (
-        np.load(_export_npz(dp, tmp_path / "dp.npz")),
-        np.load(_export_npz(tp, tmp_path / "tp.npz")),
-    )
+    assert state(llama_done["run"], "train")["mesh"] == {"data": 4, "fsdp": 1, "tp": 1}
+    a, b = np.load(llama_done["final"]), np.load(_export_npz(tp, tmp_path / "tp.npz"))
     assert set(a.files) == set(b.files)
     for k in a.files:
         np.testing.assert_allclose(b[k], a[k], rtol=1e-3, atol=2e-4, err_msg=k)
@@ -250,7 +286,7 @@ def test_tensor_parallel_run_matches_data_parallel_and_resumes_bit_exact(tmp_pat
 
 
 @pytest.mark.slow
-def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, hf_llama):
+def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, tmp_path_factory, llama_done):
     """`pdctl harvest` on an LM run: token windows decoded by the model's tokenizer in the
     browser's API, and each measured output effect equal to the one recomputed here from the
     evaluation's CI program and masked forward, sample position by sample position."""
@@ -264,8 +300,7 @@ def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, hf_llama):
     from pdctl.science.spd.losses import masked_forward
     from pdctl.stages.decomposition import load_decomposition
 
-    run = _run(tmp_path, hf_llama)
-    assert cli("--project", run, "run").exit_code == 0
+    run = _copy(llama_done["run"], tmp_path)
     r = cli("--project", run, "harvest", "--tokens", "512", "--effects", "2", "--top-k", "4")
     assert r.exit_code == 0, r.output
     con = sqlite3.connect(run / "harvest" / "harvest.db")
@@ -313,7 +348,13 @@ def test_harvest_of_an_imported_llama_with_output_effects(tmp_path, hf_llama):
     # the two effects; process 0 merges and writes the database one process on one device
     # writes. (Not the 4-device one above: XLA:CPU's matmuls round differently for another
     # batch per device, which moves some mean CIs by an ulp; the toy's shapes do not.)
-    from helpers import pdctl_process, pdctl_processes
+    from helpers import pdctl_process, pdctl_processes, session_compile_cache_dir
+
+    # The three processes share the test session's compile cache: each would otherwise compile
+    # the same harvest programs (the 1-device ones) from nothing. A cache hit runs the
+    # executable compiled for the identical program: the same numerics.
+    cache = session_compile_cache_dir(tmp_path_factory)
+    edit_config(run, {"compile": {"cache_dir": str(cache)}})
 
     def dump() -> list[str]:
         con = sqlite3.connect(run / "harvest" / "harvest.db")
