@@ -368,3 +368,14 @@ def fresh_train_state(cfg: Any, mesh: Any, tokens: np.ndarray) -> tuple[Any, ...
     state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
     batch = jax.device_put({"tokens": tokens}, prog.batch_shardings)
     return target, prog, params, state, batch, len(dec["components"])
+
+
+def harvest_labels(run: Path) -> dict:
+    """The labels in the run's harvest.db (`db.read_labels`' form)."""
+    from pdctl.harvest import db
+
+    con = db.open_readonly(run / "harvest" / "harvest.db")
+    try:
+        return db.read_labels(con)
+    finally:
+        con.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli, cli_fails, cli_ok, make_run, state
+from helpers import cli, cli_fails, cli_ok, harvest_labels, make_run, state
 
 from pdctl.harvest import db
 from pdctl.harvest import run as hv
@@ -905,15 +905,7 @@ def _label(run: Path, tmp_path: Path) -> dict:
     f = tmp_path / "mine.jsonl"
     f.write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in SOME_LABELS), "utf-8")
     cli_ok("--project", run, "interp", "import", f)
-    return _labels_of(run)
-
-
-def _labels_of(run: Path) -> dict:
-    con = db.open_readonly(run / "harvest" / "harvest.db")
-    try:
-        return db.read_labels(con)
-    finally:
-        con.close()
+    return harvest_labels(run)
 
 
 def _tables(path: Path) -> set[str]:
@@ -979,7 +971,7 @@ def test_a_reharvest_of_the_same_checkpoint_keeps_the_labels_and_drops_what_is_d
     con = db.open_readonly(path)
     assert con.execute("SELECT * FROM labels ORDER BY rowid").fetchall() == want
     con.close()
-    assert _labels_of(run) == labels
+    assert harvest_labels(run) == labels
     assert _tables(path) == {*db.TABLES, "labels"}  # no clusters, no attr_*
     # everything else is what a harvest into an empty directory writes
     assert [x for x in _dump(path) if 'INSERT INTO "labels"' not in x] == fresh
@@ -987,7 +979,7 @@ def test_a_reharvest_of_the_same_checkpoint_keeps_the_labels_and_drops_what_is_d
 
     r = cli_ok("--project", run, *HV)  # and again: still kept, nothing derived to drop
     assert len(_lines(r)) == 2 and _lines(r)[1].startswith("kept the 3 labels"), r.stdout
-    assert _labels_of(run) == labels
+    assert harvest_labels(run) == labels
 
 
 def test_a_harvest_after_more_training_saves_the_labels_beside_it(
@@ -1012,7 +1004,7 @@ def test_a_harvest_after_more_training_saves_the_labels_beside_it(
     ], r.stdout
     assert "labels" not in _tables(path)
     cli_ok("--project", run, "interp", "import", saved)
-    assert _labels_of(run) == labels  # every row and field, back
+    assert harvest_labels(run) == labels  # every row and field, back
 
 
 def _old_db(tmp_path: Path, meta: dict, labels: dict | None = None) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from helpers import cli_fails, cli_ok
+from helpers import cli_fails, cli_ok, harvest_labels
 from test_harvest import _get, _serving
 
 from pdctl.harvest import db
@@ -59,14 +59,6 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def _db_labels(run: Path) -> dict:
-    con = db.open_readonly(run / "harvest" / "harvest.db")
-    try:
-        return db.read_labels(con)
-    finally:
-        con.close()
-
-
 def _write_jsonl(path: Path, objs: list) -> Path:
     path.write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs), "utf-8")
     return path
@@ -109,7 +101,7 @@ def test_round_trip_export_labels_import_is_exact(run: Path, tmp_path: Path):
     filled = _write_jsonl(tmp_path / "filled.jsonl", recs)
     r = cli_ok("--project", run, "interp", "import", filled)
     assert "imported 3 labels" in r.stdout
-    assert _db_labels(run) == LABELS
+    assert harvest_labels(run) == LABELS
     # export again: the same records, label fields as the labeller wrote them, bit for bit
     cli_ok("--project", run, "interp", "export")
     again = _records(run / "interp" / "components.jsonl")
@@ -117,7 +109,7 @@ def test_round_trip_export_labels_import_is_exact(run: Path, tmp_path: Path):
     # and importing that export changes nothing (a fixed point)
     before = (run / "harvest" / "harvest.db").read_bytes()
     cli_ok("--project", run, "interp", "import", run / "interp" / "components.jsonl")
-    assert _db_labels(run) == LABELS
+    assert harvest_labels(run) == LABELS
     con = db.open_readonly(run / "harvest" / "harvest.db")
     assert con.execute("SELECT count(*) FROM components").fetchone()[0] == 5  # all kept
     con.close()
@@ -126,7 +118,7 @@ def test_round_trip_export_labels_import_is_exact(run: Path, tmp_path: Path):
     # the others
     one = _write_jsonl(tmp_path / "one.jsonl", [{"key": "b:0", "label": "zero or three"}])
     cli_ok("--project", run, "interp", "import", one)
-    got = _db_labels(run)
+    got = harvest_labels(run)
     assert got[("b", 0)] == {"label": "zero or three", "reasoning": None, "confidence": None,
                              "detection": None, "fuzzing": None, "source": None}  # fmt: skip
     assert got[("a", 0)] == LABELS[("a", 0)]
@@ -166,7 +158,7 @@ def test_scores_equal_the_hand_computed_values(run: Path, tmp_path: Path):
     out = " ".join(r.stdout.split())
     assert "1 trials without predictions were skipped" in out, out
     assert f"mean detection: {(0.75 + 0.5) / 2:.3f}" in out, out
-    got = _db_labels(run)
+    got = harvest_labels(run)
     assert got[("a", 0)]["detection"] == (0.5 + 1.0) / 2
     assert got[("a", 0)]["fuzzing"] == (2 / 3 + 1 / 2) / 2
     assert got[("a", 1)]["detection"] == (1.0 + 0.0) / 2
@@ -212,8 +204,8 @@ def test_exported_trials_mark_what_they_say(rich: Path, tmp_path: Path):
     for t in trials:
         t["predictions"] = ["yes" if f else "no" for f in t["fires"]]
     cli_ok("--project", run, "interp", "score", _write_jsonl(tmp_path / "t.jsonl", trials))
-    assert _db_labels(run)[("a", 0)]["detection"] == 1.0
-    assert _db_labels(run)[("a", 0)]["fuzzing"] == 1.0
+    assert harvest_labels(run)[("a", 0)]["detection"] == 1.0
+    assert harvest_labels(run)[("a", 0)]["fuzzing"] == 1.0
 
 
 def test_bad_input_is_one_line_and_writes_nothing(run: Path, tmp_path: Path):
@@ -340,7 +332,7 @@ def test_endpoint_labels_and_scores_with_a_retry_after_a_500(rich, stub, monkeyp
     assert all(p == "/v1/chat/completions" and a == "Bearer sekrit" for p, a, _ in _Stub.seen)
     assert _Stub.seen[0][2] == _Stub.seen[1][2]  # the same request, again
     assert _Stub.seen[1][2]["model"] == "stub-1" and _Stub.seen[1][2]["temperature"] == 0
-    labels = _db_labels(run)
+    labels = harvest_labels(run)
     assert labels[("a", 0)] == {"label": "label of a:0", "reasoning": "stub", "confidence": None,
                                 "detection": None, "fuzzing": None, "source": "stub-1"}  # fmt: skip
     assert "sekrit" not in (run / "interp" / "labels.jsonl").read_text()
@@ -359,7 +351,7 @@ def test_endpoint_labels_and_scores_with_a_retry_after_a_500(rich, stub, monkeyp
     r = cli_ok("--project", run, "interp", "score", run / "interp" / "trials.jsonl",
                "--endpoint", stub, "--model", "stub-1", "--rpm", "60000")  # fmt: skip
     assert f"{len(trials)} trials answered" in " ".join(r.stdout.split())
-    got = _db_labels(run)
+    got = harvest_labels(run)
     fuzzed = {(t["site"], t["component"]) for t in trials if t["task"] == "fuzzing"}
     for key, row in got.items():
         assert row["detection"] == 1.0, key

@@ -164,7 +164,7 @@ def attributions(
     with project.locked():
         con = db.open_readonly(path)
         try:
-            meta = {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+            meta = db.read_pairs(con)
             if not meta.get("lm"):
                 raise PdctlError(
                     f"attributions: language-model harvests only (this harvest is of a "

@@ -91,7 +91,7 @@ def make_app(project: Project):
         return index_of["ids"].get(text, [])
 
     def meta(con) -> dict[str, Any]:
-        return {r["key"]: json.loads(r["value"]) for r in con.execute("SELECT * FROM meta")}
+        return db.read_pairs(con)
 
     def site_exists(con, site: str) -> None:
         if con.execute("SELECT 1 FROM sites WHERE site = ?", (site,)).fetchone() is None:
@@ -273,7 +273,7 @@ def make_app(project: Project):
             got = cluster_mod.read(con)
             if got is None:
                 return JSONResponse({"available": False, "clusters": [], "singletons": 0})
-            info = {r[0]: json.loads(r[1]) for r in con.execute("SELECT * FROM cluster_meta")}
+            info = db.read_pairs(con, "cluster_meta")
             rows = [
                 {"cluster": k, "size": len(m), "sites": sorted({s for s, _ in m}),
                  "members": [{"site": s, "component": c} for s, c in m]}

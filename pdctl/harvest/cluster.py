@@ -119,7 +119,7 @@ def compute(
 ) -> tuple[list[tuple[str, int]], np.ndarray, np.ndarray, bool]:
     """(members [(site, component)], their cluster labels, their similarity matrix, whether
     components were left out by max_components), from an open harvest.db."""
-    meta = {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+    meta = db.read_pairs(con)
     says = str(meta.get("cooc", ""))
     if says.startswith("skipped"):
         raise PdctlError(

@@ -291,6 +291,23 @@ def _insert_labels(con: sqlite3.Connection, labels: dict[tuple[str, int], dict[s
     )
 
 
+def read_pairs(
+    con: sqlite3.Connection, table: str = "meta", lenient: bool = False
+) -> dict[str, Any]:
+    """A key/value table (`meta`, `cluster_meta`, `attr_meta`) as {key: value}, each value
+    JSON-decoded; a value that is not JSON raises ValueError, or with `lenient` is kept as
+    stored (a database of another version, read only to save what it holds)."""
+    out = {}
+    for k, v in con.execute(f"SELECT key, value FROM {table}"):
+        try:
+            out[k] = json.loads(v)
+        except (TypeError, ValueError):
+            if not lenient:
+                raise
+            out[k] = v
+    return out
+
+
 def has_table(con: sqlite3.Connection, name: str) -> bool:
     """Whether the database holds table `name` (one that a later command adds, `amend`)."""
     q = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"

@@ -49,16 +49,6 @@ class Kept:
     lines: list[str]  # what to tell the user, one line each
 
 
-def _pairs(con: sqlite3.Connection, table: str) -> dict[str, Any]:
-    out = {}
-    for k, v in con.execute(f"SELECT key, value FROM {table}"):
-        try:
-            out[k] = json.loads(v)
-        except (TypeError, ValueError):
-            out[k] = v
-    return out
-
-
 def read_old(path: Path) -> Old | None:
     """The database at `path`, read leniently (another schema version too, so its labels are
     not lost); None when there is none or it is not an SQLite database holding them."""
@@ -71,12 +61,16 @@ def read_old(path: Path) -> Old | None:
     try:
         q = "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
         tables = {name for (name,) in con.execute(q)}
+
+        def pairs(table: str) -> dict[str, Any]:
+            return db.read_pairs(con, table, lenient=True) if table in tables else {}
+
         return Old(
-            meta=_pairs(con, "meta") if "meta" in tables else {},
+            meta=pairs("meta"),
             labels=db.read_labels(con),
             tables=tables - set(db.TABLES) - {"labels"},
-            cluster_meta=_pairs(con, "cluster_meta") if "cluster_meta" in tables else {},
-            attr_meta=_pairs(con, "attr_meta") if "attr_meta" in tables else {},
+            cluster_meta=pairs("cluster_meta"),
+            attr_meta=pairs("attr_meta"),
         )
     except sqlite3.DatabaseError:
         return None

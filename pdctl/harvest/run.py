@@ -533,7 +533,7 @@ def harvest_line(project: Project) -> str | None:
     try:
         con = db.open_readonly(path)
         try:
-            meta = {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+            meta = db.read_pairs(con)
         finally:
             con.close()
     except (PdctlError, ValueError, OSError) as e:

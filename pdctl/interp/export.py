@@ -51,7 +51,7 @@ def marked_text(tokens: list[str], ids: list[int], marks: set[int]) -> str:
 
 
 def _meta(con: sqlite3.Connection) -> dict[str, Any]:
-    return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+    return db.read_pairs(con)
 
 
 def component_records(
