@@ -512,10 +512,16 @@ def main() -> None:
     first = batch_at()
 
     def prepare(a: Arm) -> dict | None:
-        a.compile(first)
-        if meta is None:
-            return a.evaluate(0, eval_batch)  # compiles the evaluation's programs too
-        return None
+        if meta is not None:
+            a.compile(first)
+            return None
+        # the step-0 evaluation (it compiles the evaluation's programs) beside the train step's
+        # compile: XLA compiles both at once (dots traced in each thread's own precision scope)
+        with ThreadPoolExecutor(1) as side:
+            compiled = side.submit(a.compile, first)
+            row = a.evaluate(0, eval_batch)
+            compiled.result()
+        return row
 
     with ThreadPoolExecutor(len(arms)) as pool:  # XLA compiles the arms side by side
         step0 = list(pool.map(prepare, arms))
