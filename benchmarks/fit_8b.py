@@ -8,8 +8,12 @@ scanned. Per mesh, in a child process of `pdctl inspect-sharding --devices N --m
 --device-kind h100 --json` (simulated CPU devices, nothing allocated): the train step's compile
 s, its per-device peak and temporaries, the evaluation programs' peaks, the verdict, and the
 child's wall time. Meshes run one after the other (each takes minutes and both cores).
+`--device-kind` (default h100) names the device; a TPU kind or `--topology` (e.g. v5p:2x4x4,
+v5e:4x8: 32 chips) compiles with XLA:TPU for that slice where libtpu is installed (the
+`tpu-aot` extra), against the chip's HBM.
 
     python benchmarks/fit_8b.py [--devices 32] [--mesh data=4,tp=8 --mesh data=4,fsdp=8]
+        [--device-kind h100 | --topology v5p:2x4x4]
 
 Over 32 simulated devices raise the memory-map limit first (`sysctl -w
 vm.max_map_count=262144`; README, "GPUs, TPUs and several hosts").
@@ -80,10 +84,10 @@ def make_run(root: Path) -> Path:
     return run
 
 
-def fit(run: Path, devices: int, mesh: str) -> dict:
+def fit(run: Path, devices: int, mesh: str, device: list[str]) -> dict:
     cmd = [sys.executable, "-m", "pdctl", "--project", str(run), "inspect-sharding",
-           "--stage", "train", "--devices", str(devices), "--mesh", mesh,
-           "--device-kind", "h100", "--json"]  # fmt: skip
+           "--stage", "train", "--devices", str(devices), "--mesh", mesh, *device,
+           "--json"]  # fmt: skip
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -95,13 +99,17 @@ def fit(run: Path, devices: int, mesh: str) -> dict:
     return {
         "mesh": mesh,
         "shape": rep["mesh"],
+        "compiler": rep["fit"].get("compiler"),
+        "budget": rep["fit"].get("budget"),
         "compile_s": step["compile_s"],
         "peak_gib": step["peak_bytes"] / GIB,
-        "temp_gib": step["temp_bytes"] / GIB,
-        "args_gib": step["argument_bytes"] / GIB,
+        # a program XLA:TPU refused states no parts, only what it needs at least
+        "refused": "oom" in step,
+        "temp_gib": step.get("temp_bytes", float("nan")) / GIB,
+        "args_gib": step.get("argument_bytes", float("nan")) / GIB,
         # what the arguments are, by kind (target, components, sources, optimizer, ...)
         "per_device_gib": {k: v / GIB for k, v in rep["totals"]["per_device"].items()},
-        "eval_gib": {q["program"]: q["peak_bytes"] / GIB for q in evals if q["available"]},
+        "eval_gib": {q["program"]: q["peak_bytes"] / GIB for q in evals if "peak_bytes" in q},
         "verdict": "FITS" if rep["fit"]["fits"] else "DOES NOT FIT",
         "margin_gib": rep["fit"]["margin_bytes"] / GIB,
         "wall_s": wall,
@@ -112,17 +120,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=32)
     ap.add_argument("--mesh", action="append", default=None)
+    ap.add_argument("--device-kind", default="h100", help="h100, tpu-v5p, tpu-v5e, ...")
+    ap.add_argument("--topology", help="a TPU slice, e.g. v5p:2x4x4 (XLA:TPU, needs libtpu)")
     args = ap.parse_args()
+    device = ["--topology", args.topology] if args.topology else ["--device-kind", args.device_kind]
     meshes = args.mesh or ["data=4,tp=8", "data=4,fsdp=8"]
     os.environ.setdefault("PDCTL_LOG", "warning")
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdctl-fit8b-") as tmp:
         run = make_run(Path(tmp))
         for mesh in meshes:
-            row = fit(run, args.devices, mesh)
+            row = fit(run, args.devices, mesh, device)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(f"\nLlama-3.1-8B, 224 sites, {args.devices} simulated devices, H100 80 GiB")
+    where = rows[0].get("budget") if rows and "budget" in rows[0] else " ".join(device[1:])
+    compiler = rows[0].get("compiler") if rows and "compiler" in rows[0] else "?"
+    print(f"\nLlama-3.1-8B, 224 sites, {args.devices} devices ({compiler}), {where} per device")
     print("| mesh | compile s | step peak GiB | temporaries GiB | arguments GiB | eval peaks GiB "
           "| verdict | wall s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -131,7 +144,9 @@ def main() -> None:
             print(f"| {r['mesh']} | error: {r['error']} | | | | | | {r['wall_s']:.0f} |")
             continue
         ev = ", ".join(f"{k} {v:.2f}" for k, v in r["eval_gib"].items())
-        print(f"| {r['mesh']} | {r['compile_s']:.1f} | {r['peak_gib']:.2f} | {r['temp_gib']:.2f} "
+        ge = ">= " if r["refused"] else ""
+        print(f"| {r['mesh']} | {r['compile_s']:.1f} | {ge}{r['peak_gib']:.2f} "
+              f"| {r['temp_gib']:.2f} "
               f"| {r['args_gib']:.2f} | {ev} | {r['verdict']} ({r['margin_gib']:.2f}) "
               f"| {r['wall_s']:.0f} |")  # fmt: skip
     ok = [r for r in rows if "error" not in r]

@@ -110,6 +110,29 @@ def test_the_fit_checks_text_names_its_compiler_and_limits() -> None:
     assert f"note: {topology.NO_LIBTPU}\nFITS: peak 40 B (train step)" in text
 
 
+def test_a_temp_margin_scales_the_temporaries_in_the_peak_and_says_so() -> None:
+    """Where XLA:CPU stands in for a TPU the peaks take its temporaries x the margin: exactly
+    (k - 1) x temporaries more, arguments, outputs and aliases as XLA states them."""
+    import jax
+    import jax.numpy as jnp
+    from rich.console import Console
+
+    from pdctl.inspect import fit
+
+    c = jax.jit(lambda x: jnp.sin(x @ x) @ x + x).lower(jnp.ones((128, 128))).compile()
+    plain = fit.check(None, {"train step": (c, 0.1, None)}, (2**30, "1 GiB"), [])
+    scaled = fit.check(None, {"train step": (c, 0.1, None)}, (2**30, "1 GiB"), [],
+                       temp_margin=1.5)  # fmt: skip
+    q1, qk = plain["programs"][0], scaled["programs"][0]
+    assert q1["temp_bytes"] > 0 and qk["temp_bytes"] == q1["temp_bytes"]
+    assert qk["peak_bytes"] - q1["peak_bytes"] == round(0.5 * q1["temp_bytes"])
+    assert scaled["peak_bytes"] == qk["peak_bytes"] and scaled["temp_margin"] == 1.5
+    console = Console(record=True, width=400)
+    fit.render(scaled, console)
+    assert "peak = arguments + outputs + temporaries x 1.5 - aliased" in console.export_text()
+    assert topology.CPU_TEMP_MARGIN > 1 and f"x {topology.CPU_TEMP_MARGIN:g}" in topology.NO_LIBTPU
+
+
 @pytest.mark.slow  # compiles the step and two evaluation programs with XLA:CPU: ~10-70 s
 def test_without_libtpu_the_fit_check_names_its_limits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -122,6 +145,7 @@ def test_without_libtpu_the_fit_check_names_its_limits(
     assert out.exit_code == 0, out.output
     assert f"note: {topology.NO_LIBTPU}" in " ".join(out.stdout.split())
     assert "fit check (XLA:CPU)" in out.stdout
+    assert f"temporaries x {topology.CPU_TEMP_MARGIN:g}" in " ".join(out.stdout.split())
     bad = invoke("--project", run, "inspect-sharding", "--topology", "v5e:1x1")
     assert bad.exit_code == 2 and bad.stdout == ""
     assert [x for x in bad.stderr.splitlines() if x.strip()] == [

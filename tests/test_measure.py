@@ -53,3 +53,18 @@ def test_the_loops_flops_count_a_scans_matmuls_per_iteration(tmp_path):
     one = 2.0 * 64**3  # one 64 x 64 @ 64 x 64
     assert loop.flops_per_step == 10 * one / jax.device_count()
     assert measure.step_flops(compiled) < 2 * one  # XLA: the body once (plus the tanh)
+
+
+def test_the_device_peak_is_buffers_plus_reservations_and_none_without_statistics() -> None:
+    """A TPU runtime reserves an executable's temporaries apart from the buffers in use: the
+    peak adds both (the largest over the devices); XLA:CPU has no statistics: None."""
+    from types import SimpleNamespace
+
+    def dev(stats):
+        return SimpleNamespace(memory_stats=lambda: stats)
+
+    a = dev({"peak_bytes_in_use": 6, "peak_bytes_reserved": 7, "bytes_in_use": 5})
+    b = dev({"peak_bytes_in_use": 10})  # a backend without reservations
+    assert measure.device_peak_bytes([a, b]) == 13
+    assert measure.device_peak_bytes([dev(None), dev({})]) is None
+    assert measure.device_peak_bytes(jax.devices()) is None  # XLA:CPU

@@ -26,7 +26,7 @@ from helpers import (
     state,
 )
 
-from pdctl.engine import sharding
+from pdctl.engine import measure, sharding
 from pdctl.engine.checkpoint import Checkpointer
 from pdctl.project import Project
 from pdctl.stages.inputs import STREAM_TARGET, stream_key, target_from_config
@@ -139,6 +139,7 @@ def test_tms_order_until_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert "pretrain: interrupted at step 10" in out
     st = state(run, "pretrain")
     assert (st["status"], st["step"], st["checkpoint"], st["steps"]) == ("interrupted", 10, 10, 20)
+    assert "device_peak_gib" not in st  # XLA:CPU keeps no memory statistics
     assert _ckpt_steps(run) == [10]
 
     before = (run / "pdctl.toml").read_bytes()
@@ -147,8 +148,11 @@ def test_tms_order_until_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert "pdctl pretrain --resume" in line and "pdctl pretrain --fresh" in line
     assert (run / "pdctl.toml").read_bytes() == before  # a refusal writes nothing
 
+    # an accelerator's peak memory (buffers + reservations) goes into the stage's state
+    monkeypatch.setattr(measure, "device_peak_bytes", lambda devices: 3 * 2**30 + 2**20)
     _ok("pretrain", "--resume")
     _check_done(run, "tms")  # metrics 5..20 once each: the resume re-logged nothing twice
+    assert state(run, "pretrain")["device_peak_gib"] == 3.001
     line = _fails(2, "pretrain", "--resume")
     assert "pretrain is done" in line
 

@@ -548,6 +548,9 @@ class Loop:
             fields["step_ms"] = round(metrics["step_ms"], 4)
         if "mfu" in metrics:
             fields["mfu"] = metrics["mfu"]
+        peak = measure.device_peak_bytes(jax.local_devices())
+        if peak is not None:  # an accelerator's; XLA:CPU keeps no statistics
+            fields["device_peak_gib"] = round(peak / 2**30, 3)
         for k, v in extra.items():
             if v is not None and v != {}:
                 fields[k] = v

@@ -176,12 +176,14 @@ def held_during_eval(rows: list[dict[str, Any]]) -> int:
 
 
 def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
-          rows: list[dict[str, Any]], compiler: str = "XLA:CPU") -> dict[str, Any]:  # fmt: skip
+          rows: list[dict[str, Any]], compiler: str = "XLA:CPU",
+          temp_margin: float = 1.0) -> dict[str, Any]:  # fmt: skip
     """Per program XLA's per-device bytes and peak (`memory_report`, as --compile reports the
     step); the worst against the budget. An evaluation's peak adds what the train state holds
     beside it (`held_during_eval`: the stage evaluates with the whole state on the device). A
     program XLA:TPU refused for want of HBM does not fit; its peak is at least what the
-    compiler said it needs."""
+    compiler said it needs. `temp_margin` scales the temporaries in the peak: another
+    compiler's plan taken for the target's (`topology.CPU_TEMP_MARGIN`, XLA:CPU for a TPU)."""
     programs = []
     held = held_during_eval(rows)
     for name, (c, secs, oom) in compiled.items():
@@ -195,7 +197,8 @@ def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
         if m["available"]:
             for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
                 row[k] = m[k]
-            row["peak_bytes"] = m["peak_bytes_estimate"] + row["held_bytes"]
+            extra = round((temp_margin - 1.0) * m["temp_bytes"])
+            row["peak_bytes"] = m["peak_bytes_estimate"] + extra + row["held_bytes"]
         programs.append(row)
     known = [q for q in programs if "peak_bytes" in q]
     peak = max((q["peak_bytes"] for q in known), default=0)
@@ -205,6 +208,7 @@ def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
         "budget_bytes": budget[0],
         "budget": budget[1],
         "compiler": compiler,
+        "temp_margin": temp_margin,
         "programs": programs,
         "peak_bytes": peak,
         "worst": max(known, key=lambda q: q["peak_bytes"])["program"] if known else None,
@@ -248,8 +252,10 @@ def render(fit: dict[str, Any], console: Any) -> None:
             held, fmt_bytes(q["peak_bytes"]),
         )  # fmt: skip
     console.print(table)
+    k = fit.get("temp_margin", 1.0)
+    temps = "temporaries" if k == 1.0 else f"temporaries x {k:g}"
     console.print("state held: the train state an evaluation runs beside and does not take "
-                  "(optimizer, PPGD sources, counters); peak = arguments + outputs + temporaries "
+                  f"(optimizer, PPGD sources, counters); peak = arguments + outputs + {temps} "
                   "- aliased + state held", markup=False)  # fmt: skip
     console.print("largest arrays per device (arguments; XLA states temporaries only in sum):",
                   markup=False)  # fmt: skip
