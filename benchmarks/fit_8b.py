@@ -13,7 +13,7 @@ v5e:4x8: 32 chips) compiles with XLA:TPU for that slice where libtpu is installe
 `tpu-aot` extra), against the chip's HBM.
 
     python benchmarks/fit_8b.py [--devices 32] [--mesh data=4,tp=8 --mesh data=4,fsdp=8]
-        [--device-kind h100 | --topology v5p:2x4x4]
+        [--device-kind h100 | --topology v5p:2x4x4] [--remat full] [--grad-accum K]
 
 Over 32 simulated devices raise the memory-map limit first (`sysctl -w
 vm.max_map_count=262144`; README, "GPUs, TPUs and several hosts").
@@ -58,7 +58,7 @@ LLAMA_31_8B = {
 GIB = 2**30
 
 
-def make_run(root: Path) -> Path:
+def make_run(root: Path, train: dict | None = None) -> Path:
     model = root / "llama-3.1-8b"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA_31_8B))
@@ -78,7 +78,7 @@ def make_run(root: Path) -> Path:
             "target": {"path": str(model)},
             "data": {"seq_len": 512},
             "precision": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16"},
-            "train": {"batch_size": 64, "scan_layers": True},
+            "train": {"batch_size": 64, "scan_layers": True, **(train or {})},
         },
     )
     return run
@@ -122,20 +122,25 @@ def main() -> None:
     ap.add_argument("--mesh", action="append", default=None)
     ap.add_argument("--device-kind", default="h100", help="h100, tpu-v5p, tpu-v5e, ...")
     ap.add_argument("--topology", help="a TPU slice, e.g. v5p:2x4x4 (XLA:TPU, needs libtpu)")
+    ap.add_argument("--remat", help="[train] remat (the template's: none)")
+    ap.add_argument("--grad-accum", type=int, help="[train] grad_accum_steps (the template's: 1)")
     args = ap.parse_args()
     device = ["--topology", args.topology] if args.topology else ["--device-kind", args.device_kind]
     meshes = args.mesh or ["data=4,tp=8", "data=4,fsdp=8"]
     os.environ.setdefault("PDCTL_LOG", "warning")
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdctl-fit8b-") as tmp:
-        run = make_run(Path(tmp))
+        train = {"remat": args.remat} if args.remat else {}
+        if args.grad_accum:
+            train["grad_accum_steps"] = args.grad_accum
+        run = make_run(Path(tmp), train)
         for mesh in meshes:
             row = fit(run, args.devices, mesh, device)
             print(json.dumps(row), flush=True)
             rows.append(row)
     where = rows[0].get("budget") if rows and "budget" in rows[0] else " ".join(device[1:])
     compiler = rows[0].get("compiler") if rows and "compiler" in rows[0] else "?"
-    print(f"\nLlama-3.1-8B, 224 sites, {args.devices} devices ({compiler}), {where} per device")
+    print(f"\nLlama-3.1-8B, 224 sites, {args.devices} devices ({compiler}), budget {where}")
     print("| mesh | compile s | step peak GiB | temporaries GiB | arguments GiB | eval peaks GiB "
           "| verdict | wall s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

@@ -97,8 +97,8 @@ def inspect_sharding(
         budget=budget,
         tpu=tpu,
         limits=limits,
-        # a TPU kind without libtpu: XLA:CPU's temporaries scaled by the largest ratio measured
-        temp_margin=insp.topology.CPU_TEMP_MARGIN if limits == insp.topology.NO_LIBTPU else 1.0,
+        # a TPU kind without libtpu: XLA:CPU's peaks scaled by the largest ratio measured
+        margin=insp.topology.CPU_PEAK_MARGIN if limits == insp.topology.NO_LIBTPU else 1.0,
     )
     if as_json:
         typer.echo(json.dumps(report))

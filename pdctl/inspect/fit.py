@@ -177,13 +177,13 @@ def held_during_eval(rows: list[dict[str, Any]]) -> int:
 
 def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
           rows: list[dict[str, Any]], compiler: str = "XLA:CPU",
-          temp_margin: float = 1.0) -> dict[str, Any]:  # fmt: skip
+          margin: float = 1.0) -> dict[str, Any]:  # fmt: skip
     """Per program XLA's per-device bytes and peak (`memory_report`, as --compile reports the
     step); the worst against the budget. An evaluation's peak adds what the train state holds
     beside it (`held_during_eval`: the stage evaluates with the whole state on the device). A
     program XLA:TPU refused for want of HBM does not fit; its peak is at least what the
-    compiler said it needs. `temp_margin` scales the temporaries in the peak: another
-    compiler's plan taken for the target's (`topology.CPU_TEMP_MARGIN`, XLA:CPU for a TPU)."""
+    compiler said it needs. `margin` scales each peak: another compiler's plan taken for the
+    target's (`topology.CPU_PEAK_MARGIN`, XLA:CPU standing in for a TPU)."""
     programs = []
     held = held_during_eval(rows)
     for name, (c, secs, oom) in compiled.items():
@@ -197,22 +197,25 @@ def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
         if m["available"]:
             for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
                 row[k] = m[k]
-            extra = round((temp_margin - 1.0) * m["temp_bytes"])
-            row["peak_bytes"] = m["peak_bytes_estimate"] + extra + row["held_bytes"]
+            row["unscaled_peak_bytes"] = m["peak_bytes_estimate"] + row["held_bytes"]
+            row["peak_bytes"] = round(margin * row["unscaled_peak_bytes"])
         programs.append(row)
     known = [q for q in programs if "peak_bytes" in q]
     peak = max((q["peak_bytes"] for q in known), default=0)
+    unscaled = max((q.get("unscaled_peak_bytes", q["peak_bytes"]) for q in known), default=0)
     oom = [q for q in programs if "oom" in q]
     largest = sorted(rows, key=lambda r: (-r["bytes_per_device"], r["path"]))[:10]
     return {
         "budget_bytes": budget[0],
         "budget": budget[1],
         "compiler": compiler,
-        "temp_margin": temp_margin,
+        "margin": margin,
         "programs": programs,
         "peak_bytes": peak,
         "worst": max(known, key=lambda q: q["peak_bytes"])["program"] if known else None,
         "fits": bool(known) and not oom and peak <= budget[0],
+        # the compiler's own plan, before `margin` (the same as peak_bytes at 1)
+        "unscaled_peak_bytes": unscaled,
         # each program XLA:TPU refused, in its words
         "out_of_memory": [{"program": q["program"], "message": q["oom"]} for q in oom],
         "margin_bytes": budget[0] - peak,
@@ -252,11 +255,11 @@ def render(fit: dict[str, Any], console: Any) -> None:
             held, fmt_bytes(q["peak_bytes"]),
         )  # fmt: skip
     console.print(table)
-    k = fit.get("temp_margin", 1.0)
-    temps = "temporaries" if k == 1.0 else f"temporaries x {k:g}"
+    k = fit.get("margin", 1.0)
+    peak = "arguments + outputs + temporaries - aliased + state held"
+    peak = peak if k == 1.0 else f"({peak}) x {k:g}"
     console.print("state held: the train state an evaluation runs beside and does not take "
-                  f"(optimizer, PPGD sources, counters); peak = arguments + outputs + {temps} "
-                  "- aliased + state held", markup=False)  # fmt: skip
+                  f"(optimizer, PPGD sources, counters); peak = {peak}", markup=False)  # fmt: skip
     console.print("largest arrays per device (arguments; XLA states temporaries only in sum):",
                   markup=False)  # fmt: skip
     for r in fit["largest_arrays"]:
@@ -272,6 +275,17 @@ def render(fit: dict[str, Any], console: Any) -> None:
         verdict = (
             f"DOES NOT FIT: {fit['compiler']} refused {refused} for want of HBM; peak at least "
             f"{fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) of {fmt_bytes(fit['budget_bytes'])}"
+        )
+    elif (
+        not fit["fits"]
+        and fit.get("margin", 1.0) != 1.0
+        and (fit.get("unscaled_peak_bytes", fit["peak_bytes"]) <= fit["budget_bytes"])
+    ):
+        verdict = (
+            f"MAY NOT FIT: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) of "
+            f"{fmt_bytes(fit['budget_bytes'])} with {fit['compiler']}'s peak x "
+            f"{fit['margin']:g}, {fmt_bytes(fit['unscaled_peak_bytes'])} by its own plan; "
+            'the TPU compiler decides: pip install -e ".[tpu-aot]" and check again'
         )
     elif fit["fits"]:
         verdict = (
