@@ -122,11 +122,11 @@ def test_a_margin_scales_the_peaks_and_says_so() -> None:
     c = jax.jit(lambda x: jnp.sin(x @ x) @ x + x).lower(jnp.ones((128, 128))).compile()
     plain = fit.check(None, {"train step": (c, 0.1, None)}, (2**30, "1 GiB"), [])
     scaled = fit.check(None, {"train step": (c, 0.1, None)}, (2**30, "1 GiB"), [],
-                       margin=1.5)  # fmt: skip
+                       peak_factor=1.5)  # fmt: skip
     q1, qk = plain["programs"][0], scaled["programs"][0]
     assert q1["temp_bytes"] > 0 and qk["temp_bytes"] == q1["temp_bytes"]
     assert qk["peak_bytes"] == round(1.5 * q1["peak_bytes"]) > q1["peak_bytes"]
-    assert scaled["peak_bytes"] == qk["peak_bytes"] and scaled["margin"] == 1.5
+    assert scaled["peak_bytes"] == qk["peak_bytes"] and scaled["peak_factor"] == 1.5
     console = Console(record=True, width=400)
     fit.render(scaled, console)
     text = console.export_text()

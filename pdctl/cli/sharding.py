@@ -98,7 +98,7 @@ def inspect_sharding(
         tpu=tpu,
         limits=limits,
         # a TPU kind without libtpu: XLA:CPU's peaks scaled by the largest ratio measured
-        margin=insp.topology.CPU_PEAK_MARGIN if limits == insp.topology.NO_LIBTPU else 1.0,
+        peak_factor=insp.topology.CPU_PEAK_MARGIN if limits == insp.topology.NO_LIBTPU else 1.0,
     )
     if as_json:
         typer.echo(json.dumps(report))

@@ -89,13 +89,13 @@ def inspect(
     budget: tuple[int, str] | None = None,
     tpu: topology.Topology | None = None,
     limits: str | None = None,
-    margin: float = 1.0,
+    peak_factor: float = 1.0,
 ) -> dict[str, Any]:
     """The `inspect-sharding` report as a JSON-ready dict: rows, totals and (with `compile`)
     the compiled step's memory; with a device `budget` (bytes, as given) also the fit check
     (`fit`: the step and the evaluation's programs against it). With a TPU topology `tpu`
     the programs compile with XLA:TPU for its chips (libtpu), against their HBM by default;
-    `limits` is the line the fit check states about its compiler; `margin` scales its peaks
+    `limits` is the line the fit check states about its compiler; `peak_factor` scales its peaks
     (`topology.CPU_PEAK_MARGIN` where XLA:CPU stands in for a TPU)."""
     stage = parse_stage(stage)
     if tpu is not None:
@@ -138,6 +138,6 @@ def inspect(
             if budget is not None:
                 compiler = f"XLA:TPU {tpu.name}" if tpu is not None else "XLA:CPU"
                 report["fit"] = fit.check(p, fit.compile_all(p, *step), budget, rows, compiler,
-                                          margin)  # fmt: skip
+                                          peak_factor)  # fmt: skip
                 report["fit"]["limits"] = limits
     return report

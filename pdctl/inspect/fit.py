@@ -177,12 +177,12 @@ def held_during_eval(rows: list[dict[str, Any]]) -> int:
 
 def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
           rows: list[dict[str, Any]], compiler: str = "XLA:CPU",
-          margin: float = 1.0) -> dict[str, Any]:  # fmt: skip
+          peak_factor: float = 1.0) -> dict[str, Any]:  # fmt: skip
     """Per program XLA's per-device bytes and peak (`memory_report`, as --compile reports the
     step); the worst against the budget. An evaluation's peak adds what the train state holds
     beside it (`held_during_eval`: the stage evaluates with the whole state on the device). A
     program XLA:TPU refused for want of HBM does not fit; its peak is at least what the
-    compiler said it needs. `margin` scales each peak: another compiler's plan taken for the
+    compiler said it needs. `peak_factor` scales each peak: another compiler's plan taken for the
     target's (`topology.CPU_PEAK_MARGIN`, XLA:CPU standing in for a TPU)."""
     programs = []
     held = held_during_eval(rows)
@@ -198,7 +198,7 @@ def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
             for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
                 row[k] = m[k]
             row["unscaled_peak_bytes"] = m["peak_bytes_estimate"] + row["held_bytes"]
-            row["peak_bytes"] = round(margin * row["unscaled_peak_bytes"])
+            row["peak_bytes"] = round(peak_factor * row["unscaled_peak_bytes"])
         programs.append(row)
     known = [q for q in programs if "peak_bytes" in q]
     peak = max((q["peak_bytes"] for q in known), default=0)
@@ -209,12 +209,12 @@ def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
         "budget_bytes": budget[0],
         "budget": budget[1],
         "compiler": compiler,
-        "margin": margin,
+        "peak_factor": peak_factor,
         "programs": programs,
         "peak_bytes": peak,
         "worst": max(known, key=lambda q: q["peak_bytes"])["program"] if known else None,
         "fits": bool(known) and not oom and peak <= budget[0],
-        # the compiler's own plan, before `margin` (the same as peak_bytes at 1)
+        # the compiler's own plan, before `peak_factor` (the same as peak_bytes at 1)
         "unscaled_peak_bytes": unscaled,
         # each program XLA:TPU refused, in its words
         "out_of_memory": [{"program": q["program"], "message": q["oom"]} for q in oom],
@@ -255,7 +255,7 @@ def render(fit: dict[str, Any], console: Any) -> None:
             held, fmt_bytes(q["peak_bytes"]),
         )  # fmt: skip
     console.print(table)
-    k = fit.get("margin", 1.0)
+    k = fit.get("peak_factor", 1.0)
     peak = "arguments + outputs + temporaries - aliased + state held"
     peak = peak if k == 1.0 else f"({peak}) x {k:g}"
     console.print("state held: the train state an evaluation runs beside and does not take "
@@ -278,13 +278,13 @@ def render(fit: dict[str, Any], console: Any) -> None:
         )
     elif (
         not fit["fits"]
-        and fit.get("margin", 1.0) != 1.0
+        and fit.get("peak_factor", 1.0) != 1.0
         and (fit.get("unscaled_peak_bytes", fit["peak_bytes"]) <= fit["budget_bytes"])
     ):
         verdict = (
             f"MAY NOT FIT: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) of "
             f"{fmt_bytes(fit['budget_bytes'])} with {fit['compiler']}'s peak x "
-            f"{fit['margin']:g}, {fmt_bytes(fit['unscaled_peak_bytes'])} by its own plan; "
+            f"{fit['peak_factor']:g}, {fmt_bytes(fit['unscaled_peak_bytes'])} by its own plan; "
             'the TPU compiler decides: pip install -e ".[tpu-aot]" and check again'
         )
     elif fit["fits"]:
