@@ -1,13 +1,14 @@
-"""How far the fit check's XLA:CPU estimate is from XLA:TPU's figures, per program: the margin a
-machine without libtpu applies to a TPU verdict (`pdctl.inspect.topology.CPU_TEMP_MARGIN`).
+"""How far the fit check's XLA:CPU estimate is from XLA:TPU's figures, per program: the factor a
+machine without libtpu applies to a TPU verdict's peaks (`pdctl.inspect.topology.CPU_PEAK_MARGIN`).
 
 For each configuration, `pdctl inspect-sharding --stage train --json` twice in child processes:
 `--device-memory 15.75GiB` (XLA:CPU, what the check compiles without libtpu) and `--device-kind
 tpu-v5e` (XLA:TPU for one v5e, from libtpu: `pip install -e ".[tpu-aot]"`). Arguments, outputs
-and aliased bytes are the same HLO's on both; temporaries are each compiler's plan. Printed: per
-program both compilers' temporaries and peaks, and their ratios TPU / CPU; the largest ratio of
-temporaries is the margin (a program XLA:TPU refused for want of HBM counts with what it said
-it needs at least).
+and aliased bytes are the same HLO's on both (XLA:TPU pads them to its tiles); temporaries are
+each compiler's plan. Printed: per program both compilers' temporaries and peaks, and their
+ratios TPU / CPU; the range of the peak ratios over programs of >= 0.1 GiB (the largest,
+rounded up, is the factor) and of the temporaries' (a program XLA:TPU refused for want of HBM
+counts with what it said it needs at least).
 
     python benchmarks/fit_margin.py [--configs tms resid-mlp llama-mlp smollm2 smollm2-16x256]
         [--gguf PATH] [--json OUT]
@@ -117,13 +118,14 @@ def main() -> None:
             f"{r['cpu_peak_gib']:.4f} | {ge}{r['tpu_peak_gib']:.4f} | "
             f"{'-' if pr is None else f'{pr:.3f}'} | {r['cpu_s']:.0f} / {r['tpu_s']:.0f} |"
         )
-    if ratios:
-        hi = max(ratios)
-        lo = min(ratios)
-        print(
-            f"\n# temporaries XLA:TPU / XLA:CPU over {len(ratios)} programs of >= 10 MiB: "
-            f"{lo[0]:.3f} ({lo[1]}, {lo[2]}) to {hi[0]:.3f} ({hi[1]}, {hi[2]})"
-        )
+    peaks = [(r["tpu_peak_gib"] / r["cpu_peak_gib"], r["config"], r["program"])
+             for r in rows if r["cpu_peak_gib"] >= 0.1]  # fmt: skip
+    print()
+    for what, got, size in (("peaks", peaks, "0.1 GiB"), ("temporaries", ratios, "10 MiB")):
+        if got:
+            lo, hi = min(got), max(got)
+            print(f"# {what} XLA:TPU / XLA:CPU over {len(got)} programs of >= {size}: "
+                  f"{lo[0]:.3f} ({lo[1]}, {lo[2]}) to {hi[0]:.3f} ({hi[1]}, {hi[2]})")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -423,6 +423,7 @@ def test_fit_check_cli(tmp_path: Path) -> None:
     assert out.exit_code == 0, out.output
     f = json.loads(out.stdout)["fit"]
     assert f["budget_bytes"] == 80 * 2**30 and f["fits"]
+    assert f["peak_factor"] == 1.0 and f["peak_bytes"] == f["unscaled_peak_bytes"]  # a GPU kind
     text = invoke("--project", str(run), "inspect-sharding", "--device-memory", "1KiB")
     assert text.exit_code == 0 and "DOES NOT FIT" in text.stdout, text.output
     for args, says in (

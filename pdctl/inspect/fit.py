@@ -278,6 +278,7 @@ def render(fit: dict[str, Any], console: Any) -> None:
         )
     elif (
         not fit["fits"]
+        and fit["worst"] is not None
         and fit.get("peak_factor", 1.0) != 1.0
         and (fit.get("unscaled_peak_bytes", fit["peak_bytes"]) <= fit["budget_bytes"])
     ):

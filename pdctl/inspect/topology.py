@@ -43,14 +43,14 @@ ACCELERATOR_TYPE = {"v5e": "v5litepod-{n}", "v6e": "v6e-{n}", "v5p": "v5p-{c}", 
 
 # XLA:CPU's peaks scaled by this stand in for XLA:TPU's where libtpu is missing: the largest
 # ratio XLA:TPU / XLA:CPU of a program's peak measured, over the programs of >= 0.1 GiB
-# (benchmarks/fit_margin.py, 2026-12-06: 0.98-1.57 for SmolLM2's, the toys' far below 1;
+# (benchmarks/fit_margin.py, 2026-12-06: 1.02-1.57 for SmolLM2's, the toys' far below 1;
 # docs/performance.md), rounded up. Temporaries alone vary more (0.1x-4x: a TPU pads and tiles)
 CPU_PEAK_MARGIN = 1.6
 
 NO_LIBTPU = (
     "estimate from XLA:CPU, not the TPU compiler: argument / output / alias bytes are exact, "
     f"temporaries are not, so the peaks are XLA:CPU's x {CPU_PEAK_MARGIN:g}, the largest ratio "
-    "XLA:TPU / XLA:CPU measured (SmolLM2 programs: 1.0-1.57); "
+    "XLA:TPU / XLA:CPU measured (SmolLM2 programs: 1.02-1.57); "
     'pip install -e ".[tpu-aot]" adds libtpu and compiles for the chip'
 )
 
