@@ -85,6 +85,8 @@ def make_run(root: Path, train: dict | None = None) -> Path:
 
 
 def fit(run: Path, devices: int, mesh: str, device: list[str]) -> dict:
+    from pdctl.inspect.fit import verdict
+
     cmd = [sys.executable, "-m", "pdctl", "--project", str(run), "inspect-sharding",
            "--stage", "train", "--devices", str(devices), "--mesh", mesh, *device,
            "--json"]  # fmt: skip
@@ -112,20 +114,10 @@ def fit(run: Path, devices: int, mesh: str, device: list[str]) -> dict:
         "eval_gib": {q["program"]: q["peak_bytes"] / GIB for q in evals if "peak_bytes" in q},
         # peaks are XLA:CPU's x this where it stands in for a TPU without libtpu (else 1)
         "peak_factor": rep["fit"].get("peak_factor", 1.0),
-        "verdict": verdict(rep["fit"]),
+        "verdict": verdict(rep["fit"]),  # as inspect-sharding prints it
         "margin_gib": rep["fit"]["margin_bytes"] / GIB,
         "wall_s": wall,
     }
-
-
-def verdict(f: dict) -> str:
-    """The check's verdict as `inspect-sharding` prints it (fit.render)."""
-    if f["fits"]:
-        return "FITS"
-    scaled = f.get("peak_factor", 1.0) != 1.0 and not f.get("out_of_memory")
-    if scaled and f.get("unscaled_peak_bytes", f["peak_bytes"]) <= f["budget_bytes"]:
-        return "MAY NOT FIT"
-    return "DOES NOT FIT"
 
 
 def main() -> None:

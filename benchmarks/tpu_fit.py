@@ -16,11 +16,11 @@ sequences.
   run cut short keeps what it printed). Measured: ms per step, tokens/s, MFU (matmul FLOPs of
   the step's jaxpr, scans counted per iteration (`measure.matmul_flops`), over 197 TFLOP/s;
   XLA's `cost_analysis()` FLOPs beside it, which count a scan's body once), the device's
-  peak: `peak_bytes_in_use` + `peak_bytes_reserved` (`device_peak`: a TPU runtime reserves an
-  executable's temporaries apart from the buffers in use). That peak is the process's
-  maximum, so list configurations by increasing predicted peak (the default list is: the old
-  setting, refused at compile; the template; 32 x 256); each row's measured peak is the
-  maximum so far. The GGUF is read once.
+  peak: `peak_bytes_in_use` + `peak_bytes_reserved` (`measure.device_peak_bytes`: a TPU
+  runtime reserves an executable's temporaries apart from the buffers in use). That peak is
+  the process's maximum, so list configurations by increasing predicted peak (the default list
+  is: the old setting, refused at compile; the template; 32 x 256); each row's measured peak
+  is the maximum so far. The GGUF is read once.
 - Anywhere else with `--device-kind tpu-v5e` (or `--topology v5e:1x1`): the predictions only,
   compiled by XLA:TPU for that topology from libtpu (`pip install -e ".[tpu-aot]"`).
 
@@ -139,6 +139,7 @@ class Fit:
         import jax
         import numpy as np
 
+        from pdctl.engine import measure
         from pdctl.science.targets import imported
         from pdctl.stages.init_weights import init_decomposition
         from pdctl.stages.inputs import (
@@ -180,7 +181,7 @@ class Fit:
         ms = (time.perf_counter() - t) / max(args.steps, 1) * 1e3
         self.measured["ms"] = ms
         self.measured["loss"] = float(jax.device_get(m["loss"]))
-        self.measured["peak_after_steps"] = device_peak(dev)
+        self.measured["peak_after_steps"] = measure.device_peak_bytes([dev])
         self.measured["stats_after_steps"] = dev.memory_stats()
         if len(self.compiled) > 1:
             trainable = state["trainable"]
@@ -196,22 +197,10 @@ class Fit:
                 out = lm(params, trainable["components"], trainable["ci_fns"], x, labels, key)
                 self.measured["kl_pgd"] = float(jax.device_get(out.get("kl/pgd", np.nan)))
             self.measured["eval_s"] = time.perf_counter() - t
-            self.measured["peak_after_eval"] = device_peak(dev)
+            self.measured["peak_after_eval"] = measure.device_peak_bytes([dev])
             self.measured["stats_after_eval"] = dev.memory_stats()
         del state, batch
         gc.collect()
-
-
-def device_peak(dev) -> int | None:
-    """The device's peak: buffers (`peak_bytes_in_use`) plus the runtime's reservations. On a
-    TPU an executable's temporaries are reserved beside the buffers, not counted in use (a
-    program with 0.375 GiB of temporaries left peak_bytes_in_use unchanged and
-    peak_bytes_reserved at 0.375 GiB, v5e, 2026-12-06), so the buffers' peak alone reads low.
-    The two peaks may come at different moments: their sum bounds the real peak from above."""
-    m = dev.memory_stats() or {}
-    if "peak_bytes_in_use" not in m:
-        return None
-    return m["peak_bytes_in_use"] + m.get("peak_bytes_reserved", 0)
 
 
 def g(n) -> str:

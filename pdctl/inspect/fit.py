@@ -226,6 +226,20 @@ def check(p: Any, compiled: dict[str, tuple], budget: tuple[int, str],
     }
 
 
+def verdict(fit: dict[str, Any]) -> str:
+    """FITS, DOES NOT FIT, or MAY NOT FIT: the peak fits only before `peak_factor`."""
+    if fit["fits"]:
+        return "FITS"
+    if (
+        not fit.get("out_of_memory")
+        and fit["worst"] is not None
+        and fit.get("peak_factor", 1.0) != 1.0
+        and fit.get("unscaled_peak_bytes", fit["peak_bytes"]) <= fit["budget_bytes"]
+    ):
+        return "MAY NOT FIT"
+    return "DOES NOT FIT"
+
+
 def render(fit: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
@@ -270,32 +284,28 @@ def render(fit: dict[str, Any], console: Any) -> None:
         console.print(f"{fit['compiler']}, {q['program']}: {q['message']}", markup=False)
     if fit.get("limits"):
         console.print(f"note: {fit['limits']}", markup=False)
+    word = verdict(fit)
     if fit.get("out_of_memory"):
         refused = ", ".join(q["program"] for q in fit["out_of_memory"])
-        verdict = (
+        line = (
             f"DOES NOT FIT: {fit['compiler']} refused {refused} for want of HBM; peak at least "
             f"{fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) of {fmt_bytes(fit['budget_bytes'])}"
         )
-    elif (
-        not fit["fits"]
-        and fit["worst"] is not None
-        and fit.get("peak_factor", 1.0) != 1.0
-        and (fit.get("unscaled_peak_bytes", fit["peak_bytes"]) <= fit["budget_bytes"])
-    ):
-        verdict = (
+    elif word == "MAY NOT FIT":
+        line = (
             f"MAY NOT FIT: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) of "
             f"{fmt_bytes(fit['budget_bytes'])} with {fit['compiler']}'s peak x "
             f"{fit['peak_factor']:g}, {fmt_bytes(fit['unscaled_peak_bytes'])} by its own plan; "
             'the TPU compiler decides: pip install -e ".[tpu-aot]" and check again'
         )
-    elif fit["fits"]:
-        verdict = (
+    elif word == "FITS":
+        line = (
             f"FITS: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}), margin "
             f"{fmt_bytes(margin)} ({margin / fit['budget_bytes']:.0%} of the device)"
         )
     else:
-        verdict = (
+        line = (
             f"DOES NOT FIT: peak {fmt_bytes(fit['peak_bytes'])} ({fit['worst']}) is "
             f"{fmt_bytes(-margin)} over {fmt_bytes(fit['budget_bytes'])}"
         )
-    console.print(verdict, markup=False)
+    console.print(line, markup=False)

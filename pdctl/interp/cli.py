@@ -173,7 +173,7 @@ def export(
         for s in site or []:
             if s not in known:
                 raise PdctlError(f"--site: no site {s!r} in the harvest ({', '.join(known)})")
-        threshold = float(ex._meta(con).get("threshold", 0.0))
+        threshold = float(db.read_pairs(con).get("threshold", 0.0))
         from pdctl.harvest.browse import _decoder
 
         records = list(ex.component_records(

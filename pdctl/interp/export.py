@@ -50,10 +50,6 @@ def marked_text(tokens: list[str], ids: list[int], marks: set[int]) -> str:
     )
 
 
-def _meta(con: sqlite3.Connection) -> dict[str, Any]:
-    return db.read_pairs(con)
-
-
 def component_records(
     con: sqlite3.Connection,
     decode: Callable[[list[int]], str],
@@ -67,7 +63,7 @@ def component_records(
     """One record per component (see the module), in site order then component order; a
     component that never fired is left out unless `silent`."""
     con.row_factory = sqlite3.Row
-    meta = _meta(con)
+    meta = db.read_pairs(con)
     kind = str(meta.get("kind", "?"))
     labels = db.read_labels(con)
     cache: dict[int, str] = {}
