@@ -28,6 +28,9 @@
 # step may use all that is left. Both
 # processes share a persistent XLA compilation cache (--cache DIR, PDCTL_ACCEL_CACHE, default
 # /tmp/pdctl-accel-cache; none: off): a second run on the same machine compiles almost nothing.
+# On a fresh TPU v5e (2026-12-06) one 540 s budget measured only the toys: the compiles on the
+# chip's host outlast it. Run it again on the same machine: the second run measured six of
+# the nine steps (docs/performance.md).
 # --tiny: small sizes everywhere, every step may use what is left of the budget (a smoke test
 # on a CPU: --tiny --allow-cpu --budget 1800).
 #
