@@ -566,3 +566,21 @@ def stop_signals() -> Iterator[None]:
         _depth -= 1
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def release_device_memory() -> None:
+    """Free what finished work left on the devices: unreferenced arrays (cycles included) and
+    every compiled executable JAX caches, with the memory an accelerator's runtime reserves for
+    their temporaries (a TPU keeps those apart from its buffers until the executable goes).
+
+    `pdctl run` calls it between stages, so that the train stage finds the devices as a fresh
+    process would: the warmup step compiled for 52.7 s on a v5e held a 6.4 GiB program that
+    the train step then could not fit beside (issue 49). Whatever the caller still references
+    stays; the next compile of a freed program reads the persistent cache where there is one."""
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()

@@ -169,11 +169,40 @@ def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None
         previous = stage
         if action == "resume":
             echo(f"{stage}: resuming from its latest checkpoint")
-        results[stage] = run_stage(project, stage, **ACTION_KWARGS.get(action, {}))
+        try:
+            results[stage] = host_side(run_stage(project, stage, **ACTION_KWARGS.get(action, {})))
+        finally:
+            # Nothing of a stage stays on the devices for the next one (its state, the arrays
+            # its result carried, its compiled programs and their reservations): each stage
+            # of `pdctl run` fits where it fits alone (issue 49).
+            runtime.release_device_memory()
         echo(
             f"{stage}: {project.stage(stage).get('status')} at step "
             f"{project.stage(stage).get('step')}"
         )
+
+
+def host_side(result: Any) -> Any:
+    """A stage's result with its device arrays dropped (init-weights' `items`, a training
+    stage's final `state`): what `pdctl run` keeps of a stage once the next one starts."""
+    import dataclasses
+
+    import jax
+
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        changes = {
+            f.name: None
+            for f in dataclasses.fields(result)
+            if any(isinstance(x, jax.Array) for x in jax.tree.leaves(getattr(result, f.name)))
+        }
+        return dataclasses.replace(result, **changes)
+    if isinstance(result, dict):
+        return {
+            k: v
+            for k, v in result.items()
+            if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(v))
+        }
+    return result
 
 
 def resume(project: Project) -> tuple[str, Any]:
