@@ -267,32 +267,73 @@ def test_2_sigterm_while_restoring_a_checkpoint(initialized: Path, tmp_path: Pat
     assert "pretrain: done at step 20" in _ok("--project", run, "resume").stdout
 
 
-@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
-def test_2_sigterm_during_the_final_evaluation(warmed: Path, tmp_path: Path) -> None:
-    """The issue's case: SIGTERM while train evaluates at its last step. It stops within
-    seconds (not when the evaluation ends), keeps checkpoint 5, and `resume` finishes."""
-    run = _copy(warmed, tmp_path)
-    mark = tmp_path / "mark"
-    hook = (
+def _slow_eval_hook(at_step: int) -> str:
+    """A hook that makes train's evaluation of step `at_step` slow (see `_start`)."""
+    return (
         "import pdctl.stages.train as t\n"
         "make_eval = t.make_eval\n"
         "def slow_eval(*a, **k):\n"
         "    fn = make_eval(*a, **k)\n"
         "    class E: pass\n"
         "    E.fn = staticmethod(fn)\n"
-        "    slow(E, 'fn', when=lambda s: int(s['loop']['step']) == 10)\n"
+        f"    slow(E, 'fn', when=lambda s: int(s['loop']['step']) == {at_step})\n"
         "    return E.fn\n"
         "t.make_eval = slow_eval\n"
     )
-    line, _ = _stopped_within(_start(run, hook, "train", mark=mark), mark)
-    assert "train: stopped by SIGTERM while evaluating step 10 (left unfinished)" in line, line
-    assert "the last checkpoint, step 5, is kept" in line, line
+
+
+def _evals(run: Path) -> dict[int, dict[str, Any]]:
+    """{step: the evaluation's metrics} from metrics/train.jsonl (the last record per step)."""
+    out: dict[int, dict[str, Any]] = {}
+    for line in (run / "metrics" / "train.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        ev = {k: v for k, v in rec.items() if k.startswith("eval/")}
+        if ev:
+            out[int(rec["step"])] = ev
+    return out
+
+
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
+def test_2_sigterm_during_the_final_evaluation(warmed: Path, tmp_path: Path) -> None:
+    """The issue's case: SIGTERM while train evaluates at its last step. It stops within
+    seconds (not when the evaluation ends), saves the step it holds (10) as a checkpoint, and
+    `resume` evaluates it and ends done without a step run again."""
+    run = _copy(warmed, tmp_path)
+    mark = tmp_path / "mark"
+    line, _ = _stopped_within(_start(run, _slow_eval_hook(10), "train", mark=mark), mark)
+    assert "train: stopped by SIGTERM while evaluating step 10; checkpoint of step 10 saved" in (
+        line
+    ), line
     st = state(run, "train")
-    assert st["status"] == "interrupted" and st["checkpoint"] == 5, st
-    assert _ckpts(run, "train") == [5]
+    assert st["status"] == "interrupted" and st["checkpoint"] == 10 and st["step"] == 10, st
+    assert _ckpts(run, "train") == [5, 10]
     result = _ok("--project", run, "resume")
     assert "train: done at step 10" in result.stdout
     assert state(run, "train")["eval"]
+    assert 10 in _evals(run)
+
+
+@pytest.mark.slow  # subprocess runs of several seconds: the slow tier
+def test_2_sigterm_during_an_evaluation_loses_no_step(warmed: Path, tmp_path: Path) -> None:
+    """Issue 51: SIGTERM while train evaluates step 5, before that step's checkpoint: the stage
+    saves step 5 (the state is whole: an evaluation donates nothing) and exits 3; `pdctl
+    resume` evaluates step 5 first and continues from it, and the run ends exactly as one never
+    stopped (CPU: every evaluation equal). Before, nothing of the run was kept."""
+    reference = _copy(warmed, tmp_path / "ref")
+    _ok("--project", reference, "train")
+    run = _copy(warmed, tmp_path / "stopped")
+    mark = tmp_path / "mark"
+    line, _ = _stopped_within(_start(run, _slow_eval_hook(5), "train", mark=mark), mark)
+    assert "while evaluating step 5; checkpoint of step 5 saved" in line, line
+    assert "evaluates step 5 first" in line, line
+    st = state(run, "train")
+    assert st["status"] == "interrupted" and st["checkpoint"] == 5, st
+    assert _ckpts(run, "train") == [5]
+    assert 5 not in _evals(run)
+    result = _ok("--project", run, "resume")
+    assert "train: done at step 10" in result.stdout
+    assert _evals(run) == _evals(reference)
+    assert state(run, "train")["eval"] == state(reference, "train")["eval"]
 
 
 @pytest.mark.slow  # a subprocess run of several seconds: the slow tier

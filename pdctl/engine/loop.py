@@ -151,6 +151,9 @@ class Loop:
     profile: tuple[int, int] | None = None
     profile_dir: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # the checkpoint resumed from was saved by a stop during its step's evaluation: that
+    # evaluation is done first (`_stopped_evaluating`)
+    eval_owed: bool = False
     console: Console = field(default_factory=lambda: Console(stderr=True))
     echo: Callable[[str], None] = print
     compile_s: float = 0.0
@@ -229,6 +232,14 @@ class Loop:
         self.state = None  # the loop owns the (donated) state from here on
         if self._stopping():  # stopped while restoring: save where it stands, compile nothing
             return self._finish(step, state, {}, {}, None)
+        owed: dict[str, Any] = {}
+        if self.eval_owed and self.eval_fn:
+            self._check_state_finite(step, state, {})
+            owed = self._evaluate(step, state, {})
+        if step >= end:
+            # Nothing to step (warmup at `steps = 0`, a schedule already complete, `--until`
+            # reached): no program is compiled; the stage saves and ends as it stands.
+            return self._finish(step, state, {}, owed, None)
         compiled = self.compile(state)
         self.on_state(
             status="running",
@@ -236,7 +247,7 @@ class Loop:
             flops_per_step=self.flops_per_step,
         )
         last_metrics: dict[str, float] = {}
-        last_eval: dict[str, Any] = {}
+        last_eval: dict[str, Any] = owed
         donation_fraction = None
         t_start = self._t_start = time.perf_counter()
         t_log, steps_since_log = time.perf_counter(), 0
@@ -408,6 +419,8 @@ class Loop:
         try:
             # compiles its programs on the first call, and can run long: stays interruptible
             ev = runtime.interruptible(self.eval_fn, state, what=f"evaluating step {step}")
+        except runtime.StopNow as e:
+            self._stopped_evaluating(step, state, metrics, e)
         except Exception as e:
             self._fail(
                 step, f"evaluation at step {step} failed ({one_line(e, 200)})", metrics, cause=e
@@ -423,6 +436,26 @@ class Loop:
             )
         self._log_eval(step, ev)
         return ev
+
+    def _stopped_evaluating(
+        self, step: int, state: Any, metrics: dict[str, float], e: runtime.StopNow
+    ) -> NoReturn:
+        """A stop came while step `step` was evaluated and the evaluation did not end within
+        the grace. An evaluation donates nothing, so the state in hand is whole (and was checked
+        finite before it): it is saved as checkpoint `step`, marked with the evaluation it owes,
+        and the stage ends `interrupted` (exit 3). `pdctl resume` continues from that step and
+        evaluates it first: no step since the last checkpoint is lost. The evaluation is left
+        running on its thread (the process then ends with os._exit)."""
+        self._signal = e.signum
+        self.checkpointer.wait()
+        if self.checkpointer.latest_step() != step:  # else: resumed from it, still owed
+            self._checkpoint(step, state, metrics, self._t_start, status="running", owed=True)
+            self.checkpointer.wait()
+        self._write_state(step, metrics, self._t_start, status="interrupted")
+        raise Interrupted(
+            f"{self.stage}: stopped by {e.name} while evaluating step {step}; checkpoint of "
+            f"step {step} saved, continue with `pdctl resume` (it evaluates step {step} first)"
+        )
 
     def _left_running(self, e: runtime.StopNow) -> NoReturn:
         """A stop came while a compile or an evaluation ran, and it did not end within the
@@ -511,10 +544,18 @@ class Loop:
         return f"loss {loss:.4g}  {m.get('step_ms', 0):.2f} ms/step"
 
     def _checkpoint(
-        self, step: int, state: Any, metrics: dict[str, float], t_start: float, status: str
+        self,
+        step: int,
+        state: Any,
+        metrics: dict[str, float],
+        t_start: float,
+        status: str,
+        owed: bool = False,
     ) -> None:
         meta = dict(self.meta)
         meta["step"] = step
+        if owed:  # its evaluation was cut short by a stop: a resume does it first
+            meta["eval_owed"] = True
         if self.batches_state is not None:
             meta["data"] = self.batches_state()
         self.checkpointer.save(step, state, meta)

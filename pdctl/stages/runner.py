@@ -55,6 +55,7 @@ class _Start:
     step: int
     batches: Any = None
     eval_fn: Callable[[Any], dict] | None = None
+    eval_owed: bool = False  # the checkpoint was saved by a stop during its evaluation
 
 
 def run_stage(
@@ -108,6 +109,8 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
             )
         step, data_state = int(meta["step"]), meta.get("data")
     start = _Start(state, frozen, step)
+    if ckpt_step is not None:
+        start.eval_owed = bool(meta.get("eval_owed"))
     if not prog.makes_own_batch:
         start.batches = later(
             text_batches,
@@ -161,6 +164,7 @@ def _loop(env: StageEnv, spec: StageSpec, prog: Any, start: _Start, opts: RunOpt
             profile=opts.profile,
             profile_dir=env.project.profiles_dir / env.stage,
             meta=env.run_meta() if isinstance(env.project, Project) else {},
+            eval_owed=start.eval_owed,
         ).run()
     finally:
         tracker.finish()
