@@ -70,6 +70,37 @@ CONFIGS: dict[str, dict] = {
     "b32 k32 full src-bf16": {"batch_size": 32, "grad_accum_steps": 32, "remat": "full",
                               "moments": "float32", "sources": "bfloat16", "eval_accum_steps": 4},
 }  # fmt: skip
+# Issue 49's speed variants of the template (b16 k8 full src-bf16) and the all-matrix template:
+# each changes the keys named (merged into the config after the ones above).
+_T = CONFIGS["b16 k8 full src-bf16"]
+VARIANTS: dict[str, dict] = {
+    # the masked / PPGD forwards' matmuls and activations in bfloat16 (faithfulness stays
+    # float32: `pdctl.engine.precision`), the frozen target stored in bfloat16
+    "b16 k8 full bf16": {"precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
+    "b16 k8 none bf16": {"remat": "none",
+                         "precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
+    "b16 k8 dots bf16": {"remat": "dots_saveable",
+                         "precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
+    "b16 k4 full bf16": {"grad_accum_steps": 4,
+                         "precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
+    "b16 k4 none bf16": {"grad_accum_steps": 4, "remat": "none",
+                         "precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
+    "b16 k2 full bf16": {"grad_accum_steps": 2,
+                         "precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
+    "b16 k8 none": {"remat": "none"},
+    "b16 k8 full unrolled": {"train": {"scan_layers": False}},
+    # where the time goes: the step without its two PPGD warm-up ascents
+    "b16 k8 full no-ascent": {"ppgd": {"n_warmup_steps": 0}},
+    "b16 k8 full bf16 no-ascent": {"ppgd": {"n_warmup_steps": 0},
+                                   "precision": {"compute_dtype": "bfloat16",
+                                                 "target_dtype": "bfloat16"}},
+    # every matrix (templates/smollm2-all), as shipped and in bfloat16
+    "all": {"template": "smollm2-all"},
+    "all bf16": {"template": "smollm2-all",
+                 "precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
+}  # fmt: skip
+for _name, _over in VARIANTS.items():
+    CONFIGS[_name] = {**_T, **_over}
 # on a chip (~8 minutes): the old setting (refused at compile), the template, 32 x 256
 DEFAULT = ["b16", "b16 k8 full src-bf16", "b32 k32 full src-bf16"]
 
@@ -78,7 +109,8 @@ def config_for(name: str, args: argparse.Namespace):
     from pdctl.config import parse_config
 
     c = CONFIGS[name]
-    raw = tomllib.loads((ROOT / "templates" / "smollm2-all-mlps" / "pdctl.toml").read_text())
+    template = c.get("template", "smollm2-all-mlps")
+    raw = tomllib.loads((ROOT / "templates" / template / "pdctl.toml").read_text())
     raw["target"]["path"] = str(Path(args.gguf).resolve())
     raw["data"]["path"] = str(Path(args.text).resolve())
     raw["data"]["seq_len"] = SEQ
@@ -90,6 +122,9 @@ def config_for(name: str, args: argparse.Namespace):
     t.setdefault("optim", {})["moments_dtype"] = c["moments"]
     t.setdefault("ci_optim", {})["moments_dtype"] = c["moments"]
     t.setdefault("ppgd", {})["dtype"] = c["sources"]
+    t["ppgd"].update(c.get("ppgd", {}))
+    t.update(c.get("train", {}))
+    raw.setdefault("precision", {}).update(c.get("precision", {}))
     return parse_config(raw)
 
 
@@ -180,6 +215,9 @@ class Fit:
         jax.block_until_ready(state)
         ms = (time.perf_counter() - t) / max(args.steps, 1) * 1e3
         self.measured["ms"] = ms
+        if args.profile and args.profile_config in (None, self.name):
+            self.measured["profile"] = profile_ops(step, params, state, batch, args.profile)
+            state = self.measured["profile"].pop("state")
         self.measured["loss"] = float(jax.device_get(m["loss"]))
         self.measured["peak_after_steps"] = measure.device_peak_bytes([dev])
         self.measured["stats_after_steps"] = dev.memory_stats()
@@ -201,6 +239,54 @@ class Fit:
             self.measured["stats_after_eval"] = dev.memory_stats()
         del state, batch
         gc.collect()
+
+
+def profile_ops(step, params, state, batch, n: int, top: int = 25) -> dict:
+    """`n` steps under `jax.profiler`, the device's op time summed by op name (the trace's
+    "XLA Ops" line of the TPU plane): where the step's time goes."""
+    import collections
+    import glob
+    import tempfile
+
+    import jax
+
+    d = tempfile.mkdtemp(prefix="pdctl-prof-")
+    jax.block_until_ready(state)
+    with jax.profiler.trace(d):
+        for _ in range(n):
+            state, _m = step(params, state, batch)
+        jax.block_until_ready(state)
+    (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(path)
+    by_op: dict[str, float] = collections.defaultdict(float)
+    by_cat: dict[str, float] = collections.defaultdict(float)
+    example: dict[str, str] = {}
+    total = 0.0
+    for plane in data.planes:
+        if not plane.name.startswith("/device:TPU:0"):
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            for ev in line.events:
+                dur = ev.duration_ns / 1e6 / n
+                by_op[ev.name] += dur
+                total += dur
+                stats = dict(ev.stats)
+                if ev.name not in example:
+                    example[ev.name] = " ".join(
+                        f"{k}={str(v)[:80]}" for k, v in stats.items() if not k.startswith("_")
+                    )
+                by_cat[str(stats.get("hlo_category", stats.get("category", "?")))] += dur
+    ops = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
+    print(f"# profile: {total:.1f} ms of device ops a step ({n} steps traced)")
+    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"#   category {cat}: {ms:.1f} ms ({ms / max(total, 1e-9):.1%})")
+    for name, ms in ops:
+        print(f"#   {ms:8.2f} ms  {name[:60]}  [{example.get(name, '')[:300]}]")
+    return {"state": state, "device_ms": total, "categories": dict(by_cat), "top_ops": ops}
 
 
 def g(n) -> str:
@@ -267,6 +353,8 @@ def main() -> None:
     ap.add_argument("--device-kind", help="without a TPU chip: compile for this kind (tpu-v5e)")
     ap.add_argument("--topology", help="without a TPU chip: compile for this slice (v5e:1x1)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--profile", type=int, default=0, help="trace this many steps after timing")
+    ap.add_argument("--profile-config", help="profile only this configuration")
     args = ap.parse_args()
     if not args.gguf:
         sys.exit("--gguf PATH (or PDCTL_SMOLLM2_GGUF) is required")

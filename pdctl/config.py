@@ -275,9 +275,12 @@ class PrecisionConfig(Section):
 
 
 class CompileConfig(Section):
-    cache_dir: str = Field(
-        "",
-        description='persistent JAX compilation cache directory ("" = none); a relative path is '
+    cache_dir: str | None = Field(
+        None,
+        examples=["cache/compile"],
+        description="persistent JAX compilation cache directory (unset: $PDCTL_COMPILE_CACHE "
+        'if set, else cache/compile in the run directory; "" = none), so that a rerun or '
+        "resume skips most of the compile; a relative path is "
         "relative to the run directory. It holds compiled code that pdctl loads and executes: "
         "use a directory only you can write (pdctl refuses one writable by others or owned by "
         "another user, and creates a missing one 0700); pdctl marks the directories it creates "

@@ -297,6 +297,9 @@ def run_child(args: list[str]) -> int:
     mine, theirs = socket.socketpair()
     env = dict(os.environ)
     env[ENV_CHILD] = f"{theirs.fileno()}:{os.getpid()}"
+    from pdctl.engine import runtime
+
+    env.setdefault(runtime.STARTED_ENV, repr(runtime.started()))
     where = str(Path(pdctl.__file__).resolve().parent.parent)
     code = f"import sys; sys.path.insert(0, {where!r}); from pdctl.cli import main; main()"
     child = _Child()

@@ -49,11 +49,13 @@ def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory):
     one of them recompiles the same step. A cache hit loads the executable XLA compiled for
     the identical program, so numerics are unchanged (test_resume's bit-exact resumes already
     run through such a cache). Child processes are not affected: they see only what their
-    run's `[compile] cache_dir` says. PDCTL_TEST_COMPILE_CACHE=0 turns it off."""
+    run's `[compile] cache_dir` says (no cache when it is unset: `pdctl_env`).
+    PDCTL_TEST_COMPILE_CACHE=0 turns it off."""
     # The compile cache's signing key (pdctl.engine.compile_cache) lives under XDG_STATE_HOME:
     # the session's own, inherited by the child processes, never the user's.
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.getbasetemp() / "xdg-state")
     if os.environ.get("PDCTL_TEST_COMPILE_CACHE", "1") == "0":
+        os.environ["PDCTL_COMPILE_CACHE"] = ""  # no run's default cache either
         yield
         return
     import jax
@@ -70,6 +72,9 @@ def _session_compile_cache(tmp_path_factory: pytest.TempPathFactory):
     old = {k: getattr(jax.config, k) for k in keys}
     # as pdctl's `[compile] cache_dir` does: entries signed with the (session's) user key
     compile_cache.install(session_compile_cache_dir(tmp_path_factory))
+    # A run without `[compile] cache_dir` uses this one too, not one in its run directory
+    # (pdctl's default): the tests' runs share their compiles. Children: `pdctl_env`.
+    os.environ["PDCTL_COMPILE_CACHE"] = str(session_compile_cache_dir(tmp_path_factory))
     yield
     for k, v in old.items():
         jax.config.update(k, v)

@@ -159,6 +159,9 @@ def pdctl_env(devices: int = 1, **extra: str) -> dict[str, str]:
         JAX_PLATFORMS="cpu",
         WANDB_MODE="disabled",
         PYTHONUNBUFFERED="1",
+        # no compile cache unless the run's `[compile] cache_dir` asks for one (pdctl's
+        # default puts one in the run directory; the tests' children ran without one)
+        PDCTL_COMPILE_CACHE="",
     )
     env.update(extra)
     return env

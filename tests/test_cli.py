@@ -20,6 +20,7 @@ TEMPLATES = (
     "llama-mlp",
     "resid-mlp",
     "smollm2",
+    "smollm2-all",
     "smollm2-all-mlps",
     "tms",
     "tms-40-10",

@@ -43,6 +43,7 @@ TEMPLATES = {
     "llama-mlp": "llama_mlp",
     "hf-lm": "hf",
     "smollm2": "hf",
+    "smollm2-all": "hf",
     "smollm2-all-mlps": "hf",
 }
 _HEADER = re.compile(r"^#?\s*\[([A-Za-z0-9_.]+)\]\s*(#.*)?$")

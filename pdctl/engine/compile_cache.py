@@ -31,7 +31,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from pdctl.errors import PdctlError
+from pdctl.errors import PdctlError, notify
 from pdctl.files import (
     UnsafePath,
     atomic_write,
@@ -187,6 +187,42 @@ def make_signed_cache(path: Path, key: bytes):
             atomic_write(f, MAGIC + self._tag(k, value) + value)
 
     return SignedCache()
+
+
+DEFAULT = "cache/compile"  # in the run directory, where `[compile] cache_dir` is unset
+ENV = "PDCTL_COMPILE_CACHE"  # ... or this directory ("" = none) for every run of this user
+
+
+def choose(configured: str | None, root: Path | None) -> tuple[str | None, bool]:
+    """(the cache directory to use or None, whether it was asked for): `[compile] cache_dir`
+    when set ("" = none), else $PDCTL_COMPILE_CACHE when set, else `DEFAULT` in the run
+    directory `root`. One asked for is refused (one line) when it is not safe; the default one
+    is then only left unused (`install_chosen`)."""
+    if configured is not None:
+        return configured or None, True
+    env = os.environ.get(ENV)
+    if env is not None:
+        return env or None, True
+    if root is None:
+        return None, False
+    return str(Path(os.path.abspath(root)) / DEFAULT), False
+
+
+def install_chosen(configured: str | None, root: Path | None) -> Path | None:
+    """Install the cache `choose` picks; the directory installed, or None. The default cache
+    in the run directory is skipped with a warning, not refused, when pdctl cannot use it (one
+    that came with someone else's run directory, say): nobody asked for it."""
+    path, asked = choose(configured, root)
+    if path is None:
+        return None
+    try:
+        install(path, root=root)
+    except PdctlError as e:
+        if asked:
+            raise
+        notify(f"{str(e).replace(KEY, 'compile cache', 1)}; running without a compile cache")
+        return None
+    return Path(path)
 
 
 def install(path: str | Path, root: Path | None = None) -> None:

@@ -296,6 +296,7 @@ class Loop:
                 if check:
                     donation_fraction, missed = donation.reused_fraction(before, state)
                     donation.report(self.stage, donation_fraction, missed, echo=self.echo)
+                    self._first_step(step, state)
                 steps_since_log += 1
                 if tracing and step >= self.profile[1]:
                     jax.block_until_ready(state)
@@ -436,6 +437,18 @@ class Loop:
             )
         self._log_eval(step, ev)
         return ev
+
+    def _first_step(self, step: int, state: Any) -> None:
+        """The first step of this run has finished: how long after the `pdctl` command started
+        (restores, compiles and earlier stages of `pdctl run` included), in `[state.<stage>]
+        first_step_s` and one line. The one wait on a step outside the logging cadence."""
+        jax.block_until_ready(state)
+        first = round(time.time() - runtime.started(), 3)
+        self.on_state(first_step_s=first)
+        self.echo(
+            f"{self.stage}: step {step} done {first:.1f} s after pdctl started "
+            f"(the step compiled in {self.compile_s:.1f} s)"
+        )
 
     def _stopped_evaluating(
         self, step: int, state: Any, metrics: dict[str, float], e: runtime.StopNow

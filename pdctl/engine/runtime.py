@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +24,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdctl")
 _initialized = False
+# When the `pdctl` command started (wall clock): a supervised stage's process inherits it, so
+# that a stage's `first_step_s` counts from the command, not from its own process.
+STARTED_ENV = "PDCTL_STARTED"
+
+
+def started() -> float:
+    """The wall-clock time the `pdctl` command started (this process's, unless inherited)."""
+    value = os.environ.get(STARTED_ENV)
+    try:
+        return float(value) if value else _T0
+    except ValueError:
+        return _T0
+
+
+_T0 = time.time()
 
 
 @dataclass(frozen=True)
@@ -216,13 +232,13 @@ def initialize(
         )
     import jax
 
-    if cfg.compile.cache_dir:
-        # Relative paths were made relative to the run directory when pdctl.toml was loaded.
-        # The cache holds executables JAX loads and runs: a private directory pdctl created
-        # for this user, and only entries signed with this user's key (`compile_cache`).
-        from pdctl.engine import compile_cache
+    # Relative paths were made relative to the run directory when pdctl.toml was loaded. The
+    # cache (by default in the run directory) holds executables JAX loads and runs: a private
+    # directory pdctl created for this user, and only entries signed with this user's key
+    # (`compile_cache`).
+    from pdctl.engine import compile_cache
 
-        compile_cache.install(cfg.compile.cache_dir, root=root)
+    compile_cache.install_chosen(cfg.compile.cache_dir, root)
     if _initialized:
         return
     cpu_xla_flags()
