@@ -956,7 +956,7 @@ def test_a_reharvest_of_the_same_checkpoint_keeps_the_labels_and_drops_what_is_d
     want = con.execute("SELECT * FROM labels ORDER BY rowid").fetchall()
     con.close()
 
-    r = cli_ok("--project", run, *HV)
+    r = cli_ok("--project", run, *HV, "--fresh")  # the same options: --fresh harvests again
     lines = _lines(r)
     assert len(lines) == 3, lines
     assert lines[1] == (
@@ -977,7 +977,7 @@ def test_a_reharvest_of_the_same_checkpoint_keeps_the_labels_and_drops_what_is_d
     assert [x for x in _dump(path) if 'INSERT INTO "labels"' not in x] == fresh
     assert sorted(p.name for p in (run / "harvest").iterdir()) == ["harvest.db"]  # no file
 
-    r = cli_ok("--project", run, *HV)  # and again: still kept, nothing derived to drop
+    r = cli_ok("--project", run, *HV, "--fresh")  # again: still kept, nothing derived to drop
     assert len(_lines(r)) == 2 and _lines(r)[1].startswith("kept the 3 labels"), r.stdout
     assert harvest_labels(run) == labels
 

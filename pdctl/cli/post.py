@@ -87,10 +87,19 @@ def harvest(
             "pass over the N most often firing.",
         ),
     ] = "8192",
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh",
+            help="Harvest again from the start, even when harvest.db is complete for these "
+            "options or a stopped harvest could go on.",
+        ),
+    ] = False,
 ) -> None:
     """What each component does over a corpus: firing frequency, CI statistics, top and
     sampled examples, co-occurring components and input tokens, into <run>/harvest/harvest.db
-    (resumable: run it again after an interruption)."""
+    (resumable: run it again after an interruption; a harvest already complete for the same
+    checkpoint and options is left as it is)."""
     from pdctl import report as rep
     from pdctl.engine import runtime
     from pdctl.harvest import run as hv
@@ -113,7 +122,10 @@ def harvest(
         def on_batch(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        result = hv.harvest(proj, stage=stage, on_batch=on_batch, **options)
+        result = hv.harvest(proj, stage=stage, on_batch=on_batch, fresh=fresh, **options)
+    if result.already is not None:
+        console.print(result.already, markup=False, soft_wrap=True)
+        return
     again = f" (went on from batch {result.resumed_from})" if result.resumed_from else ""
     by = f" by {result.processes} processes" if result.processes > 1 else ""
     console.print(

@@ -469,6 +469,15 @@ class CoocCounter:
     def counts(self) -> np.ndarray:
         return np.array(self._counts)
 
+    def load(self, counts: np.ndarray) -> None:
+        """Go on from `counts` (those of an interrupted pass over the same components)."""
+        k = self.index.size
+        counts = np.asarray(counts)
+        if counts.shape != (k, k):
+            raise ValueError(f"counts of shape {counts.shape}, expected {(k, k)}")
+        with jax.enable_x64(True):
+            self._counts = jax.device_put(counts.astype(np.int64), self._device)
+
 
 def merge_states(states: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One `Harvest.state()` from the states of harvests over disjoint positions (same sites,

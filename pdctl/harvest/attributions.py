@@ -20,6 +20,12 @@ downstream of it get 0.
 
 One jitted program per site (the component is an argument), one backward per component over
 its examples as one batch.
+
+SIGTERM / SIGINT stop it after the component in flight (or, while a compile outlasts the
+grace, at once): the components done are saved (`harvest/attributions-partial.json`, also every
+`SAVE_EVERY` components, so a kill loses at most those since), exit 3 and one line; run again
+with the same options over the same harvest, it attributes only the others and writes the
+tables an uninterrupted run writes.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from pdctl.harvest import db
 COMPONENTS = 64  # the most often firing components attributed by default
 TOP_SOURCES = 10  # upstream components kept per component and sign
 WINDOW = 8  # input offsets kept: -WINDOW..0 (the harvest's example window)
+SAVE_EVERY = 8  # components attributed between saves of those done
+PARTIAL = "attributions-partial.json"
 
 SCHEMA = """
 DROP TABLE IF EXISTS attr_inputs;
@@ -143,6 +151,30 @@ def _ranked(mean: dict[str, np.ndarray], order: list[str], top: int):
     return {"raises": up, "lowers": down}
 
 
+def _read_partial(path: Path, key: str) -> dict[tuple[str, int], list]:
+    """{(site, component): [n examples, input rows, source rows, example rows]} saved by an
+    interrupted run with `key` (empty: none, torn, or another harvest's or options')."""
+    try:
+        got = json.loads(path.read_text())
+        if got.get("key") != key:
+            return {}
+        return {(str(s), int(c)): [int(n), rin, rsrc, rex] for s, c, n, rin, rsrc, rex
+                in got["done"]}  # fmt: skip
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def _save_partial(path: Path, key: str, done: dict[tuple[str, int], list]) -> None:
+    from pdctl.files import atomic_write, refuse_links
+
+    refuse_links(path)
+    rows = [[s, c, *v] for (s, c), v in done.items()]
+    try:
+        atomic_write(path, json.dumps({"key": key, "done": rows}).encode())
+    except OSError as e:
+        raise PdctlError(f"attributions: cannot write {path} ({e.strerror or e})") from None
+
+
 def attributions(
     project: Any,
     n_components: int = COMPONENTS,
@@ -150,10 +182,29 @@ def attributions(
     on_component: Any = None,
 ) -> Result:
     """Attribute the `n_components` most often firing components of the run's LM harvest and
-    write the results into its harvest.db (holding the run directory's lock)."""
+    write the results into its harvest.db (holding the run directory's lock); SIGTERM /
+    SIGINT stop it with what was done saved (see the module)."""
+    from pdctl.engine import runtime
+
+    with runtime.stop_signals():
+        try:
+            return _attributions(project, n_components, top, on_component)
+        except runtime.StopNow as e:  # a compile left running: what was saved is kept
+            from pdctl.engine.loop import Interrupted
+
+            raise Interrupted(
+                f"attributions: stopped by {e.name} while {e.what} (left unfinished); the "
+                "components done are saved: run `pdctl attributions` again with the same "
+                "options to go on"
+            ) from None
+
+
+def _attributions(project: Any, n_components: int, top: int, on_component: Any) -> Result:
+    import hashlib
+
     import jax
 
-    from pdctl.engine import sharding
+    from pdctl.engine import runtime, sharding
     from pdctl.harvest.run import harvest_dir
     from pdctl.project import now
     from pdctl.stages import decomposition as load
@@ -204,12 +255,18 @@ def attributions(
         windows = stream[: n_windows * T].reshape(n_windows, T).astype(np.int32)
         kind = project.config.decomp.ci_fn.type
         order = [p for p in dec.target.site_paths() if p in dec.components]
-        rows_in, rows_src, rows_ex = [], [], []
-        n_ex = 0
+        # what makes a saved part this run's: the harvest (its meta, written once), the options
+        ident = {"meta": meta, "components": n_components, "top": top, "window": WINDOW,
+                 "chosen": chosen}  # fmt: skip
+        key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        partial = harvest_dir(project) / PARTIAL
+        done = _read_partial(partial, key)  # {(site, component): [n, rows_in, rows_src, rows_ex]}
+        new = 0
         for i, (s, c) in enumerate(chosen):
             ex = examples[(s, c)]
-            if not ex:
+            if not ex or (s, c) in done:
                 continue
+            rows_in, rows_src, rows_ex = [], [], []
             pos = np.asarray([p for _, p in ex], np.int64)
             w, t = np.divmod(pos, T)
             if w.max() >= n_windows:
@@ -218,9 +275,14 @@ def attributions(
                     f"outside the {meta.get('split')} split's {n_windows * T} harvested "
                     "tokens: run `pdctl harvest` again"
                 )
-            _, g_in, g_comp = attribute(dec.target, dec.params, dec.components, dec.ci_fns,
-                                        kind, s, int(c), windows[w], t)  # fmt: skip
-            n_ex += len(ex)
+            try:
+                _, g_in, g_comp = runtime.interruptible(
+                    attribute, dec.target, dec.params, dec.components, dec.ci_fns, kind, s,
+                    int(c), windows[w], t, what=f"attributing {s} #{c}")  # fmt: skip
+            except runtime.StopNow:
+                if new:
+                    _save_partial(partial, key, done)
+                raise
             b = np.arange(len(ex))
             for off in range(-WINDOW, 1):
                 ok = t + off >= 0
@@ -236,8 +298,25 @@ def attributions(
             for k, got in _ranked(mean, order, top).items():
                 rows_src += [(s, c, k, r, ss, sc, float(np.float32(v)))
                              for r, (ss, sc, v) in enumerate(got)]  # fmt: skip
+            done[(s, c)] = [len(ex), rows_in, rows_src, rows_ex]
+            new += 1
+            signum = runtime.stop_requested()
+            if signum is not None and i + 1 < len(chosen):
+                _save_partial(partial, key, done)
+                raise _stopped(signum, len(done), len(chosen))
+            if new % SAVE_EVERY == 0:
+                _save_partial(partial, key, done)
             if on_component is not None:
                 on_component(i + 1, len(chosen))
+        rows_in, rows_src, rows_ex = [], [], []
+        n_ex = 0
+        for s, c in chosen:  # in this order whichever run attributed them
+            if (s, c) in done:
+                n, r_in, r_src, r_ex = done[(s, c)]
+                n_ex += n
+                rows_in += [tuple(r) for r in r_in]
+                rows_src += [tuple(r) for r in r_src]
+                rows_ex += [tuple(r) for r in r_ex]
         info = {"method": "gradient x input of the CI logit over the top examples",
                 "components": len(chosen), "examples": n_ex, "window": WINDOW, "top": top,
                 "created": now()}  # fmt: skip
@@ -252,4 +331,17 @@ def attributions(
             )
 
         db.amend(path, write, "attributions")
+        partial.unlink(missing_ok=True)
     return Result(path, len(chosen), n_ex)
+
+
+def _stopped(signum: int, done: int, total: int) -> PdctlError:
+    import signal
+
+    from pdctl.engine.loop import Interrupted
+
+    return Interrupted(
+        f"attributions: stopped by {signal.Signals(signum).name} after {done} of {total} "
+        "components; those are saved: run `pdctl attributions` again with the same options "
+        "to go on"
+    )

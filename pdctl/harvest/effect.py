@@ -58,16 +58,19 @@ def output_effects(
     chosen: list[tuple[str, int, np.ndarray]],
     k: int,
     check: Any = None,
+    out: dict[tuple[str, int], np.ndarray] | None = None,
 ) -> dict[tuple[str, int], np.ndarray]:
     """{(site, component): effect (vocab,)} for each (site, component, positions) in `chosen`;
     positions index `windows` (n, T) flattened (window * T + t), at most `k` used. `check()`,
-    when given, is called before each component (it may raise to stop)."""
+    when given, is called before each component (it may raise to stop); `out`, when given, is
+    the dict filled (as each component is measured) and returned, so a caller that stops it
+    has the effects measured so far."""
     d = cfg.decomp
     paths = tuple(components)
     fn = _effect_fn(target, paths, d.ci_fn.type, d.sigmoid, d.sampling)
     T = windows.shape[1]
     ones = {p: np.ones(c["V"].shape[1], np.float32) for p, c in components.items()}
-    out = {}
+    out = {} if out is None else out
     for site, c, positions in chosen:
         if check is not None:
             check()

@@ -16,8 +16,17 @@ again with the same options goes on from there and ends with the same database.
 Co-occurrence: a dense C_total x C_total count matrix while C_total <= `--cooc-max` (8192:
 512 MiB of int64 on the accumulator's device); beyond that a second pass over the same batches
 counts it among the `--cooc-max` most often firing components (`accumulate.CoocCounter`), so
-the cost is one more forward + CI pass, not C_total^2 memory. An interruption during that pass
-keeps the first one; the second starts again.
+the cost is one more forward + CI pass, not C_total^2 memory.
+
+Nothing done is lost to a stop: the state is saved as soon as the pass over the corpus ends
+(`partial.npz` with every batch done), the second pass's counts every `SAVE_EVERY` batches and
+when it ends (`cooc-<p>of<n>.npz`), and the output effects measured so far every
+`EFFECTS_SAVE_EVERY` components and when they end (`effects-<p>of<n>.json`); a rerun with the
+same options goes on with what is left (a kill while the database is written: just the write).
+These files go once harvest.db is written. A harvest.db already complete for the same
+checkpoint of the same run, the same config (`config.fingerprint` of the stage), the same
+options (its `meta.options`) and batch, on as many devices and processes, is left as it is:
+one line says so, nothing is read or written (`--fresh` harvests again from the start).
 
 Several processes (jax.distributed, `--coordinator`): the pass needs no collective, so each
 process harvests its own consecutive batches on its own devices and saves its part
@@ -26,14 +35,14 @@ merges them (`accumulate.merge_states`: the state one process would have, bit fo
 output effects are shared out (every n-th component) and gathered through small JSON files, and
 process 0 writes the database. The run directory must be shared, as for checkpoints.
 
-A harvest.db already there is replaced whole; what later commands had added to it (labels,
-clusters, attributions) is kept or saved, and said, as `keep` describes.
+Otherwise a harvest.db already there is replaced whole; what later commands had added to it
+(labels, clusters, attributions) is kept or saved, and said, as `keep` describes.
 
 SIGTERM / SIGINT (`runtime.stop_signals`, as the stages use it) stop the harvest after the
 batch in flight: the state is saved and `Interrupted` (exit 3) says how to go on. Restoring,
-tokenizing and the first (compiling) batch run `runtime.interruptible`, so a stop is acted on
-within seconds there too; a stop during the output effects saves the finished pass over the
-corpus, and the rerun goes straight to the effects.
+tokenizing and the first (compiling) batch of each pass run `runtime.interruptible`, so a stop
+is acted on within seconds there too; a stop during the co-occurrence pass or the output
+effects saves what they had done, and the rerun goes on from there.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from pdctl.harvest.accumulate import CoocCounter, Harvest, merge_states
 from pdctl.project import Project, now
 
 SAVE_EVERY = 8  # batches between saves of the partial state
+EFFECTS_SAVE_EVERY = 16  # output effects measured between saves of those done
 # the layout of partial.npz (1: the host accumulator's; 2: without a checksum; neither read now)
 PARTIAL_FORMAT = 3
 TOY_INPUTS = 8192  # toys: inputs harvested by default
@@ -80,6 +90,8 @@ class Result:
     processes: int = 1
     # what it kept of the database it replaced, and what not (`keep`): one line each
     kept: list[str] = field(default_factory=list)
+    # harvest.db was already complete for these options: the line saying so (nothing written)
+    already: str | None = None
 
 
 def harvest_dir(project: Project) -> Path:
@@ -194,6 +206,103 @@ def _batches_of(pid: int, nproc: int, n_batches: int) -> tuple[int, int]:
     return pid * n_batches // nproc, (pid + 1) * n_batches // nproc
 
 
+def _latest_step(project: Project, stage: str) -> int | None:
+    """The step of `stage`'s latest checkpoint, found as `decomposition.load_decomposition`
+    finds it, without reading it (None: there is none)."""
+    import orbax.checkpoint as ocp
+
+    directory = project.checkpoint_dir(stage)
+    found = ocp.step.standard_name_format().find_all(directory) if directory.is_dir() else []
+    return max((int(m.step) for m in found), default=None)
+
+
+def harvest_options(project: Project, stage: str, step: int | None, **options: Any) -> dict:
+    """What makes two harvests the same, beside the batch and the devices and processes it ran
+    on (meta's `batch_size`, `devices`, `processes`: an LM's mean CI can move by an ulp with
+    another batch per device): `meta.options` in harvest.db, the checkpoint (stage, step, run
+    id), the config it is read with (`config.fingerprint` of the stage) and the command's
+    options as given."""
+    from pdctl.config import fingerprint
+
+    out = {"stage": stage, "step": step, "run_id": project.stage(stage).get("run_id"),
+           "config": fingerprint(project.config, stage), **options}  # fmt: skip
+    return json.loads(json.dumps(out, sort_keys=True))  # as read back from the database
+
+
+def _batch_and_devices(cfg: Any, lm: bool, batch_size: int | None) -> tuple[int, list]:
+    """(the batch, this process's devices it is split over): the default batch (the eval
+    batch for an LM) on as many devices as divide it."""
+    devices = jax.local_devices()
+    B = batch_size or (cfg.train.eval_batch_size if lm else TOY_BATCH)
+    if batch_size is None:
+        devices = devices[: max(d for d in range(1, len(devices) + 1) if B % d == 0)]
+    return B, devices
+
+
+def _complete(path: Path, options: dict, layout: dict) -> dict | None:
+    """The meta of harvest.db at `path` when it is a harvest (this schema) with `options`
+    (`harvest_options`) and `layout` (meta's batch_size, devices, processes), else None.
+    harvest.db is written whole (`db.write`), so one that is there is complete."""
+    import sqlite3
+
+    try:
+        con = db.open_readonly(path)
+        try:
+            meta = db.read_pairs(con)
+        finally:
+            con.close()
+    except (PdctlError, ValueError, OSError, sqlite3.Error):
+        return None
+    same = meta.get("options") == options and all(meta.get(k) == v for k, v in layout.items())
+    return meta if same else None
+
+
+def _read_effects(path: Path, key: str) -> dict[tuple[str, int], Any]:
+    """{(site, component): top changes} of the output effects a harvest with `key` measured
+    and saved (`effects-<p>of<n>.json`); empty when none (missing, torn, another harvest)."""
+    try:
+        got = json.loads(path.read_text())
+        if got.get("key") != key:
+            return {}
+        out = {}
+        for s, c, ch in got["rows"]:
+            rows = {k: [(int(t), float(v)) for t, v in ch[k]] for k in ("raised", "lowered")}
+            out[(str(s), int(c))] = rows
+        return out
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def _save_effects(path: Path, key: str, changes: dict[tuple[str, int], Any]) -> None:
+    rows = [[s, c, ch] for (s, c), ch in changes.items()]
+    text = json.dumps({"key": key, "rows": rows}).encode()
+    _atomic(path, lambda f: f.write(text))
+
+
+def _load_cooc(
+    path: Path, key: str, counter: CoocCounter, first: int, last: int, positions: Callable
+) -> int | None:
+    """The next batch of the co-occurrence pass a harvest with `key` saved (its counts loaded
+    into `counter`), or None (start it afresh): its components must be `counter`'s, its next
+    batch in [first, last], its counts within the positions the batches done cover."""
+    got = _read_keyed(path, key)
+    if got is None:
+        return None
+    try:
+        nxt, counts = int(got["_next"]), np.asarray(got["counts"])
+        k = counter.index.size
+        ok = np.array_equal(np.asarray(got["index"]), counter.index) and first <= nxt <= last
+        ok = ok and counts.shape == (k, k) and counts.dtype.kind in "iu"
+        ok = ok and (k == 0 or 0 <= int(counts.min()) <= int(counts.max()) <= positions(nxt))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        log.warning("harvest: %s holds values no harvest reaches: not used", path)
+        return None
+    counter.load(counts)
+    return nxt
+
+
 def _stopped(signum: int, done: str) -> PdctlError:
     import signal
 
@@ -275,15 +384,37 @@ def _harvest(
     effects: int = EFFECTS,
     cooc_max: int = COOC_MAX,
     on_batch: Callable[[int, int], None] | None = None,
+    fresh: bool = False,
 ) -> Result:
     from pdctl.engine import runtime, sharding
     from pdctl.science.spd import evaluate
     from pdctl.stages import decomposition
     from pdctl.stages.env import StageEnv, corpus_tokens
-    from pdctl.stages.inputs import STREAM_TRAIN, stream_key
+    from pdctl.stages.inputs import STREAM_TRAIN, stream_key, target_from_config
 
     check_options(stage=stage, n_tokens=n_tokens, batch_size=batch_size, split=split,
                   top_k=top_k, effects=effects, cooc_max=cooc_max)  # fmt: skip
+    nproc, pid = jax.process_count(), jax.process_index()
+    path = harvest_dir(project) / "harvest.db"
+    given = {"split": split, "tokens": n_tokens, "top_k": top_k, "effects": effects,
+             "cooc_max": cooc_max}  # fmt: skip
+    step = _latest_step(project, stage)
+    done_before = None
+    if not fresh and step is not None and path.is_file():  # already done? (nothing restored)
+        try:
+            lm_ = target_from_config(project.config, project.root, need_weights=False)
+            B_, devices_ = _batch_and_devices(project.config, lm_.output_kind == "logits",
+                                              batch_size)  # fmt: skip
+        except Exception:  # a target it cannot build: the harvest below says why
+            B_ = None
+        if B_ is not None:
+            layout = {"batch_size": B_, "devices": len(devices_) * nproc, "processes": nproc}
+            options = harvest_options(project, stage, step, **given)
+            done_before = _complete(path, options, layout)
+    if done_before is not None:  # nothing to do: nothing read, nothing written
+        return Result(path, int(done_before.get("n_positions") or 0), 0, 0, nproc, already=(
+            f"harvest: already complete for {stage} checkpoint {step} with the same options: "
+            f"{path}; nothing to do (`pdctl harvest --fresh` harvests again)"))  # fmt: skip
     try:
         dec = runtime.interruptible(
             decomposition.load_decomposition, project, stage, what="restoring the decomposition"
@@ -296,11 +427,7 @@ def _harvest(
     # Several processes (jax.distributed): each harvests its own consecutive batches on its
     # own devices (the pass needs no collective), saves its part, and every process merges
     # the parts (`merge_states`); the output effects are shared out; process 0 writes.
-    nproc, pid = jax.process_count(), jax.process_index()
-    devices = jax.local_devices()
-    B = batch_size or (cfg.train.eval_batch_size if lm else TOY_BATCH)
-    if batch_size is None:  # the default batch: as many devices as divide it
-        devices = devices[: max(d for d in range(1, len(devices) + 1) if B % d == 0)]
+    B, devices = _batch_and_devices(cfg, lm, batch_size)
     mesh = sharding.make_mesh(-1, 1, devices)
     n_dev = len(devices)
     if B % n_dev:
@@ -338,9 +465,11 @@ def _harvest(
     h = Harvest(sites, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
                 cooc_max=cooc_max, seed=cfg.run.seed, device=devices[0])  # fmt: skip
     st = project.stage(stage)
+    options = harvest_options(project, stage, dec.step, **given)
     ident = {"stage": stage, "step": dec.step, "run_id": st.get("run_id"), "split": split,
              "items": n_items, "batch": B, "top_k": top_k, "lm": lm,
-             "format": PARTIAL_FORMAT, "processes": nproc, "cooc_max": cooc_max}  # fmt: skip
+             "format": PARTIAL_FORMAT, "processes": nproc, "cooc_max": cooc_max,
+             "config": options["config"]}  # fmt: skip
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     out_dir = harvest_dir(project)
     out_dir.mkdir(exist_ok=True)
@@ -351,7 +480,8 @@ def _harvest(
         """Positions batches [lo, hi) cover."""
         return (min(n_items, hi * B) - min(n_items, lo * B)) * T
 
-    got = _load_partial(mine, h, key, first, last, lambda nxt: positions(first, nxt))
+    got = None if fresh else _load_partial(mine, h, key, first, last,
+                                           lambda nxt: positions(first, nxt))  # fmt: skip
     start_batch = first if got is None else got
 
     params = jax.device_put(dec.params, rep)
@@ -394,9 +524,9 @@ def _harvest(
         if on_batch is not None:
             on_batch(i + 1 - first, last - first)
     h.sync()
+    if start_batch < last or got is None:  # the pass is done: a stop from here on keeps it
+        _save_partial(mine, h, key, last)
     if nproc > 1:  # hand the part over; take everyone's
-        if start_batch < last or got is None:
-            _save_partial(mine, h, key, last)
         runtime.barrier("pdctl-harvest-parts", PEER_TIMEOUT_S)
         parts = [_part(out_dir, key, p, nproc, n_batches, positions) for p in range(nproc)]
         h.load_state(merge_states(parts))
@@ -406,24 +536,41 @@ def _harvest(
         alive = np.nonzero(count > 0)[0]
         index = np.sort(alive[np.lexsort((alive, -count[alive]))[:cooc_max]])
         if index.size:
-            if nproc == 1 and start_batch < n_batches:  # a stop in this pass keeps the first
-                _save_partial(mine, h, key, n_batches)
             counter = CoocCounter(sites, index, cfg.decomp.ci_threshold, device=devices[0])
-            for i in range(first, last):
+            mine_c = out_dir / f"cooc-{pid}of{nproc}.npz"
+
+            def save_cooc(nxt: int) -> None:
+                _save_keyed(mine_c, key, {"counts": counter.counts, "index": index,
+                                          "_next": np.asarray(nxt, np.int64)})  # fmt: skip
+
+            def one_cooc(i: int) -> None:
                 ci_lower, _, lo, hi = ci_batch(i)
                 counter.add(ci_lower, hi - lo)
+
+            got_c = None if fresh else _load_cooc(mine_c, key, counter, first, last,
+                                                  lambda nxt: positions(first, nxt))  # fmt: skip
+            start_c = first if got_c is None else got_c
+            for i in range(start_c, last):
+                if i == start_c:  # its first batch compiles the counter's step
+                    runtime.interruptible(one_cooc, i, what="compiling the co-occurrence pass")
+                else:
+                    one_cooc(i)
                 signum = runtime.stop_requested()
                 if signum is not None and i + 1 < last:
-                    raise _stopped(signum, "during the co-occurrence pass (the first pass is "
-                                           "saved; this one starts again)")  # fmt: skip
+                    save_cooc(i + 1)
+                    raise _stopped(signum, f"after batch {i + 1}{of} of the co-occurrence pass "
+                                           "(the first pass is done)")  # fmt: skip
+                if (i + 1) % SAVE_EVERY == 0 and i + 1 < last:
+                    save_cooc(i + 1)
                 if on_batch is not None:
                     on_batch(i + 1 - first, last - first)
+            if start_c < last or got_c is None:  # done: a stop from here on keeps it
+                save_cooc(last)
             counts = counter.counts
             if nproc > 1:
-                mine_c = out_dir / f"cooc-{pid}of{nproc}.npz"
-                _save_keyed(mine_c, key, {"counts": counts})
                 runtime.barrier("pdctl-harvest-cooc", PEER_TIMEOUT_S)
-                counts = sum(_cooc_part(out_dir, key, p, nproc) for p in range(nproc))
+                counts = sum(_cooc_part(out_dir, key, p, nproc, n_batches)
+                             for p in range(nproc))  # fmt: skip
             h.set_cooc(index, counts)
 
     changes = None
@@ -445,23 +592,42 @@ def _harvest(
             pos = stats[s].sample.pos[:, c]
             chosen.append((s, c, np.sort(pos[pos >= 0])))
 
+        # those measured before a stop are kept (`effects-<p>of<n>.json`): measured once
+        mine_e = out_dir / f"effects-{pid}of{nproc}.json"
+        ours = chosen[pid::nproc]
+        before = {} if fresh else _read_effects(mine_e, key)
+        measured: dict[tuple[str, int], np.ndarray] = {}
+        saved = [0]
+
+        def so_far() -> dict[tuple[str, int], Any]:
+            """The effects measured, in the order of `ours` (that of the database's rows)."""
+            out = {}
+            for s, c, _ in ours:
+                if (s, c) in before:
+                    out[(s, c)] = before[(s, c)]
+                elif (s, c) in measured:
+                    out[(s, c)] = effect.top_changes(measured[(s, c)])
+            return out
+
         def stop() -> None:
             signum = runtime.stop_requested()
             if signum is not None:
-                if nproc == 1:
-                    _save_partial(mine, h, key, n_batches)
-                raise _stopped(
-                    signum, "during the output effects (the pass over the corpus is done)"
-                )
+                if measured:
+                    _save_effects(mine_e, key, so_far())
+                raise _stopped(signum, f"during the output effects ({len(before) + len(measured)}"
+                                       f" of {len(ours)} measured; the pass over the corpus is "
+                                       "done)")  # fmt: skip
+            if len(measured) - saved[0] >= EFFECTS_SAVE_EVERY:
+                _save_effects(mine_e, key, so_far())
+                saved[0] = len(measured)
 
-        done = effect.output_effects(target, params, comps, ci_fns, cfg, windows,
-                                     chosen[pid::nproc], top_k, check=stop)  # fmt: skip
-        changes = {sc: effect.top_changes(v) for sc, v in done.items()}
+        todo = [(s, c, pos) for s, c, pos in ours if (s, c) not in before]
+        effect.output_effects(target, params, comps, ci_fns, cfg, windows, todo, top_k,
+                              check=stop, out=measured)  # fmt: skip
+        changes = so_far()
+        if todo or nproc > 1:  # all measured: a stop from here on keeps them
+            _save_effects(mine_e, key, changes)
         if nproc > 1:  # each process measured every nproc-th component: gather them
-            rows = [[s, c, ch] for (s, c), ch in changes.items()]
-            path = out_dir / f"effects-{pid}of{nproc}.json"
-            text = json.dumps({"key": key, "rows": rows}).encode()
-            _atomic(path, lambda f: f.write(text))
             runtime.barrier("pdctl-harvest-effects", PEER_TIMEOUT_S)
             changes = {}
             for p in range(nproc):
@@ -473,8 +639,7 @@ def _harvest(
     meta = {"run_id": st.get("run_id"), "stage": stage, "step": dec.step, "split": split,
             "seq_len": T if lm else None, "kind": target.kind, "lm": lm, "vocab": vocab,
             "batch_size": B, "devices": n_dev * nproc, "processes": nproc, "created": now(),
-            "top_k": top_k}  # fmt: skip
-    path = out_dir / "harvest.db"
+            "top_k": top_k, "options": options}  # fmt: skip
     if pid != 0:  # process 0 writes; the others wait until it has
         runtime.barrier("pdctl-harvest-written", PEER_TIMEOUT_S)
         return Result(path, h.n_positions, start_batch - first, n_batches, nproc)
@@ -497,10 +662,11 @@ def _harvest(
     return Result(path, h.n_positions, start_batch - first, n_batches, nproc, kept.lines)
 
 
-def _cooc_part(d: Path, key: str, p: int, nproc: int) -> np.ndarray:
+def _cooc_part(d: Path, key: str, p: int, nproc: int, n_batches: int) -> np.ndarray:
+    """Process p's co-occurrence counts (its pass over its batches finished)."""
     path = d / f"cooc-{p}of{nproc}.npz"
     got = _read_keyed(path, key)
-    if got is not None:
+    if got is not None and int(got.get("_next", -1)) == _batches_of(p, nproc, n_batches)[1]:
         return got["counts"]
     raise PdctlError(f"harvest: {path} is missing or from another harvest (run `pdctl harvest` "
                      "again; is the run directory shared by every process?)")  # fmt: skip
