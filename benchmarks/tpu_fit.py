@@ -188,14 +188,16 @@ class Fit:
         if step is None:
             return
         cfg, prog, dev = self.cfg, self.p.program, jax.devices()[0]
-        if "params" not in params_cache:
+        target = target_from_config(cfg)
+        key = ("params", str(target.param_dtype))  # a bfloat16 target_dtype: another copy
+        if key not in params_cache:
+            params_cache.pop(next((k for k in params_cache if k[0] == "params"), None), None)
             t = time.perf_counter()
-            target = target_from_config(cfg)
-            params_cache["params"] = imported.load(
+            params_cache[key] = imported.load(
                 target, prog.frozen_shardings[0], dtype=target.param_dtype
             )
             params_cache["load_s"] = time.perf_counter() - t
-        params = params_cache["params"]
+        params = params_cache[key]
         dec, _ = init_decomposition(cfg, self.p.target, prog.mesh, stream_key(cfg, STREAM_DECOMP))
         state = prog.jit_make_state()(dec["components"], dec["ci_fns"], dec["sources"])
         del dec
