@@ -583,6 +583,9 @@ _PPGD_REMOVED = {
 }
 _PPGD_RENAMED_SCOPES = {"batch": "shared", "position": "per_position"}
 _ROUTING = "all | uniform_k | static_p: which sites the adversary masks"
+# [train.ppgd] pool_size: the sources are (micro-batch, pool_size, C) per site, so a pool far
+# past any use (1e15) would be refused only by XLA, deep inside init-weights
+MAX_POOL_SIZE = 4096
 
 
 class PpgdConfig(Section):
@@ -621,10 +624,10 @@ class PpgdConfig(Section):
         "all", description=_ROUTING + " (merged_recon's ascent steps: every site)"
     )
     routing_p: Prob = Field(0.5, description="static_p routing: probability per site")
-    pool_size: Pos = Field(
+    pool_size: Annotated[int, Field(gt=0, le=MAX_POOL_SIZE)] = Field(
         4,
         description="scope pooled: persistent particles per example; each step every example "
-        "draws one, shared by its positions and every site",
+        f"draws one, shared by its positions and every site (at most {MAX_POOL_SIZE})",
     )
     unroll: bool = Field(
         False,

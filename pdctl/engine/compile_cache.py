@@ -6,9 +6,12 @@ docs/commands.md, "The run directory"). Three checks keep that out:
 
 - the directory is private (`files.check_private_dir`: ours, writable by no one else);
 - it carries a marker, an HMAC of a fixed text under this user's key, written when pdctl
-  created it (or found it empty). A directory holding files but no valid marker (one that
-  came with a run directory, another user's, one from a pdctl before this check) is refused
-  with one line: delete it or choose another;
+  created it (or found it holding nothing but signed entries). A directory holding anything
+  else and no valid marker (a JAX cache, one from a pdctl before signed entries, files that
+  are no cache at all) is refused with one line: delete it or choose another. One holding only
+  entries signed under another key (another user's, or this user's before the key was made
+  again) is marked as this user's: each of those entries fails the check below, so it is
+  compiled again and replaced, never loaded;
 - every entry is stored as `MAGIC + HMAC(key, cache key + entry) + entry`, and is handed to JAX
   only when the tag checks. An entry whose tag does not check (another user's, one renamed
   from another key, an edited one, a symlink) is a cache miss: JAX compiles again and the
@@ -95,6 +98,21 @@ def _marker(key: bytes) -> bytes:
     return hmac.new(key, b"pdctl compile cache directory", hashlib.sha256).hexdigest().encode()
 
 
+def _signed_entry(p: Path) -> bool:
+    """Whether `p` is a regular file (not a link) named and laid out as a signed entry
+    (`MAGIC` first), under whichever key."""
+    if not p.name.endswith(SUFFIX):
+        return False
+    try:
+        fd = open_nofollow(p, os.O_RDONLY)
+    except (OSError, UnsafePath):
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+    finally:
+        os.close(fd)
+
+
 def prepare(path: str | Path, root: Path | None = None) -> tuple[Path, bytes]:
     """The cache directory, checked (see the module), and this user's key. A directory inside
     the run directory `root` is refused (one line) when it or a directory between is a
@@ -118,12 +136,13 @@ def prepare(path: str | Path, root: Path | None = None) -> tuple[Path, bytes]:
         got = b""
     if got is not None and hmac.compare_digest(got, want):
         return path, key
-    others = sorted(n for n in os.listdir(path) if n not in _JAX_OWN)
-    if others:
+    others = sorted(n for n in os.listdir(path) if n not in _JAX_OWN | {MARKER})
+    foreign = [n for n in others if not _signed_entry(path / n)]
+    if foreign:
         raise PdctlError(
-            f"{KEY}: {path} holds files pdctl did not create for you (e.g. {others[0]!r}: a "
-            "cache that came with a run directory, another user's, or one from an older pdctl); "
-            "a cache holds code pdctl runs, so delete that directory or choose another"
+            f"{KEY}: {path} holds files pdctl did not create for you (e.g. {foreign[0]!r}, not "
+            "a signed entry: a JAX cache, one from an older pdctl, or no cache at all); a cache "
+            "holds code pdctl runs, so delete that directory or choose another"
         )
     atomic_write(marker, want)
     return path, key

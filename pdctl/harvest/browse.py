@@ -23,7 +23,7 @@ import json
 import socket
 import sqlite3
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,84 @@ def _decoder(project: Project) -> Callable[[list[int]], str]:
         return lambda ids: "".join(f"⟨{int(t)}⟩" for t in ids)
 
 
-def make_app(project: Project):
+def _host_name(value: str) -> str | None:
+    """The host of a `Host:` header value (`name`, `name:port`, `[v6]:port`), lower case; None
+    for a value that is none."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        name, port = value[1:end], value[end + 1 :]
+        if end < 0 or (port and not port.startswith(":")):
+            return None
+        port = port[1:]
+    else:
+        name, _, port = value.partition(":")
+    if port and not port.isdigit():
+        return None
+    return name.rstrip(".") or None
+
+
+def host_allowed(name: str | None, own: frozenset[str]) -> bool:
+    """Whether a request naming host `name` can only have come from a page of this machine's
+    own address (the DNS-rebinding check): an IP address (a browser sends one only when it
+    was given that address), localhost or a name under .localhost (loopback in browsers), or
+    one of `own` (this machine's host names)."""
+    import ipaddress
+
+    if not name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return name == "localhost" or name.endswith(".localhost") or name in own
+
+
+def own_names() -> frozenset[str]:
+    """This machine's host names (lower case): what a `--host 0.0.0.0` browse is reached by."""
+    names = set()
+    for get in (socket.gethostname, socket.getfqdn):
+        with suppress(OSError):
+            names.add(get().lower().rstrip("."))
+    return frozenset(n for n in names if n)
+
+
+class HostCheck:
+    """ASGI middleware: 403 for a request whose `Host:` (or `Origin:`, when sent) does not name
+    this machine (`host_allowed`). A page on another name that a DNS-rebinding server points
+    at 127.0.0.1 is then refused: its requests carry its own name. Ports are not compared, so
+    a tunnel (`ssh -L 9000:localhost:8765`) still works."""
+
+    def __init__(self, app: Any, names: frozenset[str] = frozenset()) -> None:
+        self.app = app
+        self.own = own_names() | names
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            ok = host_allowed(_host_name(headers.get(b"host", "")), self.own)
+            origin = headers.get(b"origin")
+            if ok and origin is not None:
+                scheme, sep, rest = origin.partition("://")
+                ok = (
+                    bool(sep)
+                    and scheme in ("http", "https")
+                    and host_allowed(_host_name(rest), self.own)
+                )
+            if not ok:
+                body = b'{"detail": "Host or Origin does not name this machine"}'
+                await send({"type": "http.response.start", "status": 403, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())]})  # fmt: skip
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def make_app(project: Project, names: frozenset[str] = frozenset()):
+    """The browse app; a request is served only when its Host (and Origin) names this machine
+    (`HostCheck`; `names`: more names to accept, such as the --host given)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import FileResponse, JSONResponse
@@ -340,7 +417,10 @@ def make_app(project: Project):
     def http_error(request, exc):
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
 
+    from starlette.middleware import Middleware
+
     return Starlette(
+        middleware=[Middleware(HostCheck, names=frozenset(n.lower() for n in names))],
         exception_handlers={
             HTTPException: http_error,
             OverflowError: bad_number,
@@ -397,6 +477,6 @@ def check_port(host: str, port: int) -> None:
 def serve(project: Project, host: str, port: int) -> None:
     import uvicorn
 
-    app = make_app(project)
+    app = make_app(project, frozenset({host}))
     check_port(host, port)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -16,7 +16,9 @@ Jaccard, and with more than `--cooc-max` components counts pairs among the most 
 only) count as Jaccard 0: they never pull a cluster together.
 
 Which components: those that fired at least `min_count` times, at most `max_components` of them
-(the most often firing): the linkage holds n(n-1)/2 distances.
+(the most often firing): the linkage holds n(n-1)/2 distances. More than `MAX_CLUSTERED`
+components to cluster is refused (one line naming --max-components and the memory they would
+need), before any matrix is allocated.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from pdctl.harvest import db
 
 MIN_JACCARD = 0.5
 MAX_COMPONENTS = 8192  # 33.5M distances (268 MB of float64): the harvest's own --cooc-max
+# The most components one clustering takes, whatever --max-components says: the similarity and
+# distance matrices (n x n float64) and the linkage's condensed copy, 5 GiB at 16384 (60,000
+# components would need 67 GiB)
+MAX_CLUSTERED = 16384
 METHOD = "average-linkage agglomerative clustering on Jaccard distance (scipy, UPGMA)"
 
 SCHEMA = """
@@ -114,6 +120,49 @@ def _components(con: sqlite3.Connection, min_count: int, max_components: int):
     return rows[:max_components], len(rows) > max_components
 
 
+def _pairs(con: sqlite3.Connection, index: dict[tuple[str, int], int]) -> list:
+    """(i, j, jaccard) for the cooc rows between two components of `index`; a Jaccard that is
+    not a number in [0, 1] (NaN, text: a database pdctl did not write) is one line, not a
+    traceback from the linkage."""
+    pairs = []
+    for s, c, os_, oc, jac in con.execute(
+        "SELECT site, component, other_site, other_component, jaccard FROM cooc"
+    ):
+        a, b = index.get((s, c)), index.get((os_, oc))
+        if a is None or b is None or a == b:
+            continue
+        try:
+            v = float(jac)
+        except (TypeError, ValueError):
+            v = float("nan")
+        if not 0.0 <= v <= 1.0:  # also nan
+            raise PdctlError(
+                f"cluster: harvest.db's cooc.jaccard of {s} #{c} and {os_} #{oc} is {jac!r}, "
+                "not a number in [0, 1] (a database pdctl did not write): run `pdctl harvest` "
+                "again"
+            )
+        pairs.append((a, b, v))
+    return pairs
+
+
+def check_size(n: int) -> None:
+    """One line naming --max-components when clustering `n` components would need more memory
+    than `MAX_CLUSTERED` components do (the similarity and distance matrices: n x n float64
+    each, and the linkage's condensed copy)."""
+    if n > MAX_CLUSTERED:
+        need = _matrix_bytes(n) / 2**30
+        cap = _matrix_bytes(MAX_CLUSTERED) / 2**30
+        raise PdctlError(
+            f"--max-components: {n} components to cluster would need {need:.1f} GiB for the "
+            f"distance matrices; at most {MAX_CLUSTERED} ({cap:.1f} GiB): lower "
+            "--max-components or raise --min-count"
+        )
+
+
+def _matrix_bytes(n: int) -> float:
+    return 8.0 * (2 * n * n + n * (n - 1) / 2)
+
+
 def compute(
     con: sqlite3.Connection, min_jaccard: float, min_count: int, max_components: int
 ) -> tuple[list[tuple[str, int]], np.ndarray, np.ndarray, bool]:
@@ -127,15 +176,10 @@ def compute(
             "with a larger --cooc-max"
         )
     rows, cut = _components(con, min_count, max_components)
+    check_size(len(rows))  # before any n x n matrix
     members = [(str(s), int(c)) for s, c, _ in rows]
     index = {m: i for i, m in enumerate(members)}
-    pairs = []
-    for s, c, os_, oc, jac in con.execute(
-        "SELECT site, component, other_site, other_component, jaccard FROM cooc"
-    ):
-        a, b = index.get((s, c)), index.get((os_, oc))
-        if a is not None and b is not None and a != b:
-            pairs.append((a, b, float(jac)))
+    pairs = _pairs(con, index)
     S = similarity(len(members), pairs)
     return members, labels(S, min_jaccard), S, cut
 
@@ -217,13 +261,7 @@ def figure_data(path: Path, max_shown: int = 200) -> tuple[np.ndarray, list[str]
             shown.extend(m)
             sizes.append(len(m))
         index = {m: i for i, m in enumerate(shown)}
-        pairs = []
-        for s, c, os_, oc, jac in con.execute(
-            "SELECT site, component, other_site, other_component, jaccard FROM cooc"
-        ):
-            a, b = index.get((s, c)), index.get((os_, oc))
-            if a is not None and b is not None and a != b:
-                pairs.append((a, b, float(jac)))
+        pairs = _pairs(con, index)
     finally:
         con.close()
     if not shown:

@@ -120,6 +120,7 @@ def write(
     given (those of the database it replaces: `keep`)."""
     from pdctl.errors import PdctlError
 
+    check_side_files(path)  # the new file would inherit another program's -wal / -journal
     tmp = path.with_name(path.name + ".tmp")
     # SQLite's files beside the temporary one: removed (a link planted there goes, what it
     # points to is untouched), so SQLite creates each anew
@@ -208,12 +209,44 @@ def _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens, la
         con.close()
 
 
+def check_side_files(path: Path) -> None:
+    """Refuse (one line) a harvest.db with a non-empty `-wal` or `-journal` beside it.
+
+    pdctl never leaves either (it writes a whole new file and renames it over), so one there
+    comes from another program that had the database open (a file handed over from another
+    machine): a `-wal` holds committed changes not yet in the file, a `-journal` the undo of an
+    unfinished one. An immutable reader ignores both, so it would read stale or torn pages, and
+    a file renamed over `path` would inherit them: the next SQLite reader applies the old
+    `-wal` / `-journal` to the new file and finds it malformed. Deleting them could lose the
+    other program's changes, so pdctl refuses and says how to fold them in (SQLite's own
+    recovery, with write access); an empty `-wal` or a `-shm` alone holds nothing and is left."""
+    from pdctl.errors import PdctlError
+
+    for suffix in ("-wal", "-journal"):
+        side = Path(f"{path}{suffix}")
+        try:
+            size = side.lstat().st_size
+        except FileNotFoundError:
+            continue
+        except OSError:
+            size = 1
+        if size or side.is_symlink():
+            raise PdctlError(
+                f"{path}: {side.name} lies beside it (left by a program that had the database "
+                "open; pdctl would read around it and a new harvest.db would inherit it): fold "
+                f"it in first with `sqlite3 {path} 'PRAGMA journal_mode=DELETE'`, then run this "
+                "again"
+            )
+
+
 def open_readonly(path: Path) -> sqlite3.Connection:
-    """A read-only connection; a database of another schema version is refused."""
+    """A read-only connection; a database of another schema version, or with another
+    program's `-wal` / `-journal` beside it (`check_side_files`), is refused."""
     from pdctl.errors import PdctlError
 
     if not path.is_file():
         raise PdctlError(f"{path}: no harvest here (run `pdctl harvest` first)")
+    check_side_files(path)
     # immutable: SQLite reads the file and writes nothing (see the module)
     con = sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=ro&immutable=1", uri=True)
     try:

@@ -346,6 +346,19 @@ def harvest(
             ) from None
 
 
+def stage_line(st: dict, stage: str, step: int) -> str | None:
+    """The line that says which checkpoint is harvested when the stage did not finish
+    (interrupted, failed, or still running): its latest checkpoint, not its last step."""
+    status = st.get("status")
+    if status in ("done", "imported", None):
+        return None
+    of = f" of {st['steps']}" if isinstance(st.get("steps"), int) else ""
+    return (
+        f"harvest: {stage} did not finish ({status} at step {st.get('step')}{of}): harvesting "
+        f"its latest checkpoint, step {step}"
+    )
+
+
 def check_options(
     *,
     stage: str = "train",
@@ -398,6 +411,7 @@ def _harvest(
     path = harvest_dir(project) / "harvest.db"
     given = {"split": split, "tokens": n_tokens, "top_k": top_k, "effects": effects,
              "cooc_max": cooc_max}  # fmt: skip
+    db.check_side_files(path)  # another program's -wal beside harvest.db: before any work
     step = _latest_step(project, stage)
     done_before = None
     if not fresh and step is not None and path.is_file():  # already done? (nothing restored)
@@ -421,6 +435,9 @@ def _harvest(
         )
     except LookupError as e:
         raise PdctlError(f"harvest: {e}") from None
+    line = stage_line(project.stage(stage), stage, dec.step)
+    if line:
+        log.warning(line)
     cfg = project.config
     target = dec.target
     lm = target.output_kind == "logits"

@@ -17,6 +17,10 @@ from pdctl.errors import PdctlError
 from pdctl.inspect.layout import check_mesh_fits, mesh_config
 
 CHILD_ENV = "PDCTL_INSPECT_CHILD"
+# The most simulated CPU devices a preview starts (a v4 pod's chips): XLA:CPU creates each one
+# in the child process, and 100,000 of them gave no answer in 120 s; a larger TPU slice is
+# previewed by --topology, on compile-only TPU devices
+MAX_SIMULATED = 4096
 
 
 def needs_child(n: int, cfg: Config, override: dict[str, int] | None) -> bool:
@@ -24,6 +28,11 @@ def needs_child(n: int, cfg: Config, override: dict[str, int] | None) -> bool:
     N and an explicit --mesh against N first, so a bad preview fails without starting one."""
     if n < 1:
         raise PdctlError(f"--devices: must be >= 1, got {n}")
+    if n > MAX_SIMULATED:
+        raise PdctlError(
+            f"--devices: at most {MAX_SIMULATED} simulated CPU devices, got {n} (for a larger "
+            "TPU slice: --topology)"
+        )
     if override:
         check_mesh_fits(mesh_config(cfg, override), n, from_flag=True)
     have = jax.device_count()

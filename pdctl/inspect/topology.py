@@ -93,10 +93,15 @@ def parse_topology(value: str, flag: str = "--topology") -> Topology:
     return Topology(gen, dims)
 
 
+MAX_CHIPS = 8192  # the largest power-of-two slice of any pod (v5p: 8960 chips)
+
+
 def for_chips(generation: str, n: int) -> Topology:
     """The usual slice shape of `n` chips (a power of two): v5e 8 -> 2x4, v5p 32 -> 2x4x4."""
     if n < 1 or n & (n - 1):
         raise PdctlError(f"--devices: a TPU slice has a power-of-two number of chips, got {n}")
+    if n > MAX_CHIPS:
+        raise PdctlError(f"--devices: at most {MAX_CHIPS} chips (a whole pod), got {n}")
     dims = [1] * DIMS[generation]
     for i in range(n.bit_length() - 1):
         dims[i % len(dims)] *= 2

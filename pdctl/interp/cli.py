@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -154,6 +155,7 @@ def export(
     PMI, output effects, a ready prompt), and detection / fuzzing trials for the labelled ones.
     With --endpoint, also asks the server for each unlabelled component's label (resumable:
     answers go to labels.jsonl beside the records) and imports them."""
+    import sqlite3
     from contextlib import closing
 
     from pdctl.errors import PdctlError
@@ -168,23 +170,39 @@ def export(
     seed_n = post.int_flag(seed, "--seed")
     client = _client(endpoint, model, api_key_env, rpm, retries) if endpoint else None
     proj, path, interp_dir = _paths(ctx)
-    with closing(db.open_readonly(path)) as con:
-        known = [s for (s,) in con.execute("SELECT site FROM sites ORDER BY idx")]
-        for s in site or []:
-            if s not in known:
-                raise PdctlError(f"--site: no site {s!r} in the harvest ({', '.join(known)})")
-        threshold = float(db.read_pairs(con).get("threshold", 0.0))
-        from pdctl.harvest.browse import _decoder
+    try:
+        with closing(db.open_readonly(path)) as con:
+            known = [s for (s,) in con.execute("SELECT site FROM sites ORDER BY idx")]
+            for s in site or []:
+                if s not in known:
+                    raise PdctlError(f"--site: no site {s!r} in the harvest ({', '.join(known)})")
+            threshold = db.read_pairs(con, lenient=True).get("threshold", 0.0)
+            if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                    or not math.isfinite(threshold)):  # fmt: skip
+                raise PdctlError(f"{path}: meta.threshold: not a number ({threshold!r:.80})")
+            from pdctl.harvest.browse import _decoder
 
-        records = list(ex.component_records(
-            con, _decoder(proj), top=top_n, sample=sample_n, held_out=held_n, sites=site,
-            silent=silent))  # fmt: skip
+            records = list(ex.component_records(
+                con, _decoder(proj), top=top_n, sample=sample_n, held_out=held_n, sites=site,
+                silent=silent))  # fmt: skip
+        trials = list(ex.trials(records, threshold, trials_n, seed_n))
+        text = "".join(ex.dumps(r) + "\n" for r in records).encode("utf-8")
+        trials_text = "".join(ex.dumps(t) + "\n" for t in trials).encode("utf-8")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            UnicodeError, RecursionError, sqlite3.Error) as e:  # fmt: skip
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise PdctlError(f"{path}: a harvest database pdctl cannot export ({why})") from None
     out = _out_path(out, interp_dir / "components.jsonl")
     trials_path = out.with_name("trials.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, "".join(ex.dumps(r) + "\n" for r in records).encode("utf-8"))
-    trials = list(ex.trials(records, threshold, trials_n, seed_n))
-    atomic_write(trials_path, "".join(ex.dumps(t) + "\n" for t in trials).encode("utf-8"))
+    answers = out.with_name("labels.jsonl")
+    if client is not None:
+        _refuse(answers)  # before anything is written
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, text)
+        atomic_write(trials_path, trials_text)
+    except OSError as e:
+        raise PdctlError(f"interp export: cannot write {out} ({e.strerror or e})") from None
     labelled = sum(r["label"] is not None for r in records)
     _say(f"wrote {len(records)} components ({labelled} labelled) to {out} and "
          f"{len(trials)} trials to {trials_path}")  # fmt: skip
@@ -193,8 +211,9 @@ def export(
     from pdctl.interp import endpoint as ep
     from pdctl.interp import labels as lb
 
-    answers = out.with_name("labels.jsonl")
-    _refuse(answers)
+    notice = ep.repair_tail(answers)
+    if notice:
+        _say(notice)
     done = ep.done_keys(answers, "label")
     jobs = [(r["key"], r["prompt"], {"key": r["key"], "site": r["site"],
                                      "component": r["component"]})
@@ -218,9 +237,23 @@ def export(
 
 
 def _refuse(path: Path) -> None:
+    """An answers file to append to: no symlink, and (checked without opening it, which would
+    block on a FIFO) a regular file when there is one."""
+    import stat
+
+    from pdctl.errors import PdctlError
     from pdctl.files import refuse_links
 
     refuse_links(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise PdctlError(f"{path}: cannot read it ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PdctlError(f"{path}: is not a regular file (a FIFO, device, socket or directory); "
+                         "pdctl appends answers only to a regular file (remove it)")  # fmt: skip
 
 
 @app.command("import")
@@ -275,6 +308,9 @@ def score(
         from pdctl.interp import endpoint as ep
 
         _refuse(answers)
+        notice = ep.repair_tail(answers)
+        if notice:
+            _say(notice)
         done = ep.done_keys(answers, "predictions")
         todo = [obj for _, obj in lb.read_jsonl(file)
                 if obj.get("predictions") is None and sc.trial_id(obj) not in done]  # fmt: skip

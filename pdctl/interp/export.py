@@ -63,7 +63,7 @@ def component_records(
     """One record per component (see the module), in site order then component order; a
     component that never fired is left out unless `silent`."""
     con.row_factory = sqlite3.Row
-    meta = db.read_pairs(con)
+    meta = db.read_pairs(con, lenient=True)
     kind = str(meta.get("kind", "?"))
     labels = db.read_labels(con)
     cache: dict[int, str] = {}
@@ -76,11 +76,16 @@ def component_records(
         return cache[t]
 
     def example(r: sqlite3.Row) -> dict[str, Any]:
-        ids = json.loads(r["tokens"])
+        where = f"examples of {r['site']}:{r['component']}"
+        ids = _json_list(r["tokens"], f"{where}: tokens", int)
+        cis = _json_list(r["cis"], f"{where}: cis", (int, float))
+        if len(cis) != len(ids):
+            raise ValueError(f"{where}: {len(cis)} cis for {len(ids)} tokens")
+        _number(r["ci"], f"{where}: ci")
         toks = [tok(t) for t in ids]
         mid = (len(ids) - 1) // 2
         return {"rank": r["rank"], "ci": r["ci"], "position": r["position"], "tokens": toks,
-                "ids": ids, "cis": [x if math.isfinite(x) else None for x in json.loads(r["cis"])],
+                "ids": ids, "cis": [x if math.isfinite(x) else None for x in cis],
                 "marked": mid,
                 "text": marked_text(toks, ids, {mid})}  # fmt: skip
 
@@ -92,6 +97,8 @@ def component_records(
             "SELECT * FROM components WHERE site = ? ORDER BY component", (site,)
         ).fetchall():
             comp = c["component"]
+            for k in STATS:
+                _number(c[k], f"components.{k} of {site}:{comp}", none=k not in STATS[:2])
             if c["count"] == 0 and not silent:
                 continue
             ex = {kind_: [example(r) for r in con.execute(
@@ -129,6 +136,27 @@ def component_records(
             known = labels.get((site, comp), {})
             rec.update({k: known.get(k) for k in db.LABEL_FIELDS})
             yield rec
+
+
+def _number(v: Any, where: str, none: bool = False) -> None:
+    """A finite number from the database (None too with `none`), else ValueError naming it."""
+    if v is None and none:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{where}: not a finite number ({v!r:.80})")
+
+
+def _json_list(text: Any, where: str, kind: type | tuple[type, ...]) -> list:
+    """A JSON list of `kind` stored as text in the database, else ValueError naming it."""
+    try:
+        v = json.loads(text) if isinstance(text, (str, bytes)) else None
+    except (ValueError, RecursionError):
+        v = None
+    if not isinstance(v, list) or not all(
+        isinstance(x, kind) and not isinstance(x, bool) for x in v
+    ):
+        raise ValueError(f"{where}: not a JSON list of numbers ({text!r:.80})")
+    return v
 
 
 def trials(

@@ -17,43 +17,109 @@ its old one (and its old scores, unless the line gives scores or the label is un
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import sqlite3
+import stat
 from pathlib import Path
 from typing import Any
 
 from pdctl.errors import PdctlError
 from pdctl.harvest import db
 
+MAX_FILE_BYTES = 1 << 30  # 1 GiB: the most pdctl reads of a labels, trials or answers file
 SCORES = ("confidence", "detection", "fuzzing")
 TEXTS = ("reasoning", "source")
+
+
+def read_bytes(path: Path, nofollow: bool = False) -> bytes:
+    """A regular file's bytes, checked before anything is read: a FIFO, a device or a socket
+    (which could block or never end) and a file over MAX_FILE_BYTES are refused in one line;
+    with `nofollow`, so is a symlink. FileNotFoundError when there is none."""
+    from pdctl.files import symlink_error
+
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP and nofollow:
+            raise symlink_error(Path(path)) from None
+        raise PdctlError(f"{path}: cannot read it ({e.strerror})") from None
+    cap = f"{MAX_FILE_BYTES >> 30} GiB"
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise PdctlError(f"{path}: is a directory, not a JSONL file")
+        if not stat.S_ISREG(st.st_mode):
+            raise PdctlError(f"{path}: is not a regular file (a FIFO, device or socket); pdctl "
+                             "reads JSONL only from regular files")  # fmt: skip
+        if st.st_size > MAX_FILE_BYTES:
+            raise PdctlError(f"{path}: {st.st_size} bytes, over the {cap} pdctl reads of a "
+                             "JSONL file (split it)")  # fmt: skip
+        os.set_blocking(fd, True)
+        chunks, n = [], 0
+        while chunk := os.read(fd, 1 << 20):
+            n += len(chunk)
+            if n > MAX_FILE_BYTES:
+                raise PdctlError(f"{path}: over the {cap} pdctl reads of a JSONL file (split it)")
+            chunks.append(chunk)
+    except OSError as e:
+        raise PdctlError(f"{path}: cannot read it ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def decode(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PdctlError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def loads(line: str | bytes) -> Any:
+    """json.loads, with nesting too deep for Python's stack a ValueError like any bad JSON."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line; one line naming the first bad one."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = decode(read_bytes(path), path)
     except FileNotFoundError:
         raise PdctlError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise PdctlError(f"{path}: is a directory, not a JSONL file") from None
-    except UnicodeDecodeError as e:
-        raise PdctlError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise PdctlError(f"{path}: cannot read it ({e.strerror})") from None
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except ValueError as e:
+            obj = loads(line)
+        except json.JSONDecodeError as e:
             raise PdctlError(f"{path} line {n}: not JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:
+            raise PdctlError(f"{path} line {n}: not JSON ({e})") from None
         if not isinstance(obj, dict):
             raise PdctlError(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
         out.append((n, obj))
     return out
+
+
+def _unicode(v: str, key: str, where: str) -> str:
+    """`v`, refused in one line when it holds a lone surrogate (not Unicode text: no UTF-8 file
+    or database can hold it)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PdctlError(f"{where}: {key}: not valid Unicode (a lone surrogate at character "
+                         f"{e.start})") from None  # fmt: skip
+    return v
 
 
 def component_of(obj: dict[str, Any], where: str, known: dict[str, int]) -> tuple[str, int]:
@@ -99,12 +165,12 @@ def parse(path: Path, known: dict[str, int]) -> dict[tuple[str, int], dict[str, 
             raise PdctlError(f"{where}: label: must be a non-empty string, got {label!r}")
         if key in out:
             raise PdctlError(f"{where}: {key[0]}:{key[1]} is labelled twice in the file")
-        row: dict[str, Any] = {"label": label}
+        row: dict[str, Any] = {"label": _unicode(label, "label", where)}
         for k in TEXTS:
             v = obj.get(k)
             if v is not None and not isinstance(v, str):
                 raise PdctlError(f"{where}: {k}: must be a string, got {v!r}")
-            row[k] = v
+            row[k] = v if v is None else _unicode(v, k, where)
         for k in SCORES:
             row[k] = _unit(obj.get(k), k, where)
         out[key] = row

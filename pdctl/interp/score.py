@@ -18,13 +18,12 @@ Both are 0.5 for a label that tells nothing (answers at chance) and 1 for a perf
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdctl.errors import PdctlError
-from pdctl.interp.labels import component_of, read_jsonl
+from pdctl.interp.labels import component_of, decode, loads, read_bytes, read_jsonl
 
 TASKS = ("detection", "fuzzing")
 YES = {"yes": True, "no": False, True: True, False: False}
@@ -69,12 +68,16 @@ def trial_id(obj: dict[str, Any]) -> str:
 def answered(path: Path | None) -> dict[str, Any]:
     """{trial id: predictions} from an `--endpoint` answers file (a line cut short by a crash
     is ignored: that trial is asked again)."""
-    if path is None or not path.exists():
+    if path is None:
+        return {}
+    try:
+        text = decode(read_bytes(path, nofollow=True), path)
+    except FileNotFoundError:
         return {}
     out = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
-            obj = json.loads(line)
+            obj = loads(line)
         except ValueError:
             continue
         if isinstance(obj, dict) and obj.get("predictions") is not None:
