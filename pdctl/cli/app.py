@@ -17,6 +17,7 @@ every command with the module that holds it:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -24,7 +25,7 @@ import typer
 
 from pdctl import __version__
 from pdctl.cli import analysis, post, process, render, sharding, stages, sweep
-from pdctl.cli.base import Globals, console, guard, project
+from pdctl.cli.base import Globals, console, err_console, guard, project
 from pdctl.interp import cli as interp_cli
 
 app = typer.Typer(
@@ -67,9 +68,27 @@ def _main(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
+    log_format: Annotated[
+        str | None,
+        typer.Option(
+            "--log-format",
+            help="How a stage logs: auto (a progress bar on a terminal, else text) | text (a "
+            "line when a program compiles, each logging step and evaluation) | json (the same "
+            "records as JSON lines).",
+        ),
+    ] = None,
 ) -> None:
     """pdctl: decompose a network's parameters with SPD. Start with `pdctl new NAME`."""
-    from pdctl.engine.runtime import DistributedFlags
+    from pdctl.engine.runtime import LOG_FORMAT_ENV, LOG_FORMATS, DistributedFlags
+
+    if log_format is not None:
+        if log_format not in LOG_FORMATS:
+            err_console.print(
+                f"error: --log-format: must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}",
+                markup=False,
+            )
+            raise typer.Exit(2)
+        os.environ[LOG_FORMAT_ENV] = log_format  # read by the stage's process too
 
     ctx.obj = Globals()
     ctx.obj.project = project

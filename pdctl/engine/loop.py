@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -62,6 +64,9 @@ class Interrupted(PdctlError):
 
 
 MAX_AHEAD = 8  # steps the host may dispatch ahead of the devices
+# the loss terms a text log line shows, where the step has them
+LINE_TERMS = ("faithfulness", "stochastic_recon", "stochastic_recon_layerwise", "merged_recon",
+              "ppgd_recon", "importance_minimality", "frequency")  # fmt: skip
 
 
 def loop_counters(rng: jax.Array) -> dict[str, jax.Array]:
@@ -154,6 +159,12 @@ class Loop:
     # the checkpoint resumed from was saved by a stop during its step's evaluation: that
     # evaluation is done first (`_stopped_evaluating`)
     eval_owed: bool = False
+    # "auto" (a progress bar on a terminal, else `text`), "text" (a line when the step compiles
+    # and each logging step and evaluation) or "json" (the same records as JSON lines): `pdctl
+    # --log-format`, through $PDCTL_LOG_FORMAT so that a supervised stage process sees it
+    log_format: str = field(
+        default_factory=lambda: os.environ.get(runtime.LOG_FORMAT_ENV) or "auto"
+    )
     console: Console = field(default_factory=lambda: Console(stderr=True))
     echo: Callable[[str], None] = print
     compile_s: float = 0.0
@@ -240,7 +251,9 @@ class Loop:
             # Nothing to step (warmup at `steps = 0`, a schedule already complete, `--until`
             # reached): no program is compiled; the stage saves and ends as it stands.
             return self._finish(step, state, {}, owed, None)
+        self._say("compile", "compiling the step")
         compiled = self.compile(state)
+        self._say("compiled", f"step compiled in {self.compile_s:.1f} s", seconds=self.compile_s)
         self.on_state(
             status="running",
             compile_s={"step": round(self.compile_s, 3)},
@@ -258,7 +271,7 @@ class Loop:
             TextColumn("{task.fields[info]}"),
             TimeRemainingColumn(),
             console=self.console,
-            disable=not self.console.is_terminal,
+            disable=self._lines() is not None,
         )
         tracing = False
         # (step, its max_bad_run) of the steps dispatched but not yet waited on, and of the
@@ -436,6 +449,11 @@ class Loop:
                 hint="Lower the learning rate.",
             )
         self._log_eval(step, ev)
+        flat = {k: v for k, v in flatten_metrics(ev, "eval").items() if _is_number(v)}
+        keys = ("ce", "kl", "l0", "recovered", "mmcs", "ci_errors")
+        shown = [f"{k[5:]} {v:.4g}" for k, v in flat.items() if k[5:].startswith(keys)]
+        text = f"evaluation at step {step}: " + ", ".join(shown[:12])
+        self._say("eval", text, **{**flat, "step": step})
         return ev
 
     def _first_step(self, step: int, state: Any) -> None:
@@ -445,10 +463,14 @@ class Loop:
         jax.block_until_ready(state)
         first = round(time.time() - runtime.started(), 3)
         self.on_state(first_step_s=first)
-        self.echo(
-            f"{self.stage}: step {step} done {first:.1f} s after pdctl started "
+        text = (
+            f"step {step} done {first:.1f} s after pdctl started "
             f"(the step compiled in {self.compile_s:.1f} s)"
         )
+        if self._lines() == "json":
+            self._say("first_step", text, step=step, first_step_s=first)
+        else:  # on a terminal too: the one line that says how long the wait was
+            self.echo(f"{self.stage}: {text}")
 
     def _stopped_evaluating(
         self, step: int, state: Any, metrics: dict[str, float], e: runtime.StopNow
@@ -546,7 +568,48 @@ class Loop:
         if self.lr_fn:
             rec.update(self.lr_fn(step))
         self.tracker.log(rec, step=step)
+        self._say_step(step, rec, dt)
         return rec
+
+    # ---- log lines off a terminal --------------------------------------------------------
+    def _lines(self) -> str | None:
+        """ "text" or "json" when the loop prints log lines, None for the progress bar."""
+        fmt = self.log_format if self.log_format in runtime.LOG_FORMATS else "auto"
+        if fmt == "auto":
+            return None if self.console.is_terminal else "text"
+        return fmt
+
+    def _say(self, event: str, text: str, **fields: Any) -> None:
+        fmt = self._lines()
+        if fmt == "json":
+            self.echo(json.dumps({"stage": self.stage, "event": event, **fields}))
+        elif fmt == "text":
+            self.echo(f"{self.stage}: {text}")
+
+    def _say_step(self, step: int, rec: dict[str, float], dt: float) -> None:
+        """One line a logging step: step / total, loss, the loss terms, L0 (mean over the
+        sites), ms a step, tokens/s, MFU, and the time left at this pace."""
+        if self._lines() is None:
+            return
+        end = self.total_steps if self.until is None else min(self.until, self.total_steps)
+        eta = max(end - step, 0) * dt
+        l0 = [v for k, v in rec.items() if k.startswith("l0/")]
+        fields = {"step": step, "steps": end, **rec, "eta_s": round(eta, 1)}
+        if l0:
+            fields["l0_mean"] = float(np.mean(l0))
+        parts = [f"step {step}/{end}", f"loss {rec.get('loss', float('nan')):.4g}"]
+        parts += [f"{k} {rec[k]:.4g}" for k in LINE_TERMS if k in rec]
+        if l0:
+            parts.append(f"L0 {fields['l0_mean']:.4g}")
+        parts.append(f"{rec['step_ms']:.1f} ms/step")
+        if "tokens_per_s" in rec:
+            parts.append(f"{rec['tokens_per_s']:,.0f} tokens/s")
+        if "mfu" in rec:
+            parts.append(f"MFU {rec['mfu']:.2f}")
+        h, rest = divmod(round(eta), 3600)
+        parts.append(f"ETA {h}:{rest // 60:02d}:{rest % 60:02d}")
+        self._say("step", "  ".join(parts), **{k: v for k, v in fields.items() if k != "step"},
+                  step=step)  # fmt: skip
 
     def _log_eval(self, step: int, ev: dict[str, Any]) -> None:
         flat = flatten_metrics(ev, "eval")
@@ -647,6 +710,10 @@ def describe_exception(stage: str, e: BaseException) -> str:
             f"{stage}.grad_accum_steps, or shard over more devices ([mesh])"
         )
     return f"{one_line(e, 200)} (PDCTL_TRACEBACK=1 shows where)"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float | np.number) and not isinstance(v, bool)
 
 
 def to_float(v: Any) -> float:

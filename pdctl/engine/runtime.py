@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdctl")
 _initialized = False
+# How a stage logs (`pdctl --log-format`; engine.loop): the flag is handed to the stage's
+# process (a supervised child) through this variable.
+LOG_FORMAT_ENV = "PDCTL_LOG_FORMAT"
+LOG_FORMATS = ("auto", "text", "json")
 # When the `pdctl` command started (wall clock): a supervised stage's process inherits it, so
 # that a stage's `first_step_s` counts from the command, not from its own process.
 STARTED_ENV = "PDCTL_STARTED"
