@@ -373,6 +373,18 @@ def fresh_train_state(cfg: Any, mesh: Any, tokens: np.ndarray) -> tuple[Any, ...
     return target, prog, params, state, batch, len(dec["components"])
 
 
+def harvest_rows(path: Path) -> list[str]:
+    """Every row of a harvest.db as SQL, but the time it was written: two harvests that did
+    the same work compare equal."""
+    from pdctl.harvest import db
+
+    con = db.open_readonly(path)
+    try:
+        return [r for r in con.iterdump() if "INSERT" in r and "'created'" not in r]
+    finally:
+        con.close()
+
+
 def harvest_labels(run: Path) -> dict:
     """The labels in the run's harvest.db (`db.read_labels`' form)."""
     from pdctl.harvest import db

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli, cli_fails, cli_ok, harvest_labels, make_run, state
+from helpers import cli, cli_fails, cli_ok, harvest_labels, harvest_rows, make_run, state
 
 from pdctl.harvest import db
 from pdctl.harvest import run as hv
@@ -325,12 +325,7 @@ def tms_done(tmp_path_factory) -> Path:
     return run
 
 
-def _dump(path: Path) -> list[str]:
-    con = db.open_readonly(path)
-    try:
-        return [r for r in con.iterdump() if "INSERT" in r and "'created'" not in r]
-    finally:
-        con.close()
+_dump = harvest_rows
 
 
 @pytest.mark.slow

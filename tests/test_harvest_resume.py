@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import cli, cli_fails, cli_ok, harvest_labels, make_run
+from helpers import cli, cli_fails, cli_ok, harvest_labels, harvest_rows, make_run
 
 from pdctl.engine import runtime
 from pdctl.harvest import db
@@ -23,13 +23,7 @@ HV = ("harvest", "--tokens", "2048", "--batch-size", "256")  # a toy: 8 batches
 NARROW = ("--cooc-max", "6")  # 40 components: co-occurrence by a second pass over the 8
 
 
-def _dump(path: Path) -> list[str]:
-    """Every row of the database but the time it was written."""
-    con = db.open_readonly(path)
-    try:
-        return [r for r in con.iterdump() if "INSERT" in r and "'created'" not in r]
-    finally:
-        con.close()
+_dump = harvest_rows
 
 
 def _copy(src: Path, dst: Path) -> Path:

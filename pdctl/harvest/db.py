@@ -324,6 +324,15 @@ def _insert_labels(con: sqlite3.Connection, labels: dict[tuple[str, int], dict[s
     )
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """harvest.db's `meta` table, opened read-only and closed again (`read_pairs`)."""
+    con = open_readonly(path)
+    try:
+        return read_pairs(con)
+    finally:
+        con.close()
+
+
 def read_pairs(
     con: sqlite3.Connection, table: str = "meta", lenient: bool = False
 ) -> dict[str, Any]:

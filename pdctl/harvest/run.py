@@ -246,11 +246,7 @@ def _complete(path: Path, options: dict, layout: dict) -> dict | None:
     import sqlite3
 
     try:
-        con = db.open_readonly(path)
-        try:
-            meta = db.read_pairs(con)
-        finally:
-            con.close()
+        meta = db.read_meta(path)
     except (PdctlError, ValueError, OSError, sqlite3.Error):
         return None
     same = meta.get("options") == options and all(meta.get(k) == v for k, v in layout.items())
@@ -714,11 +710,7 @@ def harvest_line(project: Project) -> str | None:
     if not path.is_file():
         return f"harvest: none yet{partial}" if partial else None
     try:
-        con = db.open_readonly(path)
-        try:
-            meta = db.read_pairs(con)
-        finally:
-            con.close()
+        meta = db.read_meta(path)
     except (PdctlError, ValueError, OSError) as e:
         return f"harvest: {path} is unreadable ({e})"
     stage = meta.get("stage", "train")
