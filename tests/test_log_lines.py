@@ -52,7 +52,7 @@ def test_train_with_stdout_a_pipe_says_what_it_does(warmed: Path) -> None:
         return [x for x in lines if x.startswith(prefix)]
 
     assert find("train: compiling the step"), lines
-    assert find("train: step compiled in "), lines
+    assert find("train: step compiled in "), lines  # no cache in a test's child: compiled
     steps = find("train: step 2/4  loss ") + find("train: step 4/4  loss ")
     assert len(steps) == 2, lines
     for line in steps:
@@ -78,6 +78,7 @@ def test_json_lines_parse_one_by_one(warmed: Path, tmp_path: Path, no_format) ->
     records = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     events = [x["event"] for x in records]
     assert events[:2] == ["compile", "compiled"], events
+    assert isinstance(records[1]["cache_hit"], bool), records[1]
     assert events.count("step") == 2 and events.count("eval") == 1, events
     step = next(x for x in records if x["event"] == "step")
     assert step["stage"] == "train" and step["step"] == 2 and step["steps"] == 4
@@ -86,6 +87,11 @@ def test_json_lines_parse_one_by_one(warmed: Path, tmp_path: Path, no_format) ->
     assert ev["step"] == 4 and any(k.startswith("eval/") for k in ev), ev
     text = [x for x in r.stdout.splitlines() if x and not x.startswith("{")]
     assert text and text[0].startswith("train: done"), text  # the command's own end lines
+    # again: the step now comes from the compile cache (the tests' session cache), and says so
+    again = cli("--log-format", "json", "--project", run, "train", "--fresh")
+    assert again.exit_code == 0, again.output
+    compiled = [json.loads(x) for x in again.stdout.splitlines() if '"compiled"' in x]
+    assert compiled and compiled[0]["cache_hit"] is True, compiled
 
 
 def test_a_bad_log_format_is_one_line(warmed: Path, no_format) -> None:

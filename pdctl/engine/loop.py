@@ -168,6 +168,7 @@ class Loop:
     console: Console = field(default_factory=lambda: Console(stderr=True))
     echo: Callable[[str], None] = print
     compile_s: float = 0.0
+    cache_events: dict[str, int] = field(default_factory=dict)  # of the step's compile
     flops_per_step: float | None = None
     _signal: int | None = None
     _step: int = 0  # the last step dispatched (for the state written when a step fails)
@@ -186,7 +187,8 @@ class Loop:
         else:  # anything else with .lower (a wrapper): XLA's count
             lowered, jaxpr = self.step_fn.lower(*args), None
         # XLA's compile is one long C++ call: a stop request is still acted on during it
-        compiled = runtime.interruptible(lowered.compile, what="compiling the step")
+        with cache_events() as self.cache_events:
+            compiled = runtime.interruptible(lowered.compile, what="compiling the step")
         self.compile_s = time.perf_counter() - t0
         self.flops_per_step = measure.flops_per_device(jaxpr, compiled, jax.device_count())
         return compiled
@@ -253,7 +255,10 @@ class Loop:
             return self._finish(step, state, {}, owed, None)
         self._say("compile", "compiling the step")
         compiled = self.compile(state)
-        self._say("compiled", f"step compiled in {self.compile_s:.1f} s", seconds=self.compile_s)
+        hits = self.cache_events.get("hits", 0)
+        cache = "read from the compile cache" if hits else "compiled"
+        self._say("compiled", f"step {cache} in {self.compile_s:.1f} s",
+                  seconds=self.compile_s, cache_hit=bool(hits))  # fmt: skip
         self.on_state(
             status="running",
             compile_s={"step": round(self.compile_s, 3)},
@@ -672,6 +677,25 @@ class Loop:
             if v is not None and v != {}:
                 fields[k] = v
         return fields
+
+
+@contextlib.contextmanager
+def cache_events() -> Iterator[dict[str, int]]:
+    """{"hits": n, "misses": n}: JAX's persistent compile cache lookups while the block runs
+    (from `jax.monitoring`'s events, counted on any thread)."""
+    counts: dict[str, int] = {}
+    names = {"/jax/compilation_cache/cache_hits": "hits",
+             "/jax/compilation_cache/cache_misses": "misses"}  # fmt: skip
+
+    def listen(event: str, **_: Any) -> None:
+        if event in names:
+            counts[names[event]] = counts.get(names[event], 0) + 1
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
 
 
 def state_is_finite(state: Any) -> jax.Array:
