@@ -274,6 +274,9 @@ def render(fit: dict[str, Any], console: Any) -> None:
     peak = peak if k == 1.0 else f"({peak}) x {k:g}"
     console.print("state held: the train state an evaluation runs beside and does not take "
                   f"(optimizer, PPGD sources, counters); peak = {peak}", markup=False)  # fmt: skip
+    console.print("`pdctl run` runs the stages in one process and frees the device between "
+                  "them: it needs the largest of their peaks (check another with --stage)",
+                  markup=False)  # fmt: skip
     console.print("largest arrays per device (arguments; XLA states temporaries only in sum):",
                   markup=False)  # fmt: skip
     for r in fit["largest_arrays"]:
