@@ -191,7 +191,8 @@ class Fit:
         target = target_from_config(cfg)
         key = ("params", str(target.param_dtype))  # a bfloat16 target_dtype: another copy
         if key not in params_cache:
-            params_cache.pop(next((k for k in params_cache if k[0] == "params"), None), None)
+            for other in [k for k in params_cache if isinstance(k, tuple)]:  # one copy at a time
+                del params_cache[other]
             t = time.perf_counter()
             params_cache[key] = imported.load(
                 target, prog.frozen_shardings[0], dtype=target.param_dtype

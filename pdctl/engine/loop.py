@@ -168,7 +168,7 @@ class Loop:
     console: Console = field(default_factory=lambda: Console(stderr=True))
     echo: Callable[[str], None] = print
     compile_s: float = 0.0
-    cache_events: dict[str, int] = field(default_factory=dict)  # of the step's compile
+    cache_hit: bool = False  # the step was read from the persistent compile cache
     flops_per_step: float | None = None
     _signal: int | None = None
     _step: int = 0  # the last step dispatched (for the state written when a step fails)
@@ -187,8 +187,9 @@ class Loop:
         else:  # anything else with .lower (a wrapper): XLA's count
             lowered, jaxpr = self.step_fn.lower(*args), None
         # XLA's compile is one long C++ call: a stop request is still acted on during it
-        with cache_events() as self.cache_events:
+        with cache_events() as counts:
             compiled = runtime.interruptible(lowered.compile, what="compiling the step")
+        self.cache_hit = counts.get("hits", 0) > 0
         self.compile_s = time.perf_counter() - t0
         self.flops_per_step = measure.flops_per_device(jaxpr, compiled, jax.device_count())
         return compiled
@@ -238,7 +239,7 @@ class Loop:
                 self._fail(self._step, describe_exception(self.stage, e), cause=e)
 
     def _run(self) -> LoopResult:
-        end = self.total_steps if self.until is None else min(self.until, self.total_steps)
+        end = self._end
         step = self._step = self.start_step
         self._t_start = t_start = time.perf_counter()
         state = self.state
@@ -255,10 +256,9 @@ class Loop:
             return self._finish(step, state, {}, owed, None)
         self._say("compile", "compiling the step")
         compiled = self.compile(state)
-        hits = self.cache_events.get("hits", 0)
-        cache = "read from the compile cache" if hits else "compiled"
-        self._say("compiled", f"step {cache} in {self.compile_s:.1f} s",
-                  seconds=self.compile_s, cache_hit=bool(hits))  # fmt: skip
+        how = "read from the compile cache" if self.cache_hit else "compiled"
+        self._say("compiled", f"step {how} in {self.compile_s:.1f} s",
+                  seconds=self.compile_s, cache_hit=self.cache_hit)  # fmt: skip
         self.on_state(
             status="running",
             compile_s={"step": round(self.compile_s, 3)},
@@ -453,8 +453,7 @@ class Loop:
                 metrics=metrics,
                 hint="Lower the learning rate.",
             )
-        self._log_eval(step, ev)
-        flat = {k: v for k, v in flatten_metrics(ev, "eval").items() if _is_number(v)}
+        flat = {k: v for k, v in self._log_eval(step, ev).items() if _is_number(v)}
         keys = ("ce", "kl", "l0", "recovered", "mmcs", "ci_errors")
         shown = [f"{k[5:]} {v:.4g}" for k, v in flat.items() if k[5:].startswith(keys)]
         text = f"evaluation at step {step}: " + ", ".join(shown[:12])
@@ -577,6 +576,11 @@ class Loop:
         return rec
 
     # ---- log lines off a terminal --------------------------------------------------------
+    @property
+    def _end(self) -> int:
+        """The step this run stops at: the schedule's end, or `--until` before it."""
+        return self.total_steps if self.until is None else min(self.until, self.total_steps)
+
     def _lines(self) -> str | None:
         """ "text" or "json" when the loop prints log lines, None for the progress bar."""
         fmt = self.log_format if self.log_format in runtime.LOG_FORMATS else "auto"
@@ -596,10 +600,10 @@ class Loop:
         sites), ms a step, tokens/s, MFU, and the time left at this pace."""
         if self._lines() is None:
             return
-        end = self.total_steps if self.until is None else min(self.until, self.total_steps)
+        end = self._end
         eta = max(end - step, 0) * dt
         l0 = [v for k, v in rec.items() if k.startswith("l0/")]
-        fields = {"step": step, "steps": end, **rec, "eta_s": round(eta, 1)}
+        fields = {"step": step, "steps": end, **rec, "eta_s": round(eta, 1)}  # rec has no step
         if l0:
             fields["l0_mean"] = float(np.mean(l0))
         parts = [f"step {step}/{end}", f"loss {rec.get('loss', float('nan')):.4g}"]
@@ -613,12 +617,12 @@ class Loop:
             parts.append(f"MFU {rec['mfu']:.2f}")
         h, rest = divmod(round(eta), 3600)
         parts.append(f"ETA {h}:{rest // 60:02d}:{rest % 60:02d}")
-        self._say("step", "  ".join(parts), **{k: v for k, v in fields.items() if k != "step"},
-                  step=step)  # fmt: skip
+        self._say("step", "  ".join(parts), **fields)
 
-    def _log_eval(self, step: int, ev: dict[str, Any]) -> None:
+    def _log_eval(self, step: int, ev: dict[str, Any]) -> dict[str, Any]:
         flat = flatten_metrics(ev, "eval")
         self.tracker.log(flat, step=step)
+        return flat
 
     def _info(self, m: dict[str, float]) -> str:
         loss = m.get("loss", float("nan"))

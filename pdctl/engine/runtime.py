@@ -31,6 +31,7 @@ LOG_FORMATS = ("auto", "text", "json")
 # When the `pdctl` command started (wall clock): a supervised stage's process inherits it, so
 # that a stage's `first_step_s` counts from the command, not from its own process.
 STARTED_ENV = "PDCTL_STARTED"
+_T0 = time.time()
 
 
 def started() -> float:
@@ -40,9 +41,6 @@ def started() -> float:
         return float(value) if value else _T0
     except ValueError:
         return _T0
-
-
-_T0 = time.time()
 
 
 @dataclass(frozen=True)

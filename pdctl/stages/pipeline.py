@@ -189,19 +189,16 @@ def host_side(result: Any) -> Any:
 
     import jax
 
+    def on_device(v: Any) -> bool:
+        return any(isinstance(x, jax.Array) for x in jax.tree.leaves(v))
+
     if dataclasses.is_dataclass(result) and not isinstance(result, type):
-        changes = {
-            f.name: None
-            for f in dataclasses.fields(result)
-            if any(isinstance(x, jax.Array) for x in jax.tree.leaves(getattr(result, f.name)))
-        }
-        return dataclasses.replace(result, **changes)
+        fields = dataclasses.fields(result)
+        return dataclasses.replace(
+            result, **{f.name: None for f in fields if on_device(getattr(result, f.name))}
+        )
     if isinstance(result, dict):
-        return {
-            k: v
-            for k, v in result.items()
-            if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(v))
-        }
+        return {k: v for k, v in result.items() if not on_device(v)}
     return result
 
 
