@@ -371,6 +371,23 @@ def test_5_a_huge_train_step_count_stops_cleanly_at_until(warmed: Path, tmp_path
     assert "train: interrupted at step 2" in result.stdout
 
 
+@pytest.mark.slow
+def test_run_and_resume_until_stop_the_train_stage_there(warmed: Path, tmp_path: Path) -> None:
+    """`pdctl run --until N` / `pdctl resume --until N`: the pipeline's train stage stops
+    cleanly at step N (the first N steps of a long schedule, on a TPU window)."""
+    run = _copy(warmed, tmp_path)
+    edit_config(run, {"train": {"steps": 100, "eval_every": 100}})
+    result = _ok("--project", run, "run", "--until", "2")
+    assert "train: interrupted at step 2" in result.stdout
+    st = state(run, "train")
+    assert st["status"] == "interrupted" and st["step"] == 2 and st["steps"] == 100, st
+    result = _ok("--project", run, "resume", "--until", "4")
+    assert "train: interrupted at step 4" in result.stdout
+    bad = cli("--project", str(run), "run", "--until", "0")
+    assert bad.exit_code == 2 and "--until: must be a step >= 1" in bad.stderr + bad.stdout
+    assert state(run, "train")["step"] == 4
+
+
 # ---- item 18: the edges ----------------------------------------------------------------------
 
 _TERM_AT_LAST_LOG = (

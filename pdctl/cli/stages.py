@@ -154,15 +154,25 @@ def train(
     render.print_eval(result.eval)
 
 
-def run_pipeline(ctx: typer.Context) -> None:
+TrainUntil = Annotated[
+    int | None,
+    typer.Option(
+        "--until", help="Stop the train stage cleanly at this step of its schedule (interrupted)."
+    ),
+]
+
+
+def run_pipeline(ctx: typer.Context, until: TrainUntil = None) -> None:
     """Run init-weights → pretrain → warmup → train, skipping what is done and not stale."""
+    check_stage_flags(until=until, resume=False, fresh=False)
     with supervised(ctx) as (pipeline, proj):
-        pipeline.run_all(proj, echo=lambda s: console.print(s, markup=False))
+        pipeline.run_all(proj, echo=lambda s: console.print(s, markup=False), until=until)
     console.print(pipeline.summary(proj), markup=False)
 
 
-def resume(ctx: typer.Context) -> None:
+def resume(ctx: typer.Context, until: TrainUntil = None) -> None:
     """Continue the interrupted (or crashed) stage from its latest checkpoint, to the end."""
+    check_stage_flags(until=until, resume=False, fresh=False)
     with supervised(ctx) as (pipeline, proj):
-        stage, result = pipeline.resume(proj)
+        stage, result = pipeline.resume(proj, until=until)
     render.done_line(stage, result)

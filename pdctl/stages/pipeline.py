@@ -135,14 +135,15 @@ def _check_eos_id(eos_id: int, target: Any) -> None:
         )
 
 
-def run_all(project: Project, echo=print) -> dict[str, Any]:
+def run_all(project: Project, echo=print, until: int | None = None) -> dict[str, Any]:
     """init-weights → pretrain → warmup → train: skip stages that are done and not stale,
-    continue an interrupted one, (re)run the rest. Everything is checked first."""
+    continue an interrupted one, (re)run the rest. Everything is checked first. `until`: the
+    train stage stops cleanly at that step of its schedule (`pdctl train --until`)."""
     results: dict[str, Any] = {}
     steps = plan(project)
     # One writer for the whole pipeline: no other pdctl can start between two stages.
     with project.locked() if runtime.is_writer() else contextlib.nullcontext():
-        _run_planned(project, steps, results, echo)
+        _run_planned(project, steps, results, echo, until)
     return results
 
 
@@ -150,7 +151,9 @@ def run_all(project: Project, echo=print) -> dict[str, Any]:
 ACTION_KWARGS: dict[str, dict[str, bool]] = {"resume": {"resume": True}, "fresh": {"fresh": True}}
 
 
-def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None:
+def _run_planned(
+    project: Project, steps, results: dict[str, Any], echo, until: int | None = None
+) -> None:
     previous = None
     for stage, action in steps:
         if action == "skip":
@@ -169,8 +172,11 @@ def _run_planned(project: Project, steps, results: dict[str, Any], echo) -> None
         previous = stage
         if action == "resume":
             echo(f"{stage}: resuming from its latest checkpoint")
+        kwargs = dict(ACTION_KWARGS.get(action, {}))
+        if stage == "train" and until is not None:
+            kwargs["until"] = until
         try:
-            results[stage] = host_side(run_stage(project, stage, **ACTION_KWARGS.get(action, {})))
+            results[stage] = host_side(run_stage(project, stage, **kwargs))
         finally:
             # Nothing of a stage stays on the devices for the next one (its state, the arrays
             # its result carried, its compiled programs and their reservations): each stage
@@ -202,10 +208,11 @@ def host_side(result: Any) -> Any:
     return result
 
 
-def resume(project: Project) -> tuple[str, Any]:
+def resume(project: Project, until: int | None = None) -> tuple[str, Any]:
     for stage in STAGES[1:]:
         if resumable(project, stage):
-            return stage, run_stage(project, stage, resume=True)
+            kwargs = {"until": until} if until is not None and stage == "train" else {}
+            return stage, run_stage(project, stage, resume=True, **kwargs)
     raise PdctlError(
         "nothing to resume: no stage is interrupted (see `pdctl status`); "
         "start one with `pdctl run`"
