@@ -94,6 +94,18 @@ VARIANTS: dict[str, dict] = {
     "b16 k8 full bf16 no-ascent": {"ppgd": {"n_warmup_steps": 0},
                                    "precision": {"compute_dtype": "bfloat16",
                                                  "target_dtype": "bfloat16"}},
+    # the candidate template of issue 49: no warm-up ascents, bfloat16, 4 (or 2) micro-batches;
+    # and it unrolled (scan against unrolled on the chip)
+    "b16 k4 full bf16 no-ascent": {"grad_accum_steps": 4, "ppgd": {"n_warmup_steps": 0},
+                                   "precision": {"compute_dtype": "bfloat16",
+                                                 "target_dtype": "bfloat16"}},
+    "b16 k2 full bf16 no-ascent": {"grad_accum_steps": 2, "ppgd": {"n_warmup_steps": 0},
+                                   "precision": {"compute_dtype": "bfloat16",
+                                                 "target_dtype": "bfloat16"}},
+    "b16 k4 full bf16 no-ascent unrolled": {"grad_accum_steps": 4, "ppgd": {"n_warmup_steps": 0},
+                                            "train": {"scan_layers": False},
+                                            "precision": {"compute_dtype": "bfloat16",
+                                                          "target_dtype": "bfloat16"}},
     # every matrix (templates/smollm2-all), as shipped and in bfloat16
     "all": {"template": "smollm2-all"},
     "all bf16": {"template": "smollm2-all",
