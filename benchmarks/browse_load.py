@@ -1,68 +1,59 @@
-"""`pdctl browse` page load time for a large run: a synthetic harvest of 1,500 components (15
-sites x 100, random CI with a heavy-tailed firing rate, an LM vocabulary of 512), served by
-uvicorn, loaded in headless Chromium (the tests' DevTools-pipe driver): the overview, one
-site's component table (all its rows), the whole-run component table (1,500 rows through the
-API), and a component page; milliseconds from navigation to the page's `data-ready` mark, best
-of 5.
+"""`pdctl browse` page load time on a whole model's harvest: a synthetic harvest.db of
+`--layers` layers x 7 matrices (attention q / k / v / o, GLU MLP gate / up / down; `--per-site`
+components each: 30 x 7 x 48 = 10,080 components, ~95 MB with the default 20 top and 20
+sampled examples of 17 tokens per component that fired; tests/synthetic_harvest.py makes the
+CI up over the built-in synthetic corpus, 8,192 positions), clustered by `pdctl cluster`'s code
+and a third of the components that fired labelled, served by uvicorn in this process.
 
-    python benchmarks/browse_load.py [--sites 15] [--per-site 100]
+Per page: the API requests it makes, timed one by one over HTTP (server side: best of 5 each,
+summed over the page's requests), and the page loaded in headless Chromium (the tests'
+DevTools-pipe driver): milliseconds from navigation to the page's `data-ready` mark, best of
+5 (with a baseline: a page whose one API call fails at once, what navigation and the page's
+own script cost). Pages: the overview (the grid of sites, then the table), the first page of
+clusters (50, each with its top tokens, a representative example and its labels), a component
+page (a mid-layer MLP up component, the most often firing: its siblings at the layer's other
+sites, its cluster), one site's component table, and the whole run's component table through
+the API (5,000 rows). Then the overview and the clusters over the same database without its
+`site_summary` and `cluster_summary` tables (a harvest.db harvested and clustered before
+them): the first request, which computes the summary (of the whole run; of the page's
+clusters), and the best of 5 after.
+
+    python benchmarks/browse_load.py [--layers 30] [--per-site 48] [--top-k 20] [--batches 8]
+        [--screenshots docs/] [--keep]
+
+`--screenshots DIR`: also save the overview and the clusters page as PNGs in DIR
+(browse_overview.png, browse_clusters.png; 256-colour, to keep them small). `--keep`: leave
+the run directory (~190 MB, under the system's temporary directory) to browse afterwards.
+(Until 2026-12-06 this script measured 15 sites x 100 components, one site kind: see
+docs/performance.md.)
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import shutil
 import socket
+import sqlite3
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def build(run: Path, n_sites: int, per_site: int) -> None:
-    import numpy as np
-
-    from pdctl.harvest import db
-    from pdctl.harvest.accumulate import Harvest
-
-    rng = np.random.default_rng(0)
-    sites = {f"model.layers.{i}.mlp.down_proj": per_site for i in range(n_sites)}
-    h = Harvest(sites, 0.1, top_k=20, n_samples=20, window=8, vocab=512, cooc_max=8192)
-    rate = rng.pareto(2.0, size=(n_sites, per_site)) * 0.01
-    for b in range(8):
-        tokens = rng.integers(0, 512, size=(16, 64))
-        ci = {s: (rng.random((16, 64, per_site)) < rate[i]).astype(np.float32)
-              * rng.random((16, 64, per_site)).astype(np.float32)
-              for i, s in enumerate(sites)}  # fmt: skip
-        h.add(ci, tokens, start=b * 16 * 64)
-    (run / "harvest").mkdir(parents=True)
-    db.write(
-        run / "harvest" / "harvest.db",
-        h,
-        {"stage": "train", "kind": "synthetic", "split": "eval", "step": 1, "vocab": 512},
-    )
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sites", type=int, default=15)
-    ap.add_argument("--per-site", type=int, default=100)
-    args = ap.parse_args()
+def serve(run: Path):
+    """(uvicorn server, base url) of the browse app over `run`, started in a thread."""
     import uvicorn
-    from helpers import make_run
-    from test_report import _Browser
 
     from pdctl.harvest.browse import make_app
     from pdctl.project import Project
 
-    tmp = Path(tempfile.mkdtemp(prefix="pdctl-browse-"))
-    run = make_run(tmp, "tms", "r")
-    t0 = time.perf_counter()
-    build(run, args.sites, args.per_site)
-    build_s = time.perf_counter() - t0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -71,7 +62,98 @@ def main() -> None:
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
+    return server, f"http://127.0.0.1:{port}"
+
+
+def get_ms(url: str) -> float:
+    t = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=60) as r:
+        r.read()
+        assert r.status == 200, (url, r.status)
+    return (time.perf_counter() - t) * 1e3
+
+
+def server_ms(base: str, paths: list[str]) -> float:
+    """The page's API requests, each the best of 5, summed (the page makes them in turn)."""
+    return sum(min(get_ms(base + p) for _ in range(5)) for p in paths)
+
+
+def main() -> None:
+    from _harness import machine_line
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--per-site", type=int, default=48)
+    ap.add_argument("--top-k", type=int, default=20, help="top and sampled examples each")
+    ap.add_argument("--batches", type=int, default=8, help="of 16 x 64 tokens")
+    ap.add_argument("--screenshots", type=Path, default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the run directory (its path)")
+    args = ap.parse_args()
+    print(machine_line())
+
+    import synthetic_harvest as sh
+    from helpers import make_run
+    from test_report import _Browser
+
+    from pdctl.harvest import cluster as cl
+    from pdctl.project import Project
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdctl-browse-"))
+    L, C = args.layers, args.per_site
+    run = make_run(
+        tmp,
+        "llama-mlp",
+        "whole-model-synthetic",
+        target={"n_layers": L, "d_model": 32, "n_heads": 4, "d_mlp": C, "glu": True},
+        decomp={"init": "nonlinearity_aligned",
+                "sites": [{"pattern": "layers.*.attn.*", "C": C},
+                          {"pattern": "layers.*.mlp.*", "C": C}]},
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    sh.build(run, L, C, batches=args.batches, batch=16, top_k=args.top_k, window=8)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = cl.cluster(Project.load(run / "pdctl.toml"))
+    cluster_s = time.perf_counter() - t0
+    n_labels = sh.label(run)
+    path = run / "harvest" / "harvest.db"
+    size = path.stat().st_size / 2**20
+
+    # the same database as one harvested and clustered before the summary tables existed
+    old = make_run(tmp, "llama-mlp", "old")
+    shutil.copy(run / "pdctl.toml", old / "pdctl.toml")
+    (old / "harvest").mkdir()
+    shutil.copy(path, old / "harvest" / "harvest.db")
+    con = sqlite3.connect(old / "harvest" / "harvest.db")
+    con.execute("DROP TABLE site_summary")
+    con.execute("DROP TABLE cluster_summary")
+    con.execute("DELETE FROM cluster_meta WHERE key = 'summary'")
+    con.commit()
+    con.close()
+
+    con = sqlite3.connect(path)
+    mid = L // 2
+    site = f"layers.{mid}.mlp.up"
+    (comp,) = con.execute(
+        "SELECT component FROM components WHERE site = ? ORDER BY count DESC, component LIMIT 1",
+        (site,),
+    ).fetchone()
+    con.close()
+    q = urllib.parse.quote
+    s, c = q(site, safe=""), comp
+    pages = [
+        ("overview", "#/", ["/api/overview"]),
+        ("clusters (first 50)", "#/clusters", ["/api/clusters?offset=0&limit=50"]),
+        (f"component ({site} #{comp})", f"#/c/{s}/{c}",
+         [f"/api/component/{s}/{c}", f"/api/like/{s}/{c}", f"/api/cluster_of/{s}/{c}",
+          f"/api/attributions/{s}/{c}", f"/api/labels?site={s}&component={c}"]),
+        (f"site table ({C} rows)", f"#/site/{s}",
+         [f"/api/components?site={s}&sort=frequency&desc=1&min_frequency=0&limit=5000",
+          f"/api/labels?site={s}"]),
+    ]  # fmt: skip
+
+    server, base = serve(run)
+    old_server, old_base = serve(old)
     browser = _Browser(tmp / "profile")
 
     def js(expr: str):
@@ -79,40 +161,85 @@ def main() -> None:
                            browser.session)  # fmt: skip
         return out["result"].get("value")
 
-    def timed(url: str, ready: str) -> float:
-        best = float("inf")
-        for _ in range(5):
-            browser.call("Page.navigate", {"url": "about:blank"}, browser.session)
-            t = time.perf_counter()
-            browser.call("Page.navigate", {"url": url}, browser.session)
-            while js("document.body && document.body.dataset.ready") != ready:
-                time.sleep(0.005)
-            best = min(best, time.perf_counter() - t)
-        return best * 1e3
+    def load(url: str, ready: str) -> float:
+        browser.call("Page.navigate", {"url": "about:blank"}, browser.session)
+        t = time.perf_counter()
+        browser.call("Page.navigate", {"url": url}, browser.session)
+        deadline = t + 60
+        while js("document.body && document.body.dataset.ready") != ready:
+            assert time.perf_counter() < deadline, (url, js("document.body.innerHTML"))
+            time.sleep(0.005)
+        return (time.perf_counter() - t) * 1e3
 
-    site = "model.layers.0.mlp.down_proj"
-    rows = [
-        ("overview", timed(f"{base}/#/", "#/")),
-        (f"site table ({args.per_site} rows)", timed(f"{base}/#/site/{site}", f"#/site/{site}")),
-        ("component page", timed(f"{base}/#/c/{site}/0", f"#/c/{site}/0")),
+    rows = []
+    for name, route, paths in pages:
+        ms = server_ms(base, paths)
+        chrome = min(load(f"{base}/{route}", route) for _ in range(5))
+        rows.append((name, len(paths), ms, chrome))
+    # what any page costs: navigation, the page and its script, one API call (a 404)
+    chrome = min(load(f"{base}/#/cluster/999999", "#/cluster/999999") for _ in range(5))
+    rows.append(("baseline: a page whose one API call fails (#/cluster/999999)", 1, None, chrome))
+    ms = server_ms(base, ["/api/components?limit=5000"])
+    rows.append(("API: 5,000 of all components", 1, ms, None))
+    older = [
+        ("overview", "#/", "/api/overview"),
+        ("clusters", "#/clusters", "/api/clusters?offset=0&limit=50"),
     ]
-    t = time.perf_counter()
-    js(
-        "fetch('/api/components?limit=5000').then(r => r.json())"
-        ".then(d => window._n = d.rows.length)"
-    )
-    while js("window._n") is None:
-        time.sleep(0.005)
-    rows.append((f"API: all {js('window._n')} components", (time.perf_counter() - t) * 1e3))
+    for name, route, api in older:
+        first = get_ms(old_base + api)
+        after = server_ms(old_base, [api])
+        chrome = min(load(f"{old_base}/{route}", route) for _ in range(5))
+        rows.append((f"{name}, older db: first request (computes the summary)", 1, first, None))
+        rows.append((f"{name}, older db: after it", 1, after, chrome))
+
+    if args.screenshots is not None:
+        shots(browser, js, load, base, args.screenshots)
     browser.close()
-    server.should_exit = True
-    n = args.sites * args.per_site
-    print(f"{n} components in {args.sites} sites; database built in {build_s:.1f} s, "
-          f"{(run / 'harvest' / 'harvest.db').stat().st_size / 2**20:.1f} MiB")  # fmt: skip
-    print("| page | ms (best of 5) |")
-    print("|---|---|")
-    for name, ms in rows:
-        print(f"| {name} | {ms:.0f} |")
+    server.should_exit = old_server.should_exit = True
+
+    print(f"{L} layers x 7 matrices = {L * 7} sites x {C} components = {L * 7 * C:,} components; "
+          f"{args.top_k} top + {args.top_k} sampled examples each; harvest.db {size:.1f} MiB "
+          f"(built in {build_s:.0f} s; clustered in {cluster_s:.0f} s: {got.n_clusters} clusters "
+          f"of two or more, {got.n_singletons} alone; {n_labels:,} labels)")  # fmt: skip
+    print("| page | API requests | server ms (best of 5 each, summed) | Chromium ms (best of 5) |")
+    print("|---|---|---|---|")
+    for name, n, ms, chrome in rows:
+        server = "" if ms is None else f"{ms:.0f}"
+        print(f"| {name} | {n} | {server} | {'' if chrome is None else f'{chrome:.0f}'} |")
+    if args.keep:
+        print(f"kept {run} (`pdctl --project {run} browse`)")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shots(browser, js, load, base: str, out: Path) -> None:
+    """The overview's grid and the first clusters as PNGs in `out` (256 colours)."""
+    import io
+
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    browser.call("Emulation.setDeviceMetricsOverride",
+                 {"width": 1280, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+                 browser.session)  # fmt: skip
+    for name, route, until in (
+        ("browse_overview.png", "#/", "document.getElementById('sites')"),
+        ("browse_clusters.png", "#/clusters", "document.querySelectorAll('tr.cluster')[9]"),
+    ):
+        load(f"{base}/{route}", route)
+        bottom = js(f"({until}).getBoundingClientRect().top + window.scrollY")
+        width = js("document.documentElement.scrollWidth")
+        png = browser.call("Page.captureScreenshot", {
+            "format": "png", "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": min(width, 1280), "height": bottom, "scale": 1}},
+            browser.session)["data"]  # fmt: skip
+        img = Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB")
+        img = img.quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+        img.save(out / name, optimize=True)
+        print(
+            f"saved {out / name}: {img.width} x {img.height}, "
+            f"{(out / name).stat().st_size / 1024:.0f} KiB"
+        )
 
 
 if __name__ == "__main__":

@@ -967,7 +967,7 @@ def test_a_reharvest_of_the_same_checkpoint_keeps_the_labels_and_drops_what_is_d
     assert con.execute("SELECT * FROM labels ORDER BY rowid").fetchall() == want
     con.close()
     assert harvest_labels(run) == labels
-    assert _tables(path) == {*db.TABLES, "labels"}  # no clusters, no attr_*
+    assert _tables(path) == {*db.HARVEST_TABLES, "labels"}  # no clusters, no attr_*
     # everything else is what a harvest into an empty directory writes
     assert [x for x in _dump(path) if 'INSERT INTO "labels"' not in x] == fresh
     assert sorted(p.name for p in (run / "harvest").iterdir()) == ["harvest.db"]  # no file

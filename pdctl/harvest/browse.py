@@ -5,20 +5,28 @@ read-only: the database is opened `mode=ro` per request, and the only files serv
 app's own and, under /files/, files inside the run directory (a path that resolves outside it,
 through `..` or a symlink, is refused with 403).
 
-API: /api/overview (the run and its sites), /api/components?site=&sort=&desc=&min_frequency=
-&limit=&offset= (the component table), /api/component/{site}/{c} (one component: statistics,
-top and sampled examples with tokens decoded, token lists, co-firing components, V/U norms),
-/api/search?q= (components firing on a token, given as its text or #id), /api/like/{site}/{c}
-(components whose top tokens overlap this one's most), /api/labels?site=&component= (labels
-and their scores, from `pdctl interp import` / `score`; none before that); after `pdctl cluster`
-/ `pdctl attributions` (empty before): /api/clusters (clusters of two or more),
-/api/cluster_of/{site}/{c} (the component's cluster), /api/attributions/{site}/{c} (its input
-offsets, upstream components and top examples with their per-token attributions).
+API: /api/overview (the run and its sites, each with its layer and matrix kind, its components
+by firing frequency, and the grid of sites by layer x kind the overview draws),
+/api/components?site=&sort=&desc=&min_frequency=&limit=&offset= (the component table),
+/api/component/{site}/{c} (one component: statistics, top and sampled examples with tokens
+decoded, token lists, co-firing components, V/U norms, and component c at the other sites of
+its layer), /api/search?q= (components firing on a token, given as its text or #id),
+/api/like/{site}/{c} (components whose top tokens overlap this one's most),
+/api/labels?site=&component= (labels and their scores, from `pdctl interp import` / `score`;
+none before that); after `pdctl cluster` / `pdctl attributions` (empty before):
+/api/clusters?offset=&limit= (a page of the clusters of two or more, each with its members,
+top input tokens, one representative example and its members' labels), /api/cluster/{k} (one
+cluster so), /api/cluster_of/{site}/{c} (the component's cluster), /api/attributions/{site}/{c}
+(its input offsets, upstream components and top examples with their per-token attributions).
+
+A whole model has 90-210 sites (30 layers x q/k/v/o/gate/up/down): the overview reads one
+summary row per site (`db.site_summary`: the harvest's `site_summary` table, or for a
+harvest.db written before it, computed once per file and kept in memory), and every other page
+reads only the rows of the components it shows, through the tables' indexes.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import socket
 import sqlite3
@@ -43,17 +51,86 @@ APP_CSP = (
     "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'"
 )
 FILES_CSP = "sandbox"
+CLUSTER_PAGE = 50  # clusters a page of /api/clusters shows unless asked (at most 500)
+
+
+def site_place(site: str) -> tuple[str, int | None, str]:
+    """(the path of its list of blocks, its layer, its matrix kind) of a site path, from the
+    path alone: its first all-digit part is the layer. `model.layers.3.self_attn.q_proj` ->
+    ("model.layers", 3, "self_attn.q_proj"); `hidden_layers.0` -> ("hidden_layers", 0,
+    "hidden_layers"); a path without one (`linear1`, `lm_head`) -> ("", None, the path)."""
+    parts = site.split(".")
+    for i, p in enumerate(parts):
+        if p.isascii() and p.isdigit() and len(p) < 10:
+            prefix = ".".join(parts[:i])
+            return prefix, int(p), ".".join(parts[i + 1 :]) or prefix or site
+    return "", None, site
+
+
+def site_grid(sites: list[str]) -> dict[str, Any]:
+    """The overview's picture: sites (in forward order) as a grid of layers (rows, by layer,
+    sites without a layer last) x matrix kinds (columns, in the order they first appear), each
+    cell the site there or None. A column's label is the kind's last part when those are all
+    different (`q_proj`), else the whole kind (`attn.c_proj`, `mlp.c_proj`)."""
+    places = {s: site_place(s) for s in sites}
+    kinds = list(dict.fromkeys(k for _, _, k in places.values()))
+    prefixes = list(dict.fromkeys(p for p, layer, _ in places.values() if layer is not None))
+    keys = sorted({(p, layer) for p, layer, _ in places.values() if layer is not None},
+                  key=lambda k: (prefixes.index(k[0]), k[1]))  # fmt: skip
+    if any(layer is None for _, layer, _ in places.values()):
+        keys.append(("", None))
+    col = {k: i for i, k in enumerate(kinds)}
+    cells = {key: [None] * len(kinds) for key in keys}
+    for s, (p, layer, k) in places.items():
+        cells[(p, layer)][col[k]] = s
+    short = [k.rsplit(".", 1)[-1] for k in kinds]
+    labels = short if len(set(short)) == len(short) else kinds
+
+    def row_label(p: str, layer: int | None) -> str:
+        if layer is None:
+            return "other"
+        return f"{p}.{layer}" if len(prefixes) > 1 else f"layer {layer}"
+
+    return {
+        "columns": [{"kind": k, "label": lab} for k, lab in zip(kinds, labels, strict=True)],
+        "rows": [{"label": row_label(*key), "layer": key[1], "sites": cells[key]}
+                 for key in keys],
+    }  # fmt: skip
+
+
+def _ids(ids: list[int]) -> str:
+    return "".join(f"⟨{int(t)}⟩" for t in ids)
 
 
 def _decoder(project: Project) -> Callable[[list[int]], str]:
+    """The run's token decoder (ids shown as ⟨id⟩ when its model cannot be read)."""
+    return _model(project)[0]
+
+
+def _model(project: Project) -> tuple[Callable[[list[int]], str], dict[str, int]]:
+    """(the token decoder, {site: its MLP's neurons} of the MLP projections that `decomp.init
+    = "nonlinearity_aligned"` starts as one neuron per component: none under another init),
+    from the run's target; a run whose model directory moved shows ids and no neurons."""
     try:
         from pdctl.stages.decomposition import token_decoder
         from pdctl.stages.inputs import target_from_config
 
         target = target_from_config(project.config, project.root, need_weights=False)
-        return token_decoder(project, target)[0]
-    except Exception:  # a run whose model directory moved: show ids
-        return lambda ids: "".join(f"⟨{int(t)}⟩" for t in ids)
+    except Exception:
+        return _ids, {}
+    try:
+        decode = token_decoder(project, target)[0]
+    except Exception:
+        decode = _ids
+    neurons = {}
+    try:
+        if project.config.decomp.init == "nonlinearity_aligned":
+            shapes = target.site_shapes()
+            neurons = {s: shapes[s][0 if side == "in" else 1]
+                       for s, side in target.mlp_neuron_sides().items()}  # fmt: skip
+    except Exception:
+        neurons = {}
+    return decode, neurons
 
 
 def _host_name(value: str) -> str | None:
@@ -142,8 +219,14 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
     root = project.root.resolve()
     path = root / "harvest" / "harvest.db"
     db.open_readonly(path).close()  # refuse a missing or foreign database up front
-    decode = _decoder(project)
+    decode, neurons = _model(project)
+    try:
+        init = str(project.config.decomp.init)
+    except Exception:
+        init = None
     cache: dict[int, str] = {}
+    summary: dict[str, Any] = {}  # {"key": the file's identity, "value": db.site_summary}
+    clustered: dict[str, Any] = {}  # {"key": ..., "value": {cluster: cluster.summarize's}}
 
     def tok(t: int) -> str:
         if t < 0:
@@ -174,6 +257,21 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
         if con.execute("SELECT 1 FROM sites WHERE site = ?", (site,)).fetchone() is None:
             raise HTTPException(404, f"no site {site!r}")
 
+    def identity() -> tuple[int, int, int]:
+        """The file now at `path` (taken before it is opened: a file renamed over it after
+        that has another identity, and is summarised again on the next request); none for a
+        file that is not there (opening it then says so)."""
+        try:
+            st = path.stat()
+        except OSError:
+            return 0, 0, 0
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def frequency_hists(con, key: tuple[int, int, int]) -> dict[str, list[int]]:
+        if summary.get("key") != key:
+            summary.update(key=key, value=db.site_summary(con))
+        return summary["value"]
+
     async def index(request):
         return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": APP_CSP})
 
@@ -192,20 +290,18 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
         return FileResponse(target, headers={"Content-Security-Policy": FILES_CSP})
 
     async def overview(request):
+        key = identity()
         with closing(connect()) as con:
+            hists = frequency_hists(con, key)
             sites = []
             for s in con.execute("SELECT * FROM sites ORDER BY idx"):
-                freqs = [r[0] for r in con.execute(
-                    "SELECT frequency FROM components WHERE site = ?", (s["site"],))]  # fmt: skip
-                # components by firing frequency, in decades: 0, (0, 1e-4], ..., (0.1, 1]
-                edges = [0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]
-                hist = [sum(1 for f in freqs if f == 0)] + [
-                    sum(1 for f in freqs if lo < f <= hi) for lo, hi in itertools.pairwise(edges)
-                ]
-                sites.append({**dict(s), "frequency_hist": hist})
-            return JSONResponse({"run": str(root), "meta": meta(con), "sites": sites,
-                                 "frequency_edges": ["0", "≤1e-4", "≤1e-3", "≤1e-2", "≤0.1",
-                                                     "≤1"]})  # fmt: skip
+                name = str(s["site"])
+                _, layer, kind = site_place(name)
+                hist = hists.get(name, [0] * len(db.FREQUENCY_EDGES))
+                sites.append({**dict(s), "layer": layer, "kind": kind, "frequency_hist": hist})
+            grid = site_grid([str(s["site"]) for s in sites])
+            return JSONResponse({"run": str(root), "meta": meta(con), "sites": sites, "grid": grid,
+                                 "frequency_edges": list(db.FREQUENCY_LABELS)})  # fmt: skip
 
     async def components(request):
         q = request.query_params
@@ -289,7 +385,41 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
             out["features"] = [dict(r) for r in con.execute(
                 "SELECT feature, ci FROM toy_features WHERE site = ? AND component = ? "
                 "ORDER BY feature", (site, c))]  # fmt: skip
+            out["siblings"] = siblings(con, site, c)
             return JSONResponse(out)
+
+    def siblings(con, site: str, c: int) -> dict[str, Any]:
+        """Component c at every site of `site`'s layer (this one included, `this`): its
+        firing statistics, cluster and label; `same_neuron` where both sites are MLP
+        projections that `nonlinearity_aligned` started as one MLP neuron per component (C =
+        the MLP's neurons at both), so that c is the same neuron there."""
+        prefix, layer, _ = site_place(site)
+        out: dict[str, Any] = {"layer": layer, "init": init, "rows": []}
+        if layer is None:
+            return out
+        C = {str(r[0]): r[1] for r in con.execute("SELECT site, C FROM sites ORDER BY idx")}
+        here = [s for s in C if site_place(s)[:2] == (prefix, layer)]
+        marks = ", ".join("?" * len(here))
+        stats = {r["site"]: dict(r) for r in con.execute(
+            "SELECT site, component, count, frequency, mean_ci, max_ci FROM components "
+            f"WHERE component = ? AND site IN ({marks})", (c, *here))}  # fmt: skip
+        extra: dict[str, dict[str, Any]] = {}
+        for table, col in (("clusters", "cluster"), ("labels", "label")):
+            if db.has_table(con, table):
+                for s, v in con.execute(f"SELECT site, {col} FROM {table} WHERE component = ? "
+                                        f"AND site IN ({marks})", (c, *here)):  # fmt: skip
+                    extra.setdefault(s, {})[col] = v
+
+        def aligned(s: str) -> bool:
+            return s in neurons and C.get(s) == neurons[s]
+
+        for s in here:
+            if s not in stats:  # c is beyond this site's C
+                continue
+            out["rows"].append({**stats[s], "kind": site_place(s)[2], "this": s == site,
+                                "same_neuron": s != site and aligned(s) and aligned(site),
+                                "cluster": None, "label": None, **extra.get(s, {})})  # fmt: skip
+        return out
 
     async def search(request):
         q = request.query_params.get("q", "").strip()
@@ -345,23 +475,108 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
                     if (site is None or s == site) and (c is None or k == c)]  # fmt: skip
             return JSONResponse({"rows": rows})
 
+    def cluster_summaries(con, key: tuple[int, int, int], ids: list[int]) -> dict[int, Any]:
+        """`cluster.summarize` of clusters `ids`: from the `cluster_summary` table `pdctl
+        cluster` writes with them, or for clusters written without it (`cluster_meta.summary`
+        absent), computed here as they are shown and kept for this file."""
+        if db.read_pairs(con, "cluster_meta").get("summary") == cluster_mod.SUMMARY_VERSION:
+            marks = ", ".join("?" * len(ids))
+            return {int(r[0]): {"tokens": json.loads(r[1]),
+                                "example": None if r[2] is None else list(r[2:])}
+                    for r in con.execute(
+                        "SELECT cluster, tokens, site, component, kind, rank, members_firing "
+                        f"FROM cluster_summary WHERE cluster IN ({marks})", ids)}  # fmt: skip
+        if clustered.get("key") != key:
+            clustered.clear()
+            clustered.update(key=key, value={})
+        have = clustered["value"]
+        have.update(cluster_mod.summarize(con, [k for k in ids if k not in have]))
+        return {k: have[k] for k in ids}
+
+    def cards(con, key: tuple[int, int, int], ids: list[int]) -> list[dict[str, Any]]:
+        """Clusters `ids`, in that order: each one's members (in site order, with their firing
+        statistics and labels), its top input tokens and one representative example
+        (`cluster.summarize`: the position most members fire at)."""
+        if not ids:
+            return []
+        marks = ", ".join("?" * len(ids))
+        out = {k: {"cluster": k, "members": [], "tokens": [], "example": None} for k in ids}
+        for r in con.execute(
+            "SELECT k.cluster AS cluster, k.site AS site, k.component AS component, "
+            "c.count AS count, c.frequency AS frequency FROM clusters k "
+            "JOIN sites s ON s.site = k.site LEFT JOIN components c ON c.site = k.site AND "
+            f"c.component = k.component WHERE k.cluster IN ({marks}) "
+            "ORDER BY k.cluster, s.idx, k.component", ids):  # fmt: skip
+            _, layer, kind = site_place(str(r["site"]))
+            m = {k: r[k] for k in ("site", "component", "count", "frequency")}
+            out[r["cluster"]]["members"].append({**m, "layer": layer, "kind": kind, "label": None})
+        if db.has_table(con, "labels"):
+            said = {(r[0], r[1]): r[2] for r in con.execute(
+                "SELECT l.site, l.component, l.label FROM clusters k JOIN labels l ON "
+                f"l.site = k.site AND l.component = k.component WHERE k.cluster IN ({marks})",
+                ids)}  # fmt: skip
+            for k in ids:
+                for m in out[k]["members"]:
+                    m["label"] = said.get((m["site"], m["component"]))
+        for k, got in cluster_summaries(con, key, ids).items():
+            out[k]["tokens"] = [{"token": tok(t), "id": t, "count": n, "members": m}
+                                for t, n, m in got["tokens"]]  # fmt: skip
+            if got["example"] is not None:
+                site, c, kind, rank, firing = got["example"]
+                row = con.execute(
+                    "SELECT * FROM examples WHERE site = ? AND component = ? AND kind = ? AND "
+                    "rank = ?", (site, c, kind, rank),
+                ).fetchone()  # fmt: skip
+                if row is not None:
+                    out[k]["example"] = {**_example(row), "site": site, "component": c,
+                                         "members_firing": firing}  # fmt: skip
+        for card in out.values():
+            card["size"] = len(card["members"])
+            card["sites"] = sorted({m["site"] for m in card["members"]})
+        return [out[k] for k in ids]
+
+    def cluster_sizes(con) -> list[tuple[int, int]]:
+        """(cluster, size) of every cluster, by number (`pdctl cluster` numbers them by size,
+        largest first)."""
+        q = "SELECT cluster, count(*) FROM clusters GROUP BY cluster ORDER BY cluster"
+        return [(int(k), int(n)) for k, n in con.execute(q)]
+
     async def clusters(request):
+        q = request.query_params
+        try:
+            limit = max(1, min(int(q.get("limit", CLUSTER_PAGE)), 500))
+            offset = int(q.get("offset", 0))
+        except ValueError:
+            raise HTTPException(400, "limit and offset are numbers") from None
+        if not 0 <= offset <= MAX_OFFSET:
+            raise HTTPException(400, f"offset: must be in [0, {MAX_OFFSET}], got {offset}")
+        key = identity()
         with closing(connect()) as con:
-            got = cluster_mod.read(con)
-            if got is None:
-                return JSONResponse({"available": False, "clusters": [], "singletons": 0})
+            if not db.has_table(con, "clusters"):
+                return JSONResponse({"available": False, "clusters": [], "singletons": 0,
+                                     "total": 0})  # fmt: skip
             info = db.read_pairs(con, "cluster_meta")
-            rows = [
-                {"cluster": k, "size": len(m), "sites": sorted({s for s, _ in m}),
-                 "members": [{"site": s, "component": c} for s, c in m]}
-                for k, m in sorted(got.items()) if len(m) > 1
-            ]  # fmt: skip
-            alone = sum(1 for m in got.values() if len(m) == 1)
-            return JSONResponse({"available": True, "meta": info, "clusters": rows,
-                                 "singletons": alone})  # fmt: skip
+            sizes = cluster_sizes(con)
+            many = [k for k, n in sizes if n > 1]
+            page = cards(con, key, many[offset : offset + limit])
+            return JSONResponse({"available": True, "meta": info, "clusters": page,
+                                 "total": len(many), "offset": offset, "limit": limit,
+                                 "singletons": sum(1 for _, n in sizes if n == 1)})  # fmt: skip
+
+    async def one_cluster(request):
+        k = request.path_params["k"]
+        key = identity()
+        with closing(connect()) as con:
+            if not db.has_table(con, "clusters"):
+                raise HTTPException(404, "no clusters yet (`pdctl cluster`)")
+            if con.execute("SELECT 1 FROM clusters WHERE cluster = ?", (k,)).fetchone() is None:
+                raise HTTPException(404, f"no cluster {k}")
+            info = db.read_pairs(con, "cluster_meta")
+            return JSONResponse({"meta": info, **cards(con, key, [k])[0]})
 
     async def cluster_of(request):
         site, c = request.path_params["site"], request.path_params["c"]
+        key = identity()
         with closing(connect()) as con:
             site_exists(con, site)
             if not db.has_table(con, "clusters"):
@@ -369,13 +584,21 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
             row = con.execute(
                 "SELECT cluster FROM clusters WHERE site = ? AND component = ?", (site, c)
             ).fetchone()
-            members = []
+            members, tokens = [], []
             if row is not None:
-                members = [dict(r) for r in con.execute(
-                    "SELECT k.site AS site, k.component AS component FROM clusters k JOIN sites s "
-                    "ON s.site = k.site WHERE k.cluster = ? ORDER BY s.idx, k.component",
-                    (row["cluster"],))]  # fmt: skip
-            return JSONResponse({"available": True, "members": members,
+                members = [
+                    {"site": s, "component": k, **dict(zip(("layer", "kind"),
+                                                         site_place(str(s))[1:], strict=True))}
+                    for s, k in con.execute(
+                        "SELECT k.site, k.component FROM clusters k JOIN sites s ON "
+                        "s.site = k.site WHERE k.cluster = ? ORDER BY s.idx, k.component",
+                        (row["cluster"],))
+                ]  # fmt: skip
+                if len(members) > 1:
+                    got = cluster_summaries(con, key, [row["cluster"]]).get(row["cluster"], {})
+                    tokens = [{"token": tok(t), "id": t, "count": n, "members": m}
+                              for t, n, m in got.get("tokens", [])]  # fmt: skip
+            return JSONResponse({"available": True, "members": members, "tokens": tokens,
                                  "cluster": None if row is None else row["cluster"]})  # fmt: skip
 
     async def attributions(request):
@@ -442,6 +665,7 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
             Route("/api/like/{site}/{c:int}", like),
             Route("/api/labels", labels),
             Route("/api/clusters", clusters),
+            Route("/api/cluster/{k:int}", one_cluster),
             Route("/api/cluster_of/{site}/{c:int}", cluster_of),
             Route("/api/attributions/{site}/{c:int}", attributions),
         ],

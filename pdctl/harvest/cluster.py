@@ -19,6 +19,12 @@ Which components: those that fired at least `min_count` times, at most `max_comp
 (the most often firing): the linkage holds n(n-1)/2 distances. More than `MAX_CLUSTERED`
 components to cluster is refused (one line naming --max-components and the memory they would
 need), before any matrix is allocated.
+
+With the clusters it writes what `browse` shows of each cluster of two or more
+(`cluster_summary`, `summarize`): its top input tokens and one representative example, so a
+page of clusters reads a row each; `cluster_meta.summary` says the table belongs to these
+clusters (clusters written without it, by an earlier pdctl, are summarised by `browse` as it
+shows them).
 """
 
 from __future__ import annotations
@@ -45,11 +51,16 @@ METHOD = "average-linkage agglomerative clustering on Jaccard distance (scipy, U
 SCHEMA = """
 DROP TABLE IF EXISTS clusters;
 DROP TABLE IF EXISTS cluster_meta;
+DROP TABLE IF EXISTS cluster_summary;
 CREATE TABLE clusters (cluster INTEGER NOT NULL, site TEXT NOT NULL, component INTEGER NOT NULL,
   PRIMARY KEY (site, component));
 CREATE INDEX clusters_by_cluster ON clusters (cluster);
 CREATE TABLE cluster_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE cluster_summary (cluster INTEGER PRIMARY KEY, tokens TEXT NOT NULL, site TEXT,
+  component INTEGER, kind TEXT, rank INTEGER, members_firing INTEGER);
 """
+SUMMARY_VERSION = 1  # cluster_meta.summary: cluster_summary describes these clusters
+TOP_TOKENS = 8  # a cluster's input tokens kept in its summary
 
 
 @dataclass
@@ -211,7 +222,8 @@ def cluster(
         sizes = np.bincount(lab)
         meta = {"method": METHOD, "min_jaccard": min_jaccard, "min_count": min_count,
                 "max_components": max_components, "components": len(members),
-                "left_out": cut, "clusters": int((sizes > 1).sum()), "created": now()}  # fmt: skip
+                "left_out": cut, "clusters": int((sizes > 1).sum()), "created": now(),
+                "summary": SUMMARY_VERSION}  # fmt: skip
 
         def write(dst: sqlite3.Connection) -> None:
             dst.executescript(SCHEMA)
@@ -223,10 +235,62 @@ def cluster(
                 "INSERT INTO cluster_meta VALUES (?, ?)",
                 [(k, json.dumps(v)) for k, v in meta.items()],
             )
+            got = summarize(dst, [int(k) for k in np.flatnonzero(sizes > 1)])
+            dst.executemany(
+                "INSERT INTO cluster_summary VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(k, json.dumps(v["tokens"]), *(v["example"] or (None,) * 5))
+                 for k, v in got.items()],
+            )  # fmt: skip
 
         db.amend(path, write, "cluster")
     return Result(path, len(members), int((sizes > 1).sum()), int((sizes == 1).sum()),
                   int(sizes.max()))  # fmt: skip
+
+
+def summarize(con: sqlite3.Connection, ids: list[int]) -> dict[int, dict[str, Any]]:
+    """What `browse` shows of clusters `ids` beyond their members, from an open harvest.db
+    holding them: {cluster: {"tokens": [[token, count, members]], the `TOP_TOKENS` input tokens
+    the members fired on most (their `tokens` counts summed; ties by token id; members: how
+    many have it among theirs), "example": [site, component, kind, rank, members_firing] or
+    None}}. The example is the firing position (CI above the harvest's threshold: a top
+    example of a component that fired fewer times than it keeps may not fire) found among the
+    most members' top and sampled examples (ties: the larger CI there, then the earlier
+    position), as the member with the largest CI there holds it; members_firing: how many
+    members' examples fire there."""
+    out: dict[int, dict[str, Any]] = {int(k): {"tokens": [], "example": None} for k in ids}
+    ids = list(out)
+    threshold = db.read_pairs(con).get("threshold", 0.0)
+    if not isinstance(threshold, int | float):
+        raise PdctlError(f"harvest.db's meta.threshold is {threshold!r}, not a number")
+    for i in range(0, len(ids), 500):  # under SQLite's limit on a statement's parameters
+        part = ids[i : i + 500]
+        marks = ", ".join("?" * len(part))
+        sums: dict[int, dict[int, list[int]]] = {}
+        for k, t, n in con.execute(
+            "SELECT k.cluster, t.token, t.count FROM clusters k JOIN tokens t ON "
+            "t.site = k.site AND t.component = k.component AND t.kind = 'count' "
+            f"WHERE k.cluster IN ({marks})", part):  # fmt: skip
+            got = sums.setdefault(k, {}).setdefault(t, [0, 0])
+            got[0] += n
+            got[1] += 1
+        for k, by in sums.items():
+            best = sorted(by.items(), key=lambda x: (-x[1][0], x[0]))[:TOP_TOKENS]
+            out[k]["tokens"] = [[t, n, m] for t, (n, m) in best]
+        seen: dict[int, dict[int, list]] = {}  # cluster -> position -> [members, best row]
+        for k, s, c, kind, rank, ci, pos in con.execute(
+            "SELECT k.cluster, e.site, e.component, e.kind, e.rank, e.ci, e.position FROM "
+            "clusters k JOIN examples e ON e.site = k.site AND e.component = k.component "
+            f"WHERE k.cluster IN ({marks}) AND e.ci > ?", (*part, threshold)):  # fmt: skip
+            at = seen.setdefault(k, {}).setdefault(pos, [set(), None])
+            at[0].add((s, c))
+            if at[1] is None or ci > at[1][4]:
+                at[1] = (s, c, kind, rank, ci)
+        for k, by in seen.items():
+            _, (who, (s, c, kind, rank, _)) = min(
+                by.items(), key=lambda x: (-len(x[1][0]), -x[1][1][4], x[0])
+            )
+            out[k]["example"] = [s, c, kind, rank, len(who)]
+    return out
 
 
 def read(con: sqlite3.Connection) -> dict[int, list[tuple[str, int]]] | None:

@@ -17,6 +17,11 @@ Tables (component = index within its site; "global" = index over all sites in si
   tokens(site, component, kind, token, count, pmi)                       kind: count | pmi
   toy_features(site, component, feature, ci)                             toys only
   effects(site, component, kind, rank, token, nats)   LMs: kind raised | lowered (`effect`)
+  site_summary(site, frequency_hist)      what `browse`'s overview draws per site: its components
+                                          by firing frequency (`FREQUENCY_EDGES`), a JSON list;
+                                          optional (not in `TABLES`): a harvest.db written
+                                          before it has none, and `site_summary` computes the
+                                          same from `components` (one pass, read-only)
 
 Added afterwards by other commands (`amend`: a whole new file renamed over the old one, as the
 harvest writes it), absent until they run (readers treat a missing table as empty):
@@ -36,6 +41,7 @@ computed from the old harvest's statistics (the line names the commands to run a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -75,7 +81,19 @@ CREATE TABLE effects (site TEXT NOT NULL, component INTEGER NOT NULL, kind TEXT 
 CREATE INDEX effects_by_component ON effects (site, component);
 """
 
-TABLES = re.findall(r"CREATE TABLE (\w+)", SCHEMA)
+TABLES = re.findall(r"CREATE TABLE (\w+)", SCHEMA)  # what a harvest.db must hold
+
+# Written by every harvest since the whole-model browser, but not required: an older
+# harvest.db without them still opens (`site_summary` computes what they hold).
+SUMMARY_SCHEMA = """
+CREATE TABLE site_summary (site TEXT PRIMARY KEY, frequency_hist TEXT NOT NULL);
+"""
+HARVEST_TABLES = (*TABLES, *re.findall(r"CREATE TABLE (\w+)", SUMMARY_SCHEMA))  # all it writes
+
+# A site's components by firing frequency, in decades: frequency 0 (dead), then (0, 1e-4],
+# (1e-4, 1e-3], ..., (0.1, 1]
+FREQUENCY_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+FREQUENCY_LABELS = ("0", "≤1e-4", "≤1e-3", "≤1e-2", "≤0.1", "≤1")
 
 
 def _cooc_says(h: Harvest) -> str:
@@ -148,6 +166,7 @@ def _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens, la
         con.executemany(
             "INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in rows.items()]
         )
+        con.executescript(SUMMARY_SCHEMA)
         offsets = h.offsets()
         where = {}  # global component -> (site, component)
         N = max(h.n_positions, 1)
@@ -162,15 +181,18 @@ def _write(tmp, h, meta, toy_features, norms, effects, top_pairs, top_tokens, la
             )
             vn, un = (norms or {}).get(s, (None, None))
             hist = st.hist.tolist()
+            freq = [_r(st.count[c] / N) for c in range(C)]
             con.executemany(
                 "INSERT INTO components VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (s, c, int(st.count[c]), _r(st.count[c] / N), _r(st.ci_sum[c] / SUM_SCALE / N),
+                    (s, c, int(st.count[c]), freq[c], _r(st.ci_sum[c] / SUM_SCALE / N),
                      _r(st.ci_max[c]), _join(hist[c]),
                      None if vn is None else _r(vn[c]), None if un is None else _r(un[c]))
                     for c in range(C)
                 ],
             )  # fmt: skip
+            # from the values stored (float32-rounded), as `site_summary` counts them
+            con.execute("INSERT INTO site_summary VALUES (?, ?)", (s, _join(frequency_hist(freq))))
             for kind, top in (("top", st.top), ("sample", st.sample)):
                 # whole arrays to Python at once (floats rounded to float32 as `_r` does)
                 pos, ci = top.pos.tolist(), _r32(top.ci)
@@ -273,6 +295,42 @@ def open_readonly(path: Path) -> sqlite3.Connection:
             "`pdctl harvest` again"
         )
     return con
+
+
+# ---- the per-site summary (`browse`'s overview) ----------------------------------------------
+
+
+def frequency_hist(freqs: list[float]) -> list[int]:
+    """How many of `freqs` fall in each bin of `FREQUENCY_EDGES`: == 0, then (lo, hi] (a value
+    outside [0, 1], or not a number, in none)."""
+    out = [0] * len(FREQUENCY_EDGES)
+    for f in freqs:
+        if not isinstance(f, int | float):
+            continue
+        if f == 0:
+            out[0] += 1
+            continue
+        for i in range(1, len(FREQUENCY_EDGES)):
+            if FREQUENCY_EDGES[i - 1] < f <= FREQUENCY_EDGES[i]:
+                out[i] += 1
+                break
+    return out
+
+
+def site_summary(con: sqlite3.Connection) -> dict[str, list[int]]:
+    """{site: components by firing frequency (`frequency_hist`)} of every site: from the
+    `site_summary` table a harvest writes, or, for a harvest.db written before that table (or
+    with it removed), computed from `components` in one grouped pass (what `browse` does once
+    per file and keeps). A site without components is left out."""
+    if has_table(con, "site_summary"):
+        q = "SELECT site, frequency_hist FROM site_summary"
+        return {str(s): [int(n) for n in json.loads(h)] for s, h in con.execute(q)}
+    bins = ["sum(frequency = 0)"] + [
+        f"sum(frequency > {lo!r} AND frequency <= {hi!r})"
+        for lo, hi in itertools.pairwise(FREQUENCY_EDGES)
+    ]
+    q = f"SELECT site, {', '.join(bins)} FROM components GROUP BY site"
+    return {str(r[0]): [int(n or 0) for n in r[1:]] for r in con.execute(q)}
 
 
 # ---- labels (`pdctl interp import` / `score`) ------------------------------------------------

@@ -38,7 +38,7 @@ class Old:
 
     meta: dict[str, Any]
     labels: Labels
-    tables: set[str]  # tables added after the harvest (not `db.TABLES`, not `labels`)
+    tables: set[str]  # tables added after the harvest (not `db.HARVEST_TABLES`, not `labels`)
     cluster_meta: dict[str, Any] = field(default_factory=dict)
     attr_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -68,7 +68,7 @@ def read_old(path: Path) -> Old | None:
         return Old(
             meta=pairs("meta"),
             labels=db.read_labels(con),
-            tables=tables - set(db.TABLES) - {"labels"},
+            tables=tables - set(db.HARVEST_TABLES) - {"labels"},
             cluster_meta=pairs("cluster_meta"),
             attr_meta=pairs("attr_meta"),
         )
@@ -146,7 +146,7 @@ def _rerun(old: Old) -> tuple[list[str], list[str]]:
         commands.append("pdctl attributions" + "".join(
             f" {f} {_option(old.attr_meta[k])}" for f, k in flags.items()
             if k in old.attr_meta))  # fmt: skip
-    known = {"clusters", "cluster_meta"}
+    known = {"clusters", "cluster_meta", "cluster_summary"}
     what += [f"table {t}" for t in sorted(old.tables)
              if t not in known and not t.startswith("attr_")]  # fmt: skip
     return what, commands
