@@ -81,6 +81,22 @@ class JsonlTracker:
         atomic_write(self.path, "".join(line + "\n" for line in keep).encode())
 
 
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training log lines, evaluation lines) of a metrics/<stage>.jsonl that `JsonlTracker`
+    wrote. A torn last line (a stage writing right now) is skipped, not an error."""
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        (evals if any(k.startswith("eval/") for k in row) else train).append(row)
+    return train, evals
+
+
 class WandbTracker:
     """Weights & Biases; metric names get the stage as a prefix (`train/loss`)."""
 

@@ -48,11 +48,15 @@ import re
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdctl.harvest.accumulate import BINS, SUM_SCALE, Harvest
+# (the constants from the numpy reference: reading a harvest.db imports no JAX)
+from pdctl.harvest.reference import BINS, SUM_SCALE
+
+if TYPE_CHECKING:
+    from pdctl.harvest.accumulate import Harvest
 
 SCHEMA_VERSION = 1
 

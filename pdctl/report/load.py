@@ -7,15 +7,14 @@ reason (the report shows what exists and lists the rest).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from pdctl.engine.tracking import read_metrics as read_metrics  # the report's reader
 from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.spd import evaluate
@@ -30,25 +29,6 @@ HIST_EDGES = np.linspace(0.0, 1.0, HIST_BINS + 1)
 # report within a few hundred MB whatever eval_batch_size is.
 CHUNK_VALUES = 2**24
 TOP_K = 5  # contexts per component (LMs)
-
-
-# ---- metrics ---------------------------------------------------------------------------------
-
-
-def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(training log lines, evaluation lines) of a metrics/<stage>.jsonl. A torn last line
-    (a stage writing right now) is skipped, not an error."""
-    train: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(row, dict) or "step" not in row:
-            continue
-        (evals if any(k.startswith("eval/") for k in row) else train).append(row)
-    return train, evals
 
 
 # ---- arrays ----------------------------------------------------------------------------------

@@ -132,8 +132,10 @@ def _host(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
-def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, Any], int]:
-    """Items of `stage`'s latest complete checkpoint, as host arrays.
+def _restore(
+    project: Project, stage: str, names: list[str], step: int | None = None
+) -> tuple[dict[str, Any], int]:
+    """Items of `stage`'s latest complete checkpoint (or of checkpoint `step`), as host arrays.
 
     Read-only on purpose: no CheckpointManager, whose opening cleans up temporary directories
     (an in-flight save of a stage running right now) and creates missing ones."""
@@ -148,6 +150,11 @@ def _restore(project: Project, stage: str, names: list[str]) -> tuple[dict[str, 
     if not steps:
         raise LookupError(f"{stage} has no checkpoint (run `pdctl {command(stage)}`)")
     latest = steps[-1]
+    if step is not None:
+        latest = next((m for m in steps if int(m.step) == step), None)
+        if latest is None:
+            have = ", ".join(str(int(m.step)) for m in steps)
+            raise LookupError(f"{stage} has no checkpoint {step} (its checkpoints: {have})")
     try:
         step = int(latest.step)
         # a train state's stacked sites come out per site (`science.spd.stacked`)
@@ -172,20 +179,20 @@ def target_params(project: Project, target: Any) -> Any:
     return items["params"]
 
 
-def load_decomposition(project: Project, stage: str) -> Decomposition:
-    """The decomposition as `stage` (warmup or train) left it in its latest checkpoint; the
-    warmup stage's CI functions are init-weights' (warmup does not train them). Raises
-    LookupError with a one-line reason when something is not there."""
+def load_decomposition(project: Project, stage: str, step: int | None = None) -> Decomposition:
+    """The decomposition as `stage` (warmup or train) left it in its latest checkpoint (or in
+    checkpoint `step`); the warmup stage's CI functions are init-weights' (warmup does not
+    train them). Raises LookupError with a one-line reason when something is not there."""
     cfg = project.config
     target = target_from_config(cfg, project.root)
     site_C = match_sites(cfg, target.site_paths())
     paths = tuple(p for p in target.site_paths() if p in site_C)
     params = target_params(project, target)
     if stage == "train":
-        items, step = _restore(project, "train", ["trainable"])
+        items, step = _restore(project, "train", ["trainable"], step)
         free, ci_fns = items["trainable"]["components"], items["trainable"]["ci_fns"]
     elif stage == "warmup":
-        items, step = _restore(project, "warmup", ["components"])
+        items, step = _restore(project, "warmup", ["components"], step)
         free = items["components"]
         ci_fns = _restore(project, "init_weights", ["ci_fns"])[0]["ci_fns"]
     else:
