@@ -1,11 +1,15 @@
-"""Numbers from goodfire-ai/spd's torch code for tests/test_recipe_ci.py (run by hand, never a
-test: it needs a copy of that repository and its deps, einops and jaxtyping).
+"""Numbers from goodfire-ai/spd's torch code for tests/test_recipe_ci.py and
+tests/test_ci_global.py (run by hand, never a test: it needs a copy of that repository and its
+deps, einops and jaxtyping).
 
-    git --git-dir=<spd mirror> archive dev spd | tar -x -C /tmp/spd-dev
-    PYTHONPATH=/tmp/spd-dev python benchmarks/spd_ci_reference.py
+    git --git-dir=<spd mirror> archive feature/misc-improvements spd | tar -x -C /tmp/spd
+    pip install --target /tmp/refdeps einops jaxtyping
+    PYTHONPATH=/tmp/spd:/tmp/refdeps python benchmarks/spd_ci_reference.py
 
-Prints the lower-leaky hard sigmoid's values and gradients, and the one-site
-`GlobalSharedTransformerCiFn`'s output on `transformer_case()`."""
+Prints the lower-leaky hard sigmoid's values and gradients, the one-site
+`GlobalSharedTransformerCiFn`'s output on `transformer_case()`, and the three-site one's on
+`test_ci_global.global_case()` (its `SPD_GLOBAL`), with the largest differences between the
+reference module, the test's torch port of it and pdctl's forward on every logit."""
 
 from __future__ import annotations
 
@@ -22,6 +26,17 @@ typing.override = typing_extensions.override  # the reference needs Python 3.12'
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from spd.models import sigmoids  # noqa: E402
 from spd.models.components import GlobalSharedTransformerCiFn, TargetLayerConfig  # noqa: E402
+from test_ci_global import (  # noqa: E402
+    FFN,
+    HEADS,
+    N_BLOCKS,
+    SITES,
+    D,
+    _logits,
+    global_case,
+    run_torch_reference,
+    torch_reference,
+)
 from test_recipe_ci import G, Z, transformer_case  # noqa: E402
 
 
@@ -64,6 +79,29 @@ def transformer_numbers() -> None:
     print("transformer", np.round([z[0, 0], z[0, 4], z[1, 2]], 6).tolist())
 
 
+def global_numbers() -> None:
+    """The real module and the test's port loaded with the same weights (pdctl's layout mapped
+    by `reference_state_dict`), on the same inputs."""
+    ci_fns, x = global_case()
+    ref = GlobalSharedTransformerCiFn(
+        {p: TargetLayerConfig(input_dim=d_in, C=C) for p, (d_in, C) in SITES.items()},
+        d_model=D, n_layers=N_BLOCKS, n_heads=HEADS, mlp_hidden_dims=[FFN],
+    )  # fmt: skip
+    real = run_torch_reference(ref, ci_fns, x)
+    port = run_torch_reference(torch_reference(SITES, D, N_BLOCKS, HEADS, FFN), ci_fns, x)
+    ours = _logits(ci_fns, x)
+    for p in SITES:
+        z = real[p]
+        rows = ", ".join("[" + ", ".join(f"{v:.6f}" for v in r) + "]"
+                         for r in (z[0, 0], z[0, 4], z[1, 2]))  # fmt: skip
+        print(f"global {p!r}: [{rows}]")
+    diff = lambda a, b: max(float(np.abs(a[p] - b[p]).max()) for p in SITES)  # noqa: E731
+    scale = max(float(np.abs(real[p]).max()) for p in SITES)
+    print(f"global: max |logit| {scale:.3f}; max abs diff reference - port {diff(real, port):.3g},"
+          f" reference - pdctl {diff(real, ours):.3g}")  # fmt: skip
+
+
 if __name__ == "__main__":
     sigmoid_numbers()
     transformer_numbers()
+    global_numbers()

@@ -366,10 +366,15 @@ class SiteConfig(Section):
 class CiFnConfig(Section):
     """mlp: one MLP per component on (x @ V)_c; vector_mlp: one MLP per component on x;
     shared_mlp: one MLP from x to all C logits; transformer (language models): a small
-    bidirectional transformer over each site's RMS-normalised inputs along the sequence."""
+    bidirectional transformer over each site's RMS-normalised inputs along the sequence;
+    global_shared_transformer (language models): ONE such transformer for all sites, over all
+    their inputs (each projected to d_model and summed), with one CI head per site."""
 
-    type: Literal["mlp", "vector_mlp", "shared_mlp", "transformer"] = Field(
-        "mlp", description="mlp | vector_mlp | shared_mlp | transformer"
+    type: Literal["mlp", "vector_mlp", "shared_mlp", "transformer", "global_shared_transformer"] = (
+        Field(
+            "mlp",
+            description="mlp | vector_mlp | shared_mlp | transformer | global_shared_transformer",
+        )
     )
     hidden: list[Pos] = Field([16], description="hidden layer widths (the MLP types)")
     d_model: Pos = Field(64, description="transformer: width of its residual stream")
@@ -382,7 +387,7 @@ class CiFnConfig(Section):
     def arch(self) -> tuple[int, ...]:
         """The static shape argument of `components.init_ci_fn` for this type: the MLP types'
         hidden widths, or the transformer's (d_model, n_heads, n_blocks, ffn_hidden)."""
-        if self.type == "transformer":
+        if self.type in ("transformer", "global_shared_transformer"):
             return (self.d_model, self.n_heads, self.n_blocks, self.ffn_hidden)
         return tuple(self.hidden)
 
@@ -554,6 +559,21 @@ class LossConfig(Section):
     )
     adv_fraction: Frac = Field(
         0.5, description="merged_recon: probability that an example is masked adversarially"
+    )
+    # goodfire-ai/param-decomp's ChunkwiseSubsetReconLoss
+    chunkwise_recon: NonNegF = Field(
+        0.0,
+        description="coefficient: the sites cut into chunks of sites_per_chunk; per chunk one "
+        "masked forward (per decomp.n_mask_samples) with only that chunk's sites masked, "
+        "routed among them by subset_routing, from the clean stream at the chunk's first "
+        "block; the mean over chunks (param-decomp scales it 0.5 x the number of chunks)",
+    )
+    sites_per_chunk: Pos | None = Field(
+        None,
+        description="chunkwise_recon: consecutive sites (in the target's site order) per chunk, "
+        "the last chunk shorter if they do not divide (default unset: one chunk of every site, "
+        "the stochastic_recon_subset term)",
+        examples=[56],
     )
 
     @model_validator(mode="after")
@@ -967,10 +987,10 @@ def _check_cross_fields(cfg: Config) -> None:
             f"{tc.batch_size} (per-batch PPGD sources are sized by the micro-batch)"
         )
     ci = cfg.decomp.ci_fn
-    if ci.type == "transformer":
+    if ci.type in ("transformer", "global_shared_transformer"):
         if not is_sequence_model(cfg):
             raise PdctlError(
-                "decomp.ci_fn.type: 'transformer' attends over a sequence and needs a "
+                f"decomp.ci_fn.type: {ci.type!r} attends over a sequence and needs a "
                 "language-model target; use mlp, vector_mlp or shared_mlp"
             )
         if ci.d_model % ci.n_heads or (ci.d_model // ci.n_heads) % 2:

@@ -211,6 +211,14 @@ def _attributions(project: Any, n_components: int, top: int, on_component: Any) 
     from pdctl.stages.env import StageEnv, corpus_tokens
 
     check_options(n_components, top)
+    kind = project.config.decomp.ci_fn.type
+    if kind == "global_shared_transformer":
+        # (each component's CI logit comes from one function of every site's input: the
+        # per-site gradient below would have to capture them all)
+        raise PdctlError(
+            f"attributions: not available for decomp.ci_fn.type = {kind!r} (one site's CI "
+            "depends on every site's input); the harvest, clusters and browse work as usual"
+        )
     path = harvest_dir(project) / "harvest.db"
     with project.locked():
         con = db.open_readonly(path)

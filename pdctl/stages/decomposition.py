@@ -90,18 +90,21 @@ def abstract_decomposition(cfg: Config, target: Target) -> dict[str, Any]:
     key = jax.random.PRNGKey(0)
 
     ties = comps.component_ties(target.tied_sites(), sites)
+    kind = cfg.decomp.ci_fn.type
+    site_hidden = comps.site_ci_arch(kind, hidden, [s[0] for s in sites.values()])
 
     def build(key):
+        ci_fns = {p: comps.init_ci_fn(key, kind, s[0], s[2], site_hidden) for p, s in sites.items()}
+        shared = comps.init_shared_ci_fn(key, kind, hidden)  # the global CI function's trunk
+        if shared is not None:
+            ci_fns[comps.SHARED_CI_KEY] = shared
         return {
             "components": {
                 p: comps.init_site_components(key, *s, dtype)
                 for p, s in sites.items()
                 if p not in ties
             },
-            "ci_fns": {
-                p: comps.init_ci_fn(key, cfg.decomp.ci_fn.type, s[0], s[2], hidden)
-                for p, s in sites.items()
-            },
+            "ci_fns": ci_fns,
             "sources": {
                 p: comps.init_source(key, source_shape(cfg, s[2]), cfg.train.ppgd.sigmoid)
                 for p, s in sites.items()

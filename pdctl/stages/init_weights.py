@@ -106,15 +106,28 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
     )
     out["components"] = {p: v for p, v in out["components"].items() if p not in ties}
     compile_s.update({f"components_{k}": v for k, v in t.items()})
+    site_hidden = comps.site_ci_arch(kind, hidden, [sites[n][0] for n in names])
     out["ci_fns"], t = grouped_init(
         comps.init_ci_fn,
         names,
-        [(kind, sites[n][0], sites[n][2], hidden) for n in names],
+        [(kind, sites[n][0], sites[n][2], site_hidden) for n in names],
         ci_keys,
         mesh,
         spec_fn,
     )
     compile_s.update({f"ci_fns_{k}": v for k, v in t.items()})
+    if kind == comps.GLOBAL_CI:
+        # the part every site shares (the global CI function's trunk), under its reserved key
+        shared, t = grouped_init(
+            comps.init_shared_ci_fn,
+            [comps.SHARED_CI_KEY],
+            [(kind, tuple(hidden))],
+            comps.shared_ci_key(key)[None],
+            mesh,
+            spec_fn,
+        )
+        out["ci_fns"].update(shared)
+        compile_s.update({f"ci_shared_{k}": v for k, v in t.items()})
     out["sources"], t = grouped_init(
         comps.init_source,
         names,

@@ -117,7 +117,11 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
         # a stacked unit's captured inputs have its layers ahead of the batch: (L, B, ...)
         axes = {p: int(members(p) is not None) for p in clean.site_inputs}
         resid = None if clean.residual is None else 0  # (B, T, d): batch first
-        batch_axes = {"x": 0, "clean": clean._replace(out=0, site_inputs=axes, residual=resid)}
+        starts = None if clean.starts is None else dict.fromkeys(clean.starts, 0)  # likewise
+        batch_axes = {
+            "x": 0,
+            "clean": clean._replace(out=0, site_inputs=axes, residual=resid, starts=starts),
+        }
         return split_micro({"x": x, "clean": clean}, k_accum, mesh, batch_axes)
 
     def value_and_grads(trainable, sources, target_params, clean, x, key, step_frac, freq):

@@ -2,6 +2,11 @@
 
 `ci_lower` (lower-leaky) feeds every mask; `ci_upper` (upper-leaky) feeds importance
 minimality only. Both are squashings of the same logits `z`.
+
+Every CI function type but one is per site (`ci_fn_apply`: one site's logits from that site's
+input). `global_shared_transformer` is one transformer over all sites' inputs with a head per
+site (`global_ci_logits`; its parameters' layout is in `components`' module docstring);
+`compute_ci` runs either kind behind the same interface.
 """
 
 from collections.abc import Mapping, Sequence
@@ -12,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from pdctl.science import arrays
-from pdctl.science.spd.components import expand_left
-from pdctl.science.spd.grouped import map_sites
+from pdctl.science.spd.components import GLOBAL_CI, SHARED_CI_KEY, expand_left
+from pdctl.science.spd.grouped import map_sites, members
 from pdctl.science.spd.masks import window_draw
 
 Array = jax.Array
@@ -95,9 +100,15 @@ def ci_fn_apply(
     """CI logits z (..., C) for one site.
 
     `x_in` (..., d_in) is the site input, `h` (..., C) = x_in @ V the component activations
-    (only `mlp` uses h, the others only x_in)."""
+    (only `mlp` uses h, the others only x_in). Not for `global_shared_transformer`, whose
+    sites' logits all depend on every site's input: `compute_ci` / `global_ci_logits`."""
     if kind == "transformer":
         return transformer_ci(params, x_in)
+    if kind == GLOBAL_CI:
+        raise ValueError(
+            f"{GLOBAL_CI} reads every site's input at once: use compute_ci (or "
+            "global_ci_logits), not one site's CI function"
+        )
     n_layers = len(params)
     if kind == "shared_mlp":
         a = x_in.astype(jnp.float32)
@@ -159,20 +170,70 @@ def transformer_ci(params: Mapping[str, Any], x_in: Array) -> Array:
     attention with RoPE on q and k and no biases; pre-norm blocks, all norms weightless. The
     blocks run as a scan over their stacked parameters."""
     a = _rms(x_in.astype(jnp.float32)) @ params["in"]["W"] + params["in"]["b"]
-
-    def block(a: Array, blk: Mapping[str, Array]) -> tuple[Array, None]:
-        h = _rms(a)
-        q, k, v = (jnp.einsum("...td,dnh->...tnh", h, blk[w]) for w in ("wq", "wk", "wv"))
-        q, k = _rope(q), _rope(k)
-        scores = jnp.einsum("...tnh,...snh->...nts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
-        o = jnp.einsum("...nts,...snh->...tnh", jax.nn.softmax(scores, axis=-1), v)
-        a = a + jnp.einsum("...tnh,nhd->...td", o, blk["wo"])
-        h = _rms(a)
-        return a + _gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"], None
-
-    if params["blocks"]["wq"].shape[0]:
-        a, _ = jax.lax.scan(block, a, params["blocks"])
+    a = _transformer_blocks(a, params["blocks"])
     return a @ params["out"]["W"] + params["out"]["b"]
+
+
+def _block(a: Array, blk: Mapping[str, Array]) -> tuple[Array, None]:
+    """One pre-norm block (the scan's body): a += attn(rms(a)); a += mlp(rms(a))."""
+    h = _rms(a)
+    q, k, v = (jnp.einsum("...td,dnh->...tnh", h, blk[w]) for w in ("wq", "wk", "wv"))
+    q, k = _rope(q), _rope(k)
+    scores = jnp.einsum("...tnh,...snh->...nts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    o = jnp.einsum("...nts,...snh->...tnh", jax.nn.softmax(scores, axis=-1), v)
+    a = a + jnp.einsum("...tnh,nhd->...td", o, blk["wo"])
+    h = _rms(a)
+    return a + _gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"], None
+
+
+def _transformer_blocks(a: Array, blocks: Mapping[str, Array]) -> Array:
+    """The residual stream a (..., T, d) through the blocks stacked along their leading axis,
+    as a scan (none when there are no blocks)."""
+    if blocks["wq"].shape[0]:
+        a, _ = jax.lax.scan(_block, a, blocks)
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# The global shared transformer (goodfire-ai/spd `GlobalSharedTransformerCiFn`): one trunk for
+# every site. Parameter layout: `components` module docstring.
+
+
+def global_ci_logits(
+    ci_fns: Mapping[str, Any], site_inputs: Mapping[str, Array]
+) -> dict[str, Array]:
+    """CI logits {unit: z} of every unit of `site_inputs` (site paths, or stacked units whose
+    inputs come as (L, ..., T, d_in) and whose logits go back as (L, ..., T, C)):
+
+        a = sum over sites of rms(x_site) @ W_in[site]  +  b_in
+        per block (shared): a += attn(rms(a));  a += W2 gelu(rms(a) W1 + b1) + b2
+        z_site = a @ W_out[site] + b_out[site]
+
+    which is the reference's forward: its input Linear over the concatenation of the
+    independently RMS-normalised inputs IS the sum of the per-site row blocks' products (up to
+    float reassociation), and its output Linear split by site the per-site heads. The sites
+    of a stacked unit are summed inside one contraction over (layer, d_in)."""
+    shared = ci_fns[SHARED_CI_KEY]
+    a = None
+    for u, x in site_inputs.items():
+        W = ci_fns[u]["in"]["W"]
+        h = _rms(x.astype(jnp.float32))
+        # a stacked unit: (L, ..., d_in) with W (L, d_in, d), its members summed in the product
+        p = jnp.einsum("l...i,lid->...d", h, W) if members(u) is not None else h @ W
+        a = p if a is None else a + p
+    if a is None:
+        raise ValueError(f"{GLOBAL_CI} needs at least one site's input")
+    a = a + expand_left(shared["in"]["b"], a.ndim)
+    a = _transformer_blocks(a, shared["blocks"])
+    out = {}
+    for u in site_inputs:
+        head = ci_fns[u]["out"]
+        if members(u) is not None:  # W (L, d, C), b (L, C) -> (L, ..., C)
+            z = jnp.einsum("...d,ldc->l...c", a, head["W"])
+            out[u] = z + head["b"].reshape(head["b"].shape[0], *(1,) * (a.ndim - 1), -1)
+        else:
+            out[u] = a @ head["W"] + expand_left(head["b"], a.ndim)
+    return out
 
 
 def _per_component(a: Array, W: Array) -> Array:
@@ -214,7 +275,11 @@ def compute_ci(
     `inner` {site: x @ V}, computed by the caller (which shares it with other uses), replaces
     the site's own product. `window` (start, full): the inputs are rows of a batch of `full`
     examples, and binomial sampling's noise is those rows of that batch's draw
-    (`masks.window_draw`)."""
+    (`masks.window_draw`).
+
+    `global_shared_transformer`: the logits of every site come from one function of all the
+    sites' inputs (`global_ci_logits`), so `site_inputs` must hold every site of `ci_fns`;
+    the squashing and its noise are then per site as above (same draws)."""
     # remat: recompute the CI MLP's (..., C, hidden) activations in the backward
     apply = arrays.remat(ci_fn_apply, remat, static_argnums=(0,))
     if sampling == "binomial" and key is None:
@@ -222,17 +287,27 @@ def compute_ci(
     if sampling not in ("continuous", "binomial"):
         raise ValueError(f"unknown sampling {sampling!r}")
 
-    def one(i, x_in: Array, V: Array, params: Any, h: Array | None) -> tuple[Array, Array]:
-        if h is None:
-            h = x_in.astype(V.dtype) @ V
-        z = apply(kind, params, x_in, h)
+    def squashed(i, z: Array) -> tuple[Array, Array]:
         if sampling == "continuous":
             return squash(z, sigmoid)
         draw = partial(jax.random.uniform, dtype=z.dtype)
         u = window_draw(draw, jax.random.fold_in(key, i), z.shape, window)
         return squash(1.05 * z - 0.05 * u, sigmoid)[0], squash(z, sigmoid)[1]
 
+    def one(i, x_in: Array, V: Array, params: Any, h: Array | None) -> tuple[Array, Array]:
+        if h is None:
+            h = x_in.astype(V.dtype) @ V
+        return squashed(i, apply(kind, params, x_in, h))
+
     paths = list(site_inputs)
+    if kind == GLOBAL_CI:
+        missing = sorted(set(ci_fns) - {SHARED_CI_KEY} - set(paths))
+        if missing:
+            # every site's CI depends on every site's input: a subset would be another function
+            raise ValueError(f"{GLOBAL_CI} needs every site's input; missing {missing}")
+        z = arrays.remat(global_ci_logits, remat)(ci_fns, site_inputs)
+        out = map_sites(squashed, paths, z, grouped=grouped, order=order)
+        return {p: out[p][0] for p in paths}, {p: out[p][1] for p in paths}
     V_of = {p: components[p]["V"] for p in paths}
     h_of = {p: (inner or {}).get(p) for p in paths}
     out = map_sites(one, paths, site_inputs, V_of, ci_fns, h_of, grouped=grouped, order=order)

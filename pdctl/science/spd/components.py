@@ -4,7 +4,21 @@ Layout (plain nested dicts keyed by the target's dotted site path):
   components = {path: {"V": (d_in, C), "U": (C, d_out)}}
   ci_fns     = {path: {"0": {"W": ..., "b": ...}, "1": {...}, ...}}   (layers in order)
                or, for the transformer CI function, {path: {"in", "blocks", "out"}}
+               or, for the global shared transformer, {path: {"in": {"W"}, "out": {"W", "b"}},
+               ..., SHARED_CI_KEY: {"in": {"b"}, "blocks": {...}}}   (see below)
   sources    = {path: (C + 1,) or (seq_len, C + 1)}                   (last entry: delta)
+
+The global shared transformer (`global_shared_transformer`, goodfire-ai/spd's
+`GlobalSharedTransformerCiFn`) is ONE transformer over every site's input with one CI head per
+site. Its reference input projection is one Linear over the concatenation of the sites'
+RMS-normalised inputs; that matrix is stored here cut into its per-site row blocks, so the
+projection is the sum over sites of rms(x_site) @ W_in[site] plus the one shared bias. What
+belongs to one site (its row block of the input projection, its head: its columns of the
+reference's output Linear) lives under the site's key like any per-site CI function: stacking
+of repeated sites over layers (`stacked.Stacking`), the sharding rules, checkpoints and export
+treat it as they treat today's per-site parameters. What all sites share (the input bias and
+the blocks) lives under the reserved key `SHARED_CI_KEY`, which is no site path and no group
+key: `Stacking.stack` / `per_site` pass it through unchanged.
 
 Every per-site init function is a pure function of one raw uint32 key with no Python branching
 on key values, so the engine can `vmap` it over a stack of same-shaped sites and get the same
@@ -25,7 +39,13 @@ from pdctl.science.arrays import expand_left
 Array = jax.Array
 Components = dict[str, dict[str, Array]]
 CiParams = dict[str, dict[str, Array]]
-CI_KINDS = ("mlp", "vector_mlp", "shared_mlp", "transformer")
+CI_KINDS = ("mlp", "vector_mlp", "shared_mlp", "transformer", "global_shared_transformer")
+# The CI function that reads every site's input at once, and the ci_fns key of its shared part.
+GLOBAL_CI = "global_shared_transformer"
+SHARED_CI_KEY = "_shared"
+# The fold of the CI-function key stream that seeds the shared part: sites take fold i for
+# i < n_sites, so this one is no site's whatever the number of sites.
+_SHARED_FOLD = 2**32 - 1
 
 
 def init_site_components(
@@ -98,7 +118,7 @@ def _scaled_normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
 def ci_layer_dims(kind: str, d_in: int, C: int, hidden: Sequence[int]) -> list[int]:
     """Widths from input to output of one CI MLP (per component for mlp / vector_mlp); for
     the transformer, of its input projection, residual stream and output head."""
-    if kind == "transformer":
+    if kind in ("transformer", GLOBAL_CI):
         return [d_in, hidden[0], C]
     if kind == "mlp":
         return [1, *hidden, 1]
@@ -111,7 +131,10 @@ def ci_layer_dims(kind: str, d_in: int, C: int, hidden: Sequence[int]) -> list[i
 
 def init_ci_fn(key: Array, kind: str, d_in: int, C: int, hidden: Sequence[int]) -> CiParams:
     """Weights of one site's CI function, float32. For `transformer`, `hidden` is the
-    architecture `(d_model, n_heads, n_blocks, ffn_hidden)` (`init_transformer_ci_fn`).
+    architecture `(d_model, n_heads, n_blocks, ffn_hidden)` (`init_transformer_ci_fn`); for
+    `global_shared_transformer` that with the input projection's fan-in appended
+    (`site_ci_arch`), and the result only the site's own part (`init_global_site_ci_fn`; the
+    shared part: `init_shared_ci_fn`).
 
     Hidden layers: N(0, 2/fan_in) (Kaiming, ReLU gain, as the references do even though the
     nonlinearity is GELU); the output layer: N(0, 1/fan_in); biases zero. `mlp` and
@@ -120,6 +143,13 @@ def init_ci_fn(key: Array, kind: str, d_in: int, C: int, hidden: Sequence[int]) 
     """
     if kind == "transformer":
         return init_transformer_ci_fn(key, d_in, C, *hidden)
+    if kind == GLOBAL_CI:
+        if len(hidden) != 5:
+            raise ValueError(
+                f"{GLOBAL_CI}: a site's init takes (d_model, n_heads, n_blocks, ffn_hidden, "
+                f"fan_in) (`site_ci_arch`), got {tuple(hidden)}"
+            )
+        return init_global_site_ci_fn(key, d_in, C, hidden[0], hidden[4])
     dims = ci_layer_dims(kind, d_in, C, hidden)
     n_layers = len(dims) - 1
     stacked = (C,) if kind in ("mlp", "vector_mlp") else ()
@@ -183,6 +213,72 @@ def init_transformer_ci_fn(
     }
 
 
+def site_ci_arch(kind: str, arch: Sequence[int], d_ins: Sequence[int]) -> tuple[int, ...]:
+    """The `hidden` argument `init_ci_fn` takes for every site: the config's `arch` as it is,
+    or for the global shared transformer with the sum of every site's d_in appended (the
+    fan-in of its one input projection, of which each site holds a row block)."""
+    if kind == GLOBAL_CI:
+        return (*arch, int(sum(d_ins)))
+    return tuple(arch)
+
+
+def init_global_site_ci_fn(key: Array, d_in: int, C: int, d_model: int, fan_in: int) -> CiParams:
+    """One site's part of the global shared transformer, float32: its row block of the input
+    projection, N(0, 2/fan_in) with fan_in the summed d_in of all sites (Kaiming, ReLU gain, as
+    the reference initialises its one Linear over the concatenated inputs), and its CI head,
+    N(0, 1/d_model) with a zero bias (the reference's output Linear, cut by site):
+      {"in": {"W": (d_in, d_model)}, "out": {"W": (d_model, C), "b": (C,)}}
+    One normal draw, split afterwards."""
+    d = d_model
+    z = jax.lax.optimization_barrier(jax.random.normal(key, (d_in * d + d * C,), jnp.float32))
+    w_in = z[: d_in * d].reshape(d_in, d) * (2.0 / fan_in) ** 0.5
+    w_out = z[d_in * d :].reshape(d, C) * (1.0 / d) ** 0.5
+    return {"in": {"W": w_in}, "out": {"W": w_out, "b": jnp.zeros((C,), jnp.float32)}}
+
+
+def init_shared_ci_fn(key: Array, kind: str, arch: Sequence[int]) -> dict[str, Any] | None:
+    """The part of the CI function all sites share (`ci_fns[SHARED_CI_KEY]`), float32; None
+    for the per-site kinds. For the global shared transformer, `arch` = (d_model, n_heads,
+    n_blocks, ffn_hidden): the input projection's bias (zero) and the blocks, initialised as
+    the per-site transformer's (`init_transformer_ci_fn`: FFN-in N(0, 2/d), FFN-out N(0, 1/ffn),
+    the bias-free attention U(+-1/sqrt(d)), biases zero), laid out as its "blocks":
+      {"in": {"b": (d,)}, "blocks": {"wq", "wk", "wv": (n, d, heads, head_dim),
+                                     "wo": (n, heads, head_dim, d), "w1": (n, d, ffn),
+                                     "b1": (n, ffn), "w2": (n, ffn, d), "b2": (n, d)}}"""
+    if kind != GLOBAL_CI:
+        return None
+    d, n_heads, n, f = (int(a) for a in arch[:4])
+    hd = d // n_heads
+    k_normal, k_uniform = jax.random.split(key)
+    z = jax.lax.optimization_barrier(jax.random.normal(k_normal, (2 * n * d * f,), jnp.float32))
+    w1 = z[: n * d * f].reshape(n, d, f) * (2.0 / d) ** 0.5
+    w2 = z[n * d * f :].reshape(n, f, d) * (1.0 / f) ** 0.5
+    u = jax.random.uniform(k_uniform, (4, n, d, d), jnp.float32, -1.0, 1.0)
+    u = jax.lax.optimization_barrier(u) * (1.0 / d**0.5)
+    heads = u.reshape(4, n, d, n_heads, hd)
+    zeros = partial(jnp.zeros, dtype=jnp.float32)
+    return {
+        "in": {"b": zeros((d,))},
+        "blocks": {
+            "wq": heads[0],
+            "wk": heads[1],
+            "wv": heads[2],
+            "wo": u[3].reshape(n, n_heads, hd, d),
+            "w1": w1,
+            "b1": zeros((n, f)),
+            "w2": w2,
+            "b2": zeros((n, d)),
+        },
+    }
+
+
+def shared_ci_key(key: Array) -> Array:
+    """The raw key of the shared CI part: the CI-function stream of `site_keys` folded with
+    an index no site takes."""
+    stream = jax.random.split(_raw_key(key), 3)[1]
+    return jax.random.fold_in(stream, _SHARED_FOLD)
+
+
 def init_source(key: Array, shape: tuple[int, ...], sigmoid: bool = False) -> Array:
     """PPGD source, float32: U[0, 1) per entry, or N(0, 1) with the sigmoid parametrisation
     (the masks then see sigmoid(s)), as the reference's `PersistentPGDState`."""
@@ -226,13 +322,17 @@ def init_decomposition_reference(
     sigmoid_sources: bool = False,
 ) -> tuple[Components, dict[str, CiParams], dict[str, Array]]:
     """The straightforward per-site init: `sites` is {path: (d_in, d_out, C)} in forward order,
-    `source_shape(C)` the shape of that site's source (e.g. `lambda C: (C + 1,)`).
+    `source_shape(C)` the shape of that site's source (e.g. `lambda C: (C + 1,)`), `hidden`
+    the config's CI architecture (`CiFnConfig.arch()`). A CI function with a shared part
+    (`init_shared_ci_fn`) has it under `SHARED_CI_KEY`, drawn from `shared_ci_key(key)`.
 
     The engine's grouped/vmapped init must reproduce these values bit for bit."""
     comp_keys, ci_keys, src_keys = site_keys(key, len(sites))
     components: Components = {}
     ci_fns: dict[str, CiParams] = {}
     sources: dict[str, Array] = {}
+    arch = tuple(hidden)
+    hidden = site_ci_arch(ci_kind, arch, [s[0] for s in sites.values()])
     for i, (path, (d_in, d_out, C)) in enumerate(sites.items()):
         components[path], ci_fns[path], sources[path] = _init_site_jit(
             comp_keys[i],
@@ -249,7 +349,13 @@ def init_decomposition_reference(
                 sigmoid_sources,
             ),
         )
+    shared = _init_shared_jit(shared_ci_key(key), ci_kind, arch)
+    if shared is not None:
+        ci_fns[SHARED_CI_KEY] = shared
     return components, ci_fns, sources
+
+
+_init_shared_jit = jax.jit(init_shared_ci_fn, static_argnums=(1, 2))
 
 
 @partial(jax.jit, static_argnums=(3,))

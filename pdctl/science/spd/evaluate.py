@@ -360,7 +360,7 @@ def lm_eval_program(
     def prepare(target_params, components, ci_fns, x, key, window=None):
         """(clean logits, the stream the masked forwards start from or None, the Recon's
         residual, ci_lower, the maskings' keys) of batch x."""
-        clean, site_inputs, residual = clean_forward(target, target_params, x, paths)
+        clean, site_inputs, residual = clean_forward(target, target_params, x, paths)[:3]
         k_ci, k_mask, k_rand = jax.random.split(key, 3)
         # every masked forward starts where the first site is (`losses.Clean.residual`)
         start = None if residual is None else Residual(prefix_layer(target, order), residual)

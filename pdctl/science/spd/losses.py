@@ -19,7 +19,10 @@ Conventions (the SPD paper, Bushnaq et al. 2025, as goodfire-ai/spd implements i
   reference's `CIMaskedReconLoss` / `UnmaskedReconLoss`).
 - Layerwise recon draws one set of masks per sample and runs one forward per site with only that
   site masked (`StochasticReconLayerwiseLoss`); subset recon draws masks and a routing per sample
-  and masks every routed site at once (`StochasticReconSubsetLoss`).
+  and masks every routed site at once (`StochasticReconSubsetLoss`); chunkwise recon
+  (param-decomp's `ChunkwiseSubsetReconLoss`, `chunkwise_recon_loss`) cuts the sites into
+  consecutive chunks and runs the subset forward per chunk, only its sites masked and routed,
+  from the clean stream at the chunk's first block; the mean over chunks and samples.
 - PPGD (persistent sources, `PersistentPGDReconLoss`): the term uses the sources as they are at
   this step; the train step takes their gradient from this same term, after the main loss, and
   moves them by ONE ascent step (see `pdctl.stages.train`).
@@ -39,6 +42,7 @@ Conventions (the SPD paper, Bushnaq et al. 2025, as goodfire-ai/spd implements i
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -56,7 +60,13 @@ from pdctl.science.spd.components import (
     fold_tied,
     masked_site_fn,
 )
-from pdctl.science.spd.grouped import map_sites, members, per_site_views, sites_of
+from pdctl.science.spd.grouped import (
+    group_key,
+    map_sites,
+    members,
+    per_site_views,
+    sites_of,
+)
 from pdctl.science.spd.masks import (
     Window,
     lead_shape,
@@ -90,6 +100,10 @@ class Clean(NamedTuple):
     out: Array
     site_inputs: dict[str, Array]
     residual: Array | None = None
+    # {block: the clean stream entering it} for each chunk's first block above block 0
+    # (chunkwise recon, `clean_forward(starts=...)`): a chunk's forwards start there; None
+    # when the step keeps none
+    starts: dict[int, Array] | None = None
 
 
 def prefix_layer(target: Any, paths: Sequence[str]) -> int | None:
@@ -101,26 +115,41 @@ def prefix_layer(target: Any, paths: Sequence[str]) -> int | None:
 
 
 def clean_forward(
-    target: Any, params: Any, x: Array, paths: tuple[str, ...] | list[str], prefix: bool = True
+    target: Any,
+    params: Any,
+    x: Array,
+    paths: tuple[str, ...] | list[str],
+    prefix: bool = True,
+    starts: Sequence[int] = (),
 ) -> Clean:
     """The frozen target's output and the inputs of the sites in `paths`, stop-gradient
     (`Target.apply_sites` captures them); with `prefix` (and a block to start at,
-    `prefix_layer`) also the stream the masked forwards start from (`Clean.residual`)."""
+    `prefix_layer`) also the stream the masked forwards start from (`Clean.residual`), and
+    the stream entering each block of `starts` (`Clean.starts`, chunkwise recon's chunks;
+    none of them below the prefix)."""
     if getattr(target, "remat", "none") != "none":
         # This forward is stop-gradient: it has nothing to rematerialise (and capturing site
         # inputs from inside a rematerialised block would leak its tracers).
         target = dataclasses.replace(target, remat="none")
     layer = prefix_layer(target, paths) if prefix else None
-    residual = None if layer is None else Residual(layer)
+    kept_at = {i: Residual(i) for i in sorted({*starts, *([] if layer is None else [layer])})}
     # (targets without blocks take no `residual`: passed only when there is one to keep)
-    kw = {} if residual is None else {"residual": residual}
+    wanted = tuple(kept_at.values())
+    kw = {"residual": wanted[0] if len(wanted) == 1 else wanted} if wanted else {}
     out, captured = apply_sites(target, params, x, capture=tuple(paths), **kw)
     site_inputs = {p: jax.lax.stop_gradient(captured[p]) for p in paths}
-    kept = None if residual is None else jax.lax.stop_gradient(residual.x)
-    return Clean(jax.lax.stop_gradient(out), site_inputs, kept)
+    kept = {i: jax.lax.stop_gradient(r.x) for i, r in kept_at.items()}
+    return Clean(
+        jax.lax.stop_gradient(out),
+        site_inputs,
+        None if layer is None else kept[layer],
+        {i: kept[i] for i in starts} if starts else None,
+    )
 
 
 def _masked_site(x_in: Array, W: Array, data: tuple, tail: Array | None = None) -> Array:
+    if not data:  # a site passed through (`masked_forward`'s `plain`): the target's own product
+        return x_in @ W if tail is None else (x_in @ W) @ tail
     return masked_site_fn(W, *data, tail=tail)(x_in)
 
 
@@ -134,12 +163,16 @@ def masked_forward(
     routes: Dict | None = None,
     inner: Dict | None = None,
     start: Residual | None = None,
+    plain: Sequence[str] = (),
 ) -> Array:
     """Target forward with the sites in `masks` replaced by their masked components
     (`components.masked_site_fn`, with each site's W as the target reads it from `params`);
     `inner` {path: x @ V} for sites whose input in this forward is known (`Recon.inner`);
     `start`: begin at that block from that stream (the clean prefix, `Clean.residual`; no site
-    of `masks` may sit below it)."""
+    of `masks` may sit below it). `plain`: sites or units (none of `masks`) that compute
+    `x_in @ W` as the target does, but as sites with (empty) data: a scanned target then scans
+    their layers like any with sites, where it would unroll layers without any
+    (`HFCausalLM.apply_sites`)."""
     inner = inner or {}
     data = {
         path: (
@@ -152,6 +185,7 @@ def masked_forward(
         )
         for path, mask in masks.items()
     }
+    data.update({path: () for path in plain})
     if start is None:
         out, _ = apply_sites(target, params, x, _masked_site, data)
     else:
@@ -205,24 +239,43 @@ class Recon:
     # the clean stream entering the first block with a site (`Clean.residual`): every forward
     # starts there (`order` gives the block); None: forwards run whole
     residual: Array | None = None
+    # {block: the clean stream entering it} (`Clean.starts`): where chunkwise recon's forwards
+    # may start instead (`start_at`)
+    starts: Mapping[int, Array] | None = None
 
-    def __call__(self, masks: Dict, delta_masks: Dict | None, routes: Dict | None = None) -> Array:
+    def __call__(
+        self,
+        masks: Dict,
+        delta_masks: Dict | None,
+        routes: Dict | None = None,
+        start: Residual | None = None,
+        plain: Sequence[str] = (),
+    ) -> Array:
+        """D(the forward with `masks`, the clean output), from the clean prefix, or from
+        `start` (a clean stream at or below the lowest block of `masks`, `start_at`); `plain`
+        as `masked_forward`'s."""
         shared = None
         # (a stacked unit among the masks would hide where its members run: no sharing)
         if self.inner and self.order and all(members(p) is None for p in masks):
             first = next((p for p in self.order if p in masks), None)
             if first is not None and first in self.inner:
                 shared = {first: self.inner[first]}
-        start = None
-        if self.residual is not None:
+        if start is None and self.residual is not None:
             if not self.order:  # the block is the first of ALL the step's sites, not of `masks`
                 raise ValueError("Recon.residual needs Recon.order (the step's sites)")
             start = Residual(prefix_layer(self.target, self.order), self.residual)
         out = masked_forward(
             self.target, self.params, self.components, self.x, masks, delta_masks, routes, shared,
-            start,
+            start, plain,
         )  # fmt: skip
         return output_distance(self.out_kind, out, self.clean_out)
+
+    def start_at(self, layer: int | None) -> Residual | None:
+        """The clean stream entering block `layer`, if the clean forward kept it (`starts`);
+        None (the forward starts at the clean prefix, or runs whole) otherwise."""
+        if layer is None or self.starts is None or layer not in self.starts:
+            return None
+        return Residual(layer, self.starts[layer])
 
     def detached(self) -> "Recon":
         """The same with the components held constant (the adversary's objective)."""
@@ -581,6 +634,137 @@ def merged_recon_loss(
     return recon(masks, dmasks, route_assigned(routes, assign))
 
 
+def site_chunks(paths: Sequence[str], sites_per_chunk: int | None) -> tuple[tuple[str, ...], ...]:
+    """The step's sites (per site, in the target's forward order) cut into consecutive chunks
+    of `sites_per_chunk`, the last one shorter when they do not divide (as param-decomp's
+    `ChunkwiseSubsetReconLoss`); None: one chunk of every site."""
+    paths = tuple(paths)
+    if sites_per_chunk is None:
+        return (paths,)
+    if sites_per_chunk < 1:
+        raise ValueError(f"sites_per_chunk must be positive, not {sites_per_chunk}")
+    return tuple(paths[i : i + sites_per_chunk] for i in range(0, len(paths), sites_per_chunk))
+
+
+_UNIT = re.compile(r"^(?P<pre>.+)\.(?P<a>\d+)-\d+\.(?P<name>.+)$")
+
+
+def _slice_key(unit: str, j: int, n: int) -> str:
+    """The key of members j .. j + n - 1 of a stacked unit: a group key of their layers, or
+    the member's own path when n = 1."""
+    if n == 1:
+        return members(unit)[j]
+    where = _UNIT.match(unit)
+    first = int(where["a"]) + j
+    return group_key(where["pre"], first, first + n - 1, where["name"])
+
+
+def _keys_of(units: Sequence[str], sites: set[str]) -> list[str]:
+    """Keys naming exactly the sites of `sites` among `units` (whose members in `sites` are
+    consecutive): plain sites, and a slice of each unit (`_slice_key`)."""
+    out = []
+    for u in units:
+        ms = members(u)
+        if ms is None:
+            if u in sites:
+                out.append(u)
+            continue
+        idx = [j for j, m in enumerate(ms) if m in sites]
+        if idx:
+            if idx != list(range(idx[0], idx[-1] + 1)):
+                raise ValueError(f"the sites of {u} asked for are not consecutive members")
+            out.append(_slice_key(u, idx[0], len(idx)))
+    return out
+
+
+def chunk_views(tree: Mapping[str, Any], chunks: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
+    """Per chunk, the entries of `tree` (keyed by sites or stacked units) for its sites. A
+    plain site is its own entry; a unit whose members fall in several chunks is split once
+    along its member axis (`lax.split`: its backward is one concatenate) into one entry per
+    chunk: a group key of those layers with that slice, or the plain site for a single member.
+    A unit inside one chunk stays as it is."""
+    chunk_of = {site: c for c, sites in enumerate(chunks) for site in sites}
+    out: list[dict[str, Any]] = [{} for _ in chunks]
+    for u, value in tree.items():
+        ms = members(u)
+        if ms is None:
+            if u not in chunk_of:
+                raise ValueError(f"{u} is in no chunk")
+            out[chunk_of[u]][u] = value
+            continue
+        runs: list[list[int]] = []  # [chunk, first member, members]
+        for j, m in enumerate(ms):
+            if m not in chunk_of:
+                raise ValueError(f"{m} is in no chunk")
+            if runs and runs[-1][0] == chunk_of[m]:
+                runs[-1][2] += 1
+            else:
+                runs.append([chunk_of[m], j, 1])
+        if len(runs) == 1:
+            out[runs[0][0]][u] = value
+            continue
+        leaves, tree_def = jax.tree.flatten(value)
+        pieces = [jax.lax.split(a, [n for _, _, n in runs], axis=0) for a in leaves]
+        for k, (c, j, n) in enumerate(runs):
+            part = [p[k] for p in pieces]
+            if n == 1:
+                part = [jnp.squeeze(a, 0) for a in part]
+            out[c][_slice_key(u, j, n)] = jax.tree.unflatten(tree_def, part)
+    return out
+
+
+def chunkwise_recon_loss(
+    recon: Recon,
+    ci_lower: Dict,
+    key: Array,
+    n_samples: int,
+    sampling: str,
+    chunks: Sequence[Sequence[str]],
+    routing: str = "uniform_k",
+    routing_p: float = 0.5,
+) -> Array:
+    """goodfire-ai/param-decomp's `ChunkwiseSubsetReconLoss`: the step's sites in consecutive
+    `chunks` (`site_chunks`); per sample and chunk ONE forward in which only that chunk's
+    sites take stochastic masks, routed by `routing` among the chunk's sites (uniform_k: k ~
+    U{1..sites in the chunk}), every other site keeping the target's weight; the term is the
+    mean of D over all (sample, chunk) forwards. Below a chunk's first block everything is the
+    clean forward, so its forwards start there from the clean stream (`Recon.start_at`;
+    else from the clean prefix, or whole).
+
+    Draws: sample s splits fold_in(key, s) into a mask key and a routing key as
+    `stochastic_recon_loss` does; each site's masks are its draw of that mask key (one draw
+    per site per sample: a site is in one chunk), chunk 0 routes with the routing key itself
+    and chunk c > 0 with fold_in(routing key, c). So with one chunk of every site this is the
+    subset term (`stochastic_recon_loss` with this routing) on the same key, draw for draw.
+
+    On a scanned target (`recon.grouped`) the step's sites after a chunk go through its
+    forwards as `plain` sites (the target's own product), so the layers above the chunk run
+    as one scan, not unrolled: the program stays the same size at any depth."""
+    order = recon.order or tuple(sites_of(list(ci_lower)))
+    ci_views = chunk_views(ci_lower, chunks)
+    comps = {k: v for view in chunk_views(recon.components, chunks) for k, v in view.items()}
+    chunk_recon = dataclasses.replace(recon, components=comps)
+    starts = [chunk_recon.start_at(first_layer(recon.target, sites)) for sites in chunks]
+    after = [
+        _keys_of(tuple(ci_lower), {s for later in chunks[c + 1 :] for s in later})
+        if recon.grouped
+        else []
+        for c in range(len(chunks))
+    ]
+    lead = _lead(ci_lower)
+    total = jnp.zeros((), jnp.float32)
+    for s in range(n_samples):
+        k_mask, k_route = jax.random.split(jax.random.fold_in(key, s))
+        for c, (sites, ci_c) in enumerate(zip(chunks, ci_views, strict=True)):
+            masks, dmasks = stochastic_masks(
+                k_mask, ci_c, sampling, recon.delta, recon.grouped, order
+            )
+            k_c = k_route if c == 0 else jax.random.fold_in(k_route, c)
+            routes = routing_masks(k_c, tuple(ci_c), lead, routing, routing_p, tuple(sites))
+            total = total + chunk_recon(masks, dmasks, routes, starts[c], after[c])
+    return total / (n_samples * len(chunks))
+
+
 def pgd_sources(
     key: Array,
     ci_lower: Dict,
@@ -684,13 +868,17 @@ _CI_KEY = len(TERMS)  # fold of the loss key that the CI noise (binomial samplin
 # The LM recipe's terms, after the CI's fold so that every earlier draw keeps its bits.
 RECIPE_TERMS = ("frequency", "merged_recon")
 _POOL_KEY = _CI_KEY + 1 + len(RECIPE_TERMS)  # the pooled sources' particle draw
+# Terms added after that, each after the pooled draw's fold so that it keeps its bits.
+LATE_TERMS = ("chunkwise_recon",)
 FREQ_STATE = "_freq_state"  # the loss's aux entry with the frequency EMA's new state
 
 
 def _term_fold(name: str) -> int:
     if name in TERMS:
         return TERMS.index(name)
-    return _CI_KEY + 1 + RECIPE_TERMS.index(name)
+    if name in RECIPE_TERMS:
+        return _CI_KEY + 1 + RECIPE_TERMS.index(name)
+    return _POOL_KEY + 1 + LATE_TERMS.index(name)
 
 
 @dataclass(frozen=True)
@@ -768,9 +956,14 @@ def make_spd_fns(
         return {p: jax.lax.stop_gradient(w[p]) for p in paths}
 
     units = tuple(paths if stacking is None else stacking.units(paths))
+    # chunkwise recon: the clean forward keeps the stream entering each chunk's first block
+    # (above block 0; its forwards start there), only when the term is on
+    chunks = site_chunks(paths, lcfg.sites_per_chunk)
+    chunk_on = is_traced(lcfg.chunkwise_recon) or lcfg.chunkwise_recon > 0
+    chunk_starts = sorted({first_layer(target, c) for c in chunks} - {None, 0}) if chunk_on else []
 
     def clean(target_params: Any, x: Array) -> Clean:
-        return clean_forward(target, target_params, x, units)
+        return clean_forward(target, target_params, x, units, starts=chunk_starts)
 
     def ci(
         components: Components,
@@ -803,7 +996,7 @@ def make_spd_fns(
     ) -> Recon:
         return Recon(
             target, target_params, site_weights(target_params), components, x, c.out, delta,
-            out_kind, grouped, paths, inner, c.residual,
+            out_kind, grouped, paths, inner, c.residual, c.starts,
         )  # fmt: skip
 
     pooled = pcfg.scope == "pooled"
@@ -923,6 +1116,9 @@ def make_spd_fns(
                 lcfg.subset_routing,
                 lcfg.subset_p,
             ),
+            "chunkwise_recon": lambda k: chunkwise_recon_loss(
+                recon, ci_lower, k, n, sampling, chunks, lcfg.subset_routing, lcfg.subset_p
+            ),
         }
         if lcfg.sparsity == "smooth_l0":
             compute["importance_minimality"] = lambda k: importance_minimality_loss(
@@ -931,7 +1127,7 @@ def make_spd_fns(
             )  # fmt: skip
         total = jnp.zeros((), jnp.float32)
         metrics: dict[str, Array] = {}
-        for name in TERMS + RECIPE_TERMS:
+        for name in TERMS + RECIPE_TERMS + LATE_TERMS:
             if name in skip:  # the caller adds it (a term that does not depend on the batch)
                 continue
             coeff, k_i = getattr(lcfg, name), jax.random.fold_in(key, _term_fold(name))

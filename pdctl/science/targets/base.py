@@ -39,6 +39,20 @@ class Residual:
     x: jax.Array | None = None
 
 
+# What `residual` may be: one stream to fill in, or several (the clean forward of a step
+# with chunkwise recon keeps the stream entering each chunk's first block).
+Residuals = Residual | Sequence[Residual] | None
+
+
+def residuals(residual: Residuals) -> tuple[Residual, ...]:
+    """`residual` as a tuple of the streams to fill in (none, one or several)."""
+    if residual is None:
+        return ()
+    if isinstance(residual, Residual):
+        return (residual,)
+    return tuple(residual)
+
+
 class Target:
     """Base class. Subclasses set `kind` / `output_kind` and implement the abstract methods.
 
@@ -94,13 +108,14 @@ class Target:
         site_fn: SiteDataFn | None = None,
         site_data: Mapping[str, Any] | None = None,
         capture: Sequence[str] = (),
-        residual: Residual | None = None,
+        residual: Residuals = None,
         start: Residual | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The forward with each site in `site_data` computed as `site_fn(x_in, W, data)`
         instead of `x_in @ W`, and the inputs of the sites in `capture`: (output, {path: x_in}).
-        `residual`: filled in with the stream entering its layer; `start`: begin at its layer
-        from its stream (`Residual`; targets with blocks only, their `apply` takes both).
+        `residual`: filled in with the stream entering its layer (or each of several, at
+        layers at or above `start`'s); `start`: begin at its layer from its stream
+        (`Residual`; targets with blocks only, their `apply` takes both).
 
         The form of overrides a target can scan over layers (the data stack along a layer
         axis; closures cannot): targets with blocks override it. This default builds the

@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 
 from pdctl.science.arrays import expand_left
-from pdctl.science.targets.base import Overrides, Params, Residual, node_at, normal_init
+from pdctl.science.targets.base import (
+    Overrides,
+    Params,
+    Residual,
+    Residuals,
+    node_at,
+    normal_init,
+    residuals,
+)
 from pdctl.science.targets.lm import LMTarget, rope
 
 
@@ -153,18 +161,20 @@ class LlamaMLP(LMTarget):
         params: Params,
         tokens: jax.Array,
         overrides: Overrides | None = None,
-        residual: Residual | None = None,
+        residual: Residuals = None,
         start: Residual | None = None,
     ) -> jax.Array:
         """tokens (B, T) int -> logits (B, T, vocab) float32. `residual` / `start`: the stream
-        entering a layer, filled in / started from (`base.Residual`)."""
+        entering a layer (or several, `residual`), filled in / started from (`base.Residual`)."""
         if start is None:
             first, x_BxTxD = 0, jnp.take(params["embed"], tokens, axis=0)
         else:
             first, x_BxTxD = start.layer, start.x
+        wanted = residuals(residual)
         for i in range(first, self.n_layers):
-            if residual is not None and i == residual.layer:
-                residual.x = x_BxTxD
+            for r in wanted:
+                if i == r.layer:
+                    r.x = x_BxTxD
 
             def block(x_BxTxD, layer, i=i):
                 h = self._rms_norm(x_BxTxD, layer["attn_norm"])

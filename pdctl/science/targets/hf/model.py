@@ -29,11 +29,13 @@ from pdctl.science.targets.base import (
     Overrides,
     Params,
     Residual,
+    Residuals,
     SiteDataFn,
     SiteFn,
     add_bias,
     node_at,
     normal_init,
+    residuals,
     unflatten,
 )
 from pdctl.science.targets.hf.spec import HfSpec, read_hf_config
@@ -372,18 +374,21 @@ class HFCausalLM(LMTarget):
         params: Params,
         tokens: jax.Array,
         overrides: Overrides | None = None,
-        residual: Residual | None = None,
+        residual: Residuals = None,
         start: Residual | None = None,
     ) -> jax.Array:
         """tokens (B, T) int -> logits (B, T, vocab) float32, the blocks unrolled (one copy of
         the block per layer in the program; `apply_sites` scans them). `residual` / `start`:
-        the stream entering a layer, filled in / started from (`base.Residual`)."""
+        the stream entering a layer (or several, `residual`), filled in / started from
+        (`base.Residual`)."""
         params = self.computed(params)
         x_BxTxD, root, layers, first = self._start(params, tokens, start)
         block_fn = self._block_fn()
+        wanted = residuals(residual)
         for i in range(first, self.spec.n_layers):
-            if residual is not None and i == residual.layer:
-                residual.x = x_BxTxD
+            for r in wanted:
+                if i == r.layer:
+                    r.x = x_BxTxD
             pre = f"{self.layer_prefix()}.{i}"
 
             def block(x, layer, i=i, pre=pre):
@@ -404,13 +409,14 @@ class HFCausalLM(LMTarget):
         site_fn: SiteDataFn | None = None,
         site_data: Mapping[str, Any] | None = None,
         capture: Sequence[str] = (),
-        residual: Residual | None = None,
+        residual: Residuals = None,
         start: Residual | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The forward with the sites in `site_data` computed by `site_fn(x_in, W, data)` and
         the inputs of the sites in `capture` returned: (logits, {key: x_in}). `residual` /
-        `start`: the stream entering a layer, filled in / started from (`base.Residual`; no
-        site below `start`'s layer may be in `site_data` or `capture`).
+        `start`: the stream entering a layer (or several, `residual`), filled in / started
+        from (`base.Residual`; no site below `start`'s layer may be in `site_data` or
+        `capture`).
 
         Keys are site paths or stacked units (`science.spd.grouped`: a group of one site name
         over consecutive layers, `model.layers.0-29.mlp.down_proj`, whose data carry a leading
@@ -451,12 +457,15 @@ class HFCausalLM(LMTarget):
             unit, j = unit_j
             return site_data[unit] if j is None else jax.tree.map(lambda a: a[j], site_data[unit])
 
-        cuts = [i for i in (first, None if residual is None else residual.layer) if i]
+        wanted = residuals(residual)
+        # a run starts at `start` and at every stream to keep (its layer's input is the carry)
+        cuts = [i for i in (first, *(r.layer for r in wanted)) if i]
         for lo, stop in self._runs(site_data, capture, cuts):
             if stop <= first:
                 continue
-            if residual is not None and lo == residual.layer:
-                residual.x = x
+            for r in wanted:
+                if lo == r.layer:
+                    r.x = x
             ids = range(lo, stop)
             names = [n for n, _, _ in self.layer_sites()]
             fed = [n for n in names if (lo, n) in data_at]
