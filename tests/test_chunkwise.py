@@ -164,6 +164,7 @@ def _one_chunk_vs_subset(target, params, comps, x, paths, starts, out_kind):
     np.testing.assert_array_equal(got_p, want_p)
 
 
+@pytest.mark.slow  # 4 s on 2 cores: over the fast tier's ~2.5 s (README)
 def test_one_chunk_is_the_subset_term():
     """(1) One chunk holding every site (sites_per_chunk unset, or at least the number of
     sites: `test_chunks_and_their_views`) is `stochastic_recon_subset` on the same key: the
@@ -204,6 +205,7 @@ def _by_hand(target, params, comps, ci, x, paths, key, n_samples, chunks, out_ki
     return total / (n_samples * len(chunks)), routed
 
 
+@pytest.mark.slow  # 3 s on 2 cores: over the fast tier's ~2.5 s (README)
 def test_chunk_forwards_mask_only_their_sites():
     """(2, a toy) The term equals its definition: per chunk a forward with only that chunk's
     sites masked, routed among them (the one-site chunk at every example), the mean."""
@@ -352,6 +354,7 @@ def _toy_cfg(**loss):
     })  # fmt: skip
 
 
+@pytest.mark.slow  # 4 s on 2 cores: over the fast tier's ~2.5 s (README)
 def test_off_by_default_and_the_other_terms_keep_their_draws(monkeypatch):
     """(4) With chunkwise_recon = 0 (the default) the term is never computed and the clean
     forward keeps no chunk streams, whatever sites_per_chunk says: the loss traces to the
