@@ -65,6 +65,7 @@ def tms(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_import_and_reading_the_records_need_no_jax(tms: Path, tmp_path: Path):
     fresh = make_run(tmp_path, "tms", "fresh")
     code = (
@@ -87,6 +88,7 @@ def test_import_and_reading_the_records_need_no_jax(tms: Path, tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_config_status_and_metrics_are_the_records(tms: Path):
     from pdctl.engine.tracking import read_metrics
 
@@ -113,6 +115,7 @@ def test_config_status_and_metrics_are_the_records(tms: Path):
     assert not run.status["train"]["stale"]
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_tables_are_data_frames_with_pandas(tms: Path):
     pd = pytest.importorskip("pandas")
     run = pdctl.open(tms)
@@ -122,6 +125,7 @@ def test_tables_are_data_frames_with_pandas(tms: Path):
     assert isinstance(run.harvest().components, pd.DataFrame)
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_decomposition_is_what_the_report_and_harvest_load(tms: Path):
     from pdctl.stages.decomposition import load_decomposition
 
@@ -151,6 +155,7 @@ def _leaves(tree) -> list:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_the_model_against_the_engine_and_a_hand_forward(tms: Path):
     """TMS: out = relu(x W1 W2 + b), W2 = W1.T. Its forward, CI and masked forwards against
     the engine's functions and against that formula with W replaced by V U (masks 1), by
@@ -220,6 +225,7 @@ def test_the_model_against_the_engine_and_a_hand_forward(tms: Path):
     )
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_the_harvest_tables_are_harvest_db(tms: Path):
     import sqlite3
 
@@ -256,6 +262,7 @@ def test_the_harvest_tables_are_harvest_db(tms: Path):
         )
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_a_newest_checkpoint_that_goes_while_it_is_read_is_read_again(tms: Path, monkeypatch):
     """A running stage keeps `checkpoint.keep` checkpoints: the newest one, listed, can go
     before it is read. Then the newest is listed and read again; a step asked for is not."""
@@ -280,6 +287,7 @@ def test_a_newest_checkpoint_that_goes_while_it_is_read_is_read_again(tms: Path,
     assert calls == [10, 5, 10]
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_bad_input_is_one_line_naming_the_fix(tms: Path, tmp_path: Path):
     fresh = pdctl.open(make_run(tmp_path, "tms", "fresh"))
     one_line_error(lambda: pdctl.open(tmp_path / "nothing"), "no pdctl.toml", "pdctl new")
@@ -315,6 +323,7 @@ def test_bad_input_is_one_line_naming_the_fix(tms: Path, tmp_path: Path):
     one_line_error(lambda: run.harvest().table("sqlite_master"), "'sqlite_master'", "components")
 
 
+@pytest.mark.slow  # the shared harvested TMS run costs ~15 s: the fast tier keeps its 4 minutes
 def test_a_run_held_by_a_running_stage_opens_at_once_and_is_never_written(tms: Path, tmp_path):
     """A process holds the run directory's lock as a running stage does (`Project.locked`, the
     state saying running): every method answers while it holds it, nothing in the directory
