@@ -181,7 +181,7 @@ def init_transformer_ci_fn(
     The head count is an axis of wq, so the parameters alone say how to apply them. All
     normal weights come from ONE draw and all uniform ones from another, split afterwards:
     each RNG body costs a long compile on CPU, so their number must not grow with the blocks."""
-    d, hd, n, f = d_model, d_model // n_heads, n_blocks, ffn_hidden
+    d, n, f = d_model, n_blocks, ffn_hidden
     k_normal, k_uniform = jax.random.split(key)
     normal_parts = [((d_in, d), 2.0 / d_in), ((n, d, f), 2.0 / d), ((n, f, d), 1.0 / f),
                     ((d, C), 1.0 / d)]  # fmt: skip
@@ -193,23 +193,33 @@ def init_transformer_ci_fn(
             jnp.split(z, list(itertools.accumulate(sizes[:-1]))), normal_parts, strict=True
         )
     )
+    zeros = partial(jnp.zeros, dtype=jnp.float32)
+    return {
+        "in": {"W": w_in, "b": zeros((d,))},
+        "blocks": _transformer_blocks(k_uniform, w1, w2, n_heads),
+        "out": {"W": w_out, "b": zeros((C,))},
+    }
+
+
+def _transformer_blocks(k_uniform: Array, w1: Array, w2: Array, n_heads: int) -> CiParams:
+    """The blocks of a transformer CI function from their FFN weights w1 (n, d, ffn) and w2
+    (n, ffn, d): the bias-free attention projections U(+-1/sqrt(d)) from ONE draw of
+    `k_uniform`, zero biases."""
+    n, d, f = w1.shape
+    hd = d // n_heads
     u = jax.random.uniform(k_uniform, (4, n, d, d), jnp.float32, -1.0, 1.0)
     u = jax.lax.optimization_barrier(u) * (1.0 / d**0.5)
     heads = u.reshape(4, n, d, n_heads, hd)
     zeros = partial(jnp.zeros, dtype=jnp.float32)
     return {
-        "in": {"W": w_in, "b": zeros((d,))},
-        "blocks": {
-            "wq": heads[0],
-            "wk": heads[1],
-            "wv": heads[2],
-            "wo": u[3].reshape(n, n_heads, hd, d),
-            "w1": w1,
-            "b1": zeros((n, f)),
-            "w2": w2,
-            "b2": zeros((n, d)),
-        },
-        "out": {"W": w_out, "b": zeros((C,))},
+        "wq": heads[0],
+        "wk": heads[1],
+        "wv": heads[2],
+        "wo": u[3].reshape(n, n_heads, hd, d),
+        "w1": w1,
+        "b1": zeros((n, f)),
+        "w2": w2,
+        "b2": zeros((n, d)),
     }
 
 
@@ -248,27 +258,13 @@ def init_shared_ci_fn(key: Array, kind: str, arch: Sequence[int]) -> dict[str, A
     if kind != GLOBAL_CI:
         return None
     d, n_heads, n, f = (int(a) for a in arch[:4])
-    hd = d // n_heads
     k_normal, k_uniform = jax.random.split(key)
     z = jax.lax.optimization_barrier(jax.random.normal(k_normal, (2 * n * d * f,), jnp.float32))
     w1 = z[: n * d * f].reshape(n, d, f) * (2.0 / d) ** 0.5
     w2 = z[n * d * f :].reshape(n, f, d) * (1.0 / f) ** 0.5
-    u = jax.random.uniform(k_uniform, (4, n, d, d), jnp.float32, -1.0, 1.0)
-    u = jax.lax.optimization_barrier(u) * (1.0 / d**0.5)
-    heads = u.reshape(4, n, d, n_heads, hd)
-    zeros = partial(jnp.zeros, dtype=jnp.float32)
     return {
-        "in": {"b": zeros((d,))},
-        "blocks": {
-            "wq": heads[0],
-            "wk": heads[1],
-            "wv": heads[2],
-            "wo": u[3].reshape(n, n_heads, hd, d),
-            "w1": w1,
-            "b1": zeros((n, f)),
-            "w2": w2,
-            "b2": zeros((n, d)),
-        },
+        "in": {"b": jnp.zeros((d,), jnp.float32)},
+        "blocks": _transformer_blocks(k_uniform, w1, w2, n_heads),
     }
 
 
