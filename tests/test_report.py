@@ -632,3 +632,13 @@ def test_the_config_table_names_every_loss_term_the_step_uses(tmp_path: Path) ->
         assert part in loss, loss
     toy = dict(report_build.config_rows(Project.load(make_run(tmp_path, "tms") / "pdctl.toml")))
     assert "; p 1, output mse" in toy["loss"] and "smooth_l0" not in toy["loss"]
+
+
+def test_the_config_table_names_the_chunkwise_term(tmp_path: Path) -> None:
+    """The anchor's whole-model term (`chunkwise_recon`, a LATE_TERMS member) is in the loss
+    row with its chunking, as the other recipe terms are."""
+    toml = make_run(tmp_path, "smollm2", tiny=False) / "pdctl.toml"
+    text = toml.read_text()
+    toml.write_text(text.replace("[train.loss]\n", "[train.loss]\nchunkwise_recon = 2.0\n", 1))
+    loss = dict(report_build.config_rows(Project.load(toml)))["loss"]
+    assert "chunkwise_recon 2 (one chunk)" in loss, loss

@@ -66,7 +66,7 @@ class Interrupted(PdctlError):
 MAX_AHEAD = 8  # steps the host may dispatch ahead of the devices
 # the loss terms a text log line shows, where the step has them
 LINE_TERMS = ("faithfulness", "stochastic_recon", "stochastic_recon_layerwise", "merged_recon",
-              "ppgd_recon", "importance_minimality", "frequency")  # fmt: skip
+              "chunkwise_recon", "ppgd_recon", "importance_minimality", "frequency")  # fmt: skip
 
 
 def loop_counters(rng: jax.Array) -> dict[str, jax.Array]:

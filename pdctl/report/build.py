@@ -526,6 +526,13 @@ def config_rows(project: Project) -> list[tuple[str, str]]:
     lc = tc.loss
     if lc.merged_recon:
         coeffs.append(f"merged_recon {lc.merged_recon:g} (adv_fraction {lc.adv_fraction:g})")
+    if lc.chunkwise_recon:
+        per = lc.sites_per_chunk
+        coeffs.append(
+            f"chunkwise_recon {lc.chunkwise_recon:g} ("
+            + (f"{per} sites a chunk" if per else "one chunk")
+            + ")"
+        )
     if lc.frequency:
         ema = lc.frequency_ema_halflife
         coeffs.append(f"frequency {lc.frequency:g}" + (f" (EMA half-life {ema:g})" if ema else ""))
