@@ -25,7 +25,15 @@ import pytest
 
 from pdctl.errors import PdctlError
 from pdctl.science.targets import build_target
-from pdctl.science.targets.gguf import find_gguf, gguf_spec, load_gguf_params
+from pdctl.science.targets.gguf import (
+    GGUFIndex,
+    _spec_key,
+    find_gguf,
+    gguf_spec,
+    load_gguf_params,
+    reader,
+)
+from pdctl.science.targets.gguf import _reader as gguf_reader
 from pdctl.science.targets.hf import HFCausalLM
 
 transformers = pytest.importorskip("transformers")
@@ -313,6 +321,49 @@ def test_unsupported_architecture_and_type_are_one_line(tmp_path):
         gguf_spec(bad)
 
 
+def _same_as_the_reader(path: Path) -> None:
+    """`GGUFIndex` reads what `gguf.GGUFReader` reads: the metadata `gguf_spec` uses and every
+    tensor's name, type, shape, offset, bytes and data (the same arrays, bit for bit)."""
+    ix, r = GGUFIndex(str(path)), gguf.GGUFReader(str(path), "r")
+    want = {
+        k: f.contents() for k, f in r.fields.items() if _spec_key(k) and not k.startswith("GGUF.")
+    }
+    assert ix.fields.keys() == want.keys()
+    for k, v in want.items():
+        assert np.array_equal(np.asarray(ix.fields[k]), np.asarray(v)), k
+    assert [t.name for t in ix.tensors] == [t.name for t in r.tensors]
+    for a, b in zip(ix.tensors, r.tensors, strict=True):
+        assert (a.tensor_type, a.shape, a.n_bytes, a.data_offset) == (
+            b.tensor_type, tuple(int(n) for n in b.shape), int(b.n_bytes), int(b.data_offset),
+        ), a.name  # fmt: skip
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F16, Q.Q4_K])
+def test_the_gguf_index_reads_what_the_gguf_reader_reads(tmp_path, qtype):
+    path = write_gguf(tiny_model("llama"), "llama", tmp_path / "m.gguf", qtype, Q.F32)
+    _same_as_the_reader(path)
+    gguf_reader.cache_clear()
+    assert isinstance(reader(path), GGUFIndex)  # what every target load now reads
+
+
+def test_a_gguf_the_index_cannot_read_falls_back_to_the_reader(tmp_path, monkeypatch):
+    """Anything unusual (here: an index that fails) goes to `gguf.GGUFReader`, whose tensors
+    and fields then serve, and whose parse errors stay the one-line ones."""
+    path = write_gguf(tiny_model("llama"), "llama", tmp_path / "m.gguf")
+    want = gguf_spec(path)
+
+    def broken(self, p):
+        raise ValueError("unusual")
+
+    monkeypatch.setattr(GGUFIndex, "__init__", broken)
+    gguf_reader.cache_clear()
+    assert isinstance(reader(path), gguf.GGUFReader)
+    assert gguf_spec(path) == want
+    gguf_reader.cache_clear()
+
+
 # ---- the real model (slow tier) ---------------------------------------------------------------
 
 
@@ -332,6 +383,14 @@ def smollm2():
     with torch.no_grad():
         ref = model(torch.tensor(tokens)).logits.numpy()
     return {"path": path, "tokens": tokens, "ref": ref, "model": model}
+
+
+@pytest.mark.slow
+def test_the_gguf_index_reads_smollm2_as_the_reader() -> None:
+    """The real file (Q4_1, 272 tensors, ~100k tokenizer strings the index steps over)."""
+    from real_model import smollm2_gguf
+
+    _same_as_the_reader(smollm2_gguf())
 
 
 def _ce(logits: np.ndarray, tokens: np.ndarray) -> float:

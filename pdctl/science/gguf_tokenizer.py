@@ -427,10 +427,14 @@ def _scan_fields(path: Path) -> dict[str, tuple[int, Any]]:
 
 class _GGUFScan:
     """Walks a GGUF header: magic, version, counts, then the key/value pairs. Values of keys
-    that are not wanted are stepped over without being decoded."""
+    that are not wanted are stepped over without being decoded. After `fields()`, `end` is
+    the byte where the tensor infos start and `n_tensors` their count
+    (`science.targets.gguf.GGUFIndex` reads on from there)."""
 
-    def __init__(self, blob: mmap.mmap, path: Path):
+    def __init__(self, blob: Any, path: Path, wanted: Any = None):
         self.blob, self.path, self.size = blob, path, len(blob)
+        self.wanted = wanted or _wanted
+        self.end, self.n_tensors = 0, 0
 
     def fail(self, what: str) -> ValueError:
         return ValueError(f"{self.path}: {what}")
@@ -447,12 +451,13 @@ class _GGUFScan:
         self.order = order
         self.u64 = struct.Struct(order + "Q").unpack_from
         self.u32 = struct.Struct(order + "I").unpack_from
+        (self.n_tensors,) = self.u64(self.blob, 8)
         (n_kv,) = self.u64(self.blob, 16)
         pos, fields = 24, {}
         for _ in range(n_kv):
             key, pos = self._string(pos)
             (kind,) = self._u32(pos)
-            keep = _wanted(key)
+            keep = self.wanted(key)
             if kind == _ARRAY:
                 (element,) = self._u32(pos + 4)
                 value, pos = self._array(pos + 4, keep)
@@ -461,6 +466,7 @@ class _GGUFScan:
                 value, pos = self._value(pos + 4, kind, keep)
             if keep:
                 fields[key] = (kind, value)
+        self.end = pos
         return fields
 
     def _u32(self, pos: int) -> tuple[int]:
