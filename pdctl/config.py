@@ -659,6 +659,13 @@ class PpgdConfig(Section):
         description="storage of the sources and of their Adam first moment: float32 | bfloat16 "
         "(each ascent step computes in float32; the second moment stays float32)",
     )
+    ascent_examples: Literal["all", "assigned"] = Field(
+        "all",
+        description="the n_warmup_steps ascents' examples: all | assigned (with merged_recon: "
+        "only the examples the step's merged term masks by the sources, exactly "
+        "round(adv_fraction x micro-batch) of them instead of a Bernoulli draw each; the "
+        "ascents then cost that fraction of their forwards)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -946,6 +953,30 @@ def parse_config(raw: dict[str, Any]) -> Config:
     return cfg
 
 
+def assigned_per_micro_batch(tc: TrainConfig) -> int:
+    """`[train.ppgd] ascent_examples = "assigned"`: the examples of a micro-batch that the
+    merged term masks by the sources, round(adv_fraction x micro-batch)."""
+    return round(tc.loss.adv_fraction * (tc.batch_size // tc.grad_accum_steps))
+
+
+def _check_assigned_ascent(tc: TrainConfig) -> None:
+    key = "train.ppgd.ascent_examples"
+    if not tc.loss.merged_recon:
+        raise PdctlError(
+            f"{key}: 'assigned' picks the examples of the merged term (train.loss.merged_recon), "
+            "which is 0; set it or use 'all'"
+        )
+    if tc.ppgd.scope == "pooled":
+        raise PdctlError(f"{key}: 'assigned' does not work with scope 'pooled'; use 'all'")
+    micro = tc.batch_size // tc.grad_accum_steps
+    k = assigned_per_micro_batch(tc)
+    if not 1 <= k <= micro:
+        raise PdctlError(
+            f"{key}: adv_fraction {tc.loss.adv_fraction:g} of a micro-batch of {micro} is "
+            f"{k} examples; 'assigned' needs 1 to {micro} (raise adv_fraction or the batch)"
+        )
+
+
 def _check_cross_fields(cfg: Config) -> None:
     seen: set[str] = set()
     for i, site in enumerate(cfg.decomp.sites):
@@ -986,6 +1017,8 @@ def _check_cross_fields(cfg: Config) -> None:
             f"train.grad_accum_steps: {tc.grad_accum_steps} does not divide train.batch_size "
             f"{tc.batch_size} (per-batch PPGD sources are sized by the micro-batch)"
         )
+    if tc.ppgd.ascent_examples == "assigned":
+        _check_assigned_ascent(tc)
     ci = cfg.decomp.ci_fn
     if ci.type in ("transformer", "global_shared_transformer"):
         if not is_sequence_model(cfg):

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pdctl.config import Config, LossConfig
+from pdctl.config import Config, LossConfig, assigned_per_micro_batch, is_sequence_model
 from pdctl.science.arrays import exact_matmul, is_traced
 from pdctl.science.spd import sources as src_mod
 from pdctl.science.spd.ci import compute_ci
@@ -69,6 +69,7 @@ from pdctl.science.spd.grouped import (
 )
 from pdctl.science.spd.masks import (
     Window,
+    fixed_assignment,
     lead_shape,
     mixed_masks,
     route_assigned,
@@ -617,21 +618,42 @@ def merged_recon_loss(
     adv_fraction: float | Array,
     routing: str = "uniform_k",
     routing_p: float = 0.5,
+    n_assigned: int | None = None,
 ) -> Array:
     """SPEC S34, the merged stochastic/PPGD term: ONE masked forward in which each example is,
     with probability `adv_fraction`, masked by the adversarial `sources` (in [0, 1], aligned as
     in `ppgd_recon_loss`) at every site and position, and otherwise by fresh uniform masks
     routed by `routing` (`masks.mixed_masks`). In expectation over the draw, adv_fraction *
     (PPGD term, routed everywhere) + (1 - adv_fraction) * (stochastic subset term); the
-    sources' gradient comes from the adversarial examples only."""
+    sources' gradient comes from the adversarial examples only. `n_assigned`: exactly that
+    many adversarial examples (`masks.fixed_assignment`; `merged_assignment` gives the same
+    ones from the loss key)."""
     k_mask, k_route = jax.random.split(key)
     masks, dmasks, assign = mixed_masks(
-        k_mask, ci_lower, sources, adv_fraction, recon.delta, recon.grouped, recon.order
-    )
+        k_mask, ci_lower, sources, adv_fraction, recon.delta, recon.grouped, recon.order,
+        n_assigned,
+    )  # fmt: skip
     routes = routing_masks(
         k_route, tuple(ci_lower), _lead(ci_lower), routing, routing_p, recon.order
     )
     return recon(masks, dmasks, route_assigned(routes, assign))
+
+
+def merged_assignment(loss_key: Array, n_examples: int, n_assigned: int) -> Array:
+    """The indices (int32, ascending) of the examples that the merged term of the loss drawn
+    from `loss_key` masks by the sources, when it assigns exactly `n_assigned`: the draw
+    `merged_recon_loss` makes from its term's fold of the key."""
+    k_term = jax.random.fold_in(loss_key, _term_fold("merged_recon"))
+    k_mask, _ = jax.random.split(k_term)
+    k_assign, _ = jax.random.split(k_mask)
+    return fixed_assignment(k_assign, n_examples, n_assigned)[1]
+
+
+def take_examples(tree: Any, idx: Array, seq: bool) -> Any:
+    """Examples `idx` of every array in `tree` whose axes end in (examples, [positions,]
+    features), a stacked unit's leading layer axis included: logits, site inputs, CI,
+    per-example sources, residual streams."""
+    return jax.tree.map(lambda a: jnp.take(a, idx, axis=a.ndim - 2 - int(seq)), tree)
 
 
 def site_chunks(paths: Sequence[str], sites_per_chunk: int | None) -> tuple[tuple[str, ...], ...]:
@@ -1001,6 +1023,15 @@ def make_spd_fns(
 
     pooled = pcfg.scope == "pooled"
     merged = is_traced(lcfg.merged_recon) or lcfg.merged_recon > 0
+    # [train.ppgd] ascent_examples = "assigned": the merged term masks exactly n_assigned
+    # examples of each micro-batch by the sources, and the warm-up ascents run on those only
+    n_assigned = None
+    if pcfg.ascent_examples == "assigned":
+        if is_traced(lcfg.adv_fraction) or is_traced(lcfg.merged_recon):
+            raise ValueError("ascent_examples 'assigned' needs adv_fraction fixed, not swept")
+        n_assigned = assigned_per_micro_batch(cfg.train)
+    seq = is_sequence_model(cfg)
+    per_example_sources = pcfg.scope == "per_batch_per_position"
 
     def adversary(sources: Dict, ci_lower: Dict, loss_key: Array | None) -> dict[str, Array]:
         """The sources as this step's masks see them: in [0, 1] and, pooled, each example's
@@ -1115,6 +1146,7 @@ def make_spd_fns(
                 lcfg.adv_fraction,
                 lcfg.subset_routing,
                 lcfg.subset_p,
+                n_assigned,
             ),
             "chunkwise_recon": lambda k: chunkwise_recon_loss(
                 recon, ci_lower, k, n, sampling, chunks, lcfg.subset_routing, lcfg.subset_p
@@ -1157,8 +1189,25 @@ def make_spd_fns(
         key: Array,
         loss_key: Array | None = None,
     ) -> Array:
+        """The warm-up ascents' objective. With `ascent_examples = "assigned"`, on the examples
+        the merged term of the loss drawn from `loss_key` masks by the sources, scaled by their
+        share of the micro-batch: for those examples' sources the gradient of the PPGD term over
+        every example (the others' is 0), for a fraction of the forward's cost."""
+        if n_assigned is not None:
+            if loss_key is None:
+                raise ValueError("ascent_examples 'assigned' needs the step's loss key")
+            n = x.shape[0]
+            idx = merged_assignment(loss_key, n, n_assigned)
+            c = Clean(*take_examples(tuple(c), idx, seq))
+            ci_lower = take_examples(ci_lower, idx, seq)
+            x = jnp.take(x, idx, axis=0)
+            if per_example_sources:
+                sources = take_examples(sources, idx, seq)
         recon = recon_of(components, target_params, c, x)
-        return ppgd_term(recon, ci_lower, sources, key, loss_key)
+        value = ppgd_term(recon, ci_lower, sources, key, loss_key)
+        if n_assigned is None:
+            return value
+        return value * (n_assigned / n)  # the assigned examples' share of the micro-batch
 
     def source_step(
         sources: Dict, grads: Dict, opt_state: Mapping[str, Any], lr: Array | float

@@ -96,6 +96,13 @@ def source_masks(
     return masks, ({p: d for p, (_, d) in out.items()} if delta else None)
 
 
+def fixed_assignment(key: Array, n_examples: int, n_assigned: int) -> tuple[Array, Array]:
+    """Exactly `n_assigned` of `n_examples` examples, uniformly: (assign bool (n_examples,),
+    their indices int32 (n_assigned,), ascending)."""
+    idx = jnp.sort(jax.random.permutation(key, n_examples)[:n_assigned]).astype(jnp.int32)
+    return jnp.zeros((n_examples,), bool).at[idx].set(True), idx
+
+
 def mixed_masks(
     key: Array,
     ci_lower: Dict,
@@ -104,10 +111,12 @@ def mixed_masks(
     delta: bool,
     grouped: bool = False,
     order: Sequence[str] | None = None,
+    n_assigned: int | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array] | None, Array]:
     """(masks, delta masks, assign) of the merged stochastic/PPGD term (goodfire-ai/param-decomp
     SPEC S34): `assign ~ Bernoulli(adv_fraction)` once per example (bool, (B,)), shared by its
-    positions and every site. An assigned example's masks are `source_masks`' (the sources,
+    positions and every site (or, with `n_assigned`, exactly that many: `fixed_assignment`
+    from the same key). An assigned example's masks are `source_masks`' (the sources,
     in [0, 1], aligned as there); every other example's are `stochastic_masks`' continuous ones,
     `ci + (1 - ci) r`, r ~ U[0, 1), with a U[0, 1) delta mask. A `where`, so the sources'
     gradient comes from the assigned examples only. Site i draws from fold_in(key, i) as in
@@ -115,7 +124,10 @@ def mixed_masks(
     k_assign, k_fresh = jax.random.split(key)
     unit = next(iter(ci_lower))
     n_examples = lead_shape(unit, ci_lower[unit])[0]
-    assign = jax.random.bernoulli(k_assign, adv_fraction, (n_examples,))
+    if n_assigned is None:
+        assign = jax.random.bernoulli(k_assign, adv_fraction, (n_examples,))
+    else:
+        assign, _ = fixed_assignment(k_assign, n_examples, n_assigned)
 
     def one(i, ci: Array, src: Array) -> tuple[Array, Array | None]:
         C = ci.shape[-1]
