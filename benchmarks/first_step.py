@@ -17,11 +17,15 @@ process gets SIGTERM (a stop: exit 3) and is waited for. Two cases per side and 
   run left it).
 
 Order per repeat: cold before, cold after, warm before, warm after. Also recorded: pdctl's
-own `[state.train] first_step_s` where the side writes it (from the command's start).
+own `[state.train] first_step_s` where the side writes it (from the command's start), and the
+CPU seconds (user + system, /proc) the command's processes had used when the first step was
+seen: the work, which other jobs on a shared machine stretch much less than the wall time.
+`--set KEY=VALUE` (repeatable; VALUE in TOML) changes the template on both sides, e.g.
+`--set warmup.steps=0` for a warmup stage with nothing to do.
 
     git worktree add /tmp/pdctl-before 7902a53
     python benchmarks/first_step.py --before /tmp/pdctl-before [--after .] [--repeats 2]
-        [--json out.json]
+        [--set warmup.steps=0] [--json out.json]
     git worktree remove --force /tmp/pdctl-before
 """
 
@@ -71,8 +75,11 @@ def which_pdctl(root: Path, env: dict[str, str], cwd: Path) -> str:
     return r.stdout.strip() or r.stderr.strip()
 
 
-def new_run(root: Path, env: dict[str, str], parent: Path) -> Path:
-    """A fresh `tms` run under `parent`, with `[train] log_every = 1`."""
+def new_run(
+    root: Path, env: dict[str, str], parent: Path, sets: dict[str, object] | None = None
+) -> Path:
+    """A fresh `tms` run under `parent`, with `[train] log_every = 1` and the `sets`
+    ({"warmup.steps": 0})."""
     parent.mkdir(parents=True)
     r = subprocess.run(
         pdctl_argv(root, "new", RUN, "--template", "tms"),
@@ -87,8 +94,40 @@ def new_run(root: Path, env: dict[str, str], parent: Path) -> Path:
     path = run / "pdctl.toml"
     raw = tomllib.loads(path.read_text())
     raw["train"]["log_every"] = 1
+    for key, value in (sets or {}).items():
+        *tables, name = key.split(".")
+        table = raw
+        for t in tables:
+            table = table.setdefault(t, {})
+        table[name] = value
     path.write_text(tomli_w.dumps(raw))
     return run
+
+
+def tree_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` and every process below it so far (from
+    /proc; None where there is none): the work to the first step, which other jobs on a
+    loaded machine stretch far less than the wall time."""
+    import os
+
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        stats = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    rest = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(d.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+    except (OSError, ValueError, IndexError):
+        return None
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo += [c for c, (ppid, _) in stats.items() if ppid == p and c not in tree]
+    return sum(stats[p][1] for p in tree if p in stats) / tick if pid in stats else None
 
 
 def has_line(path: Path) -> bool:
@@ -114,10 +153,11 @@ def time_first_step(
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-        first = None
+        first = cpu = None
         while p.poll() is None and time.perf_counter() - t0 < timeout:
             if has_line(metrics):
                 first = time.perf_counter() - t0
+                cpu = tree_cpu_s(p.pid)
                 break
             time.sleep(0.05)
         if p.poll() is None:
@@ -134,6 +174,7 @@ def time_first_step(
     state = tomllib.loads((run / "pdctl.toml").read_text()).get("state", {})
     return {
         "first_step_s": first,
+        "cpu_s": cpu,
         "pdctl_first_step_s": state.get("train", {}).get("first_step_s"),
         "rc": rc,
         "process_s": wall,
@@ -151,7 +192,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1200, help="s to the first step, per run")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config key of the template, both sides (VALUE in TOML): warmup.steps=0",
+    )  # fmt: skip
     a = ap.parse_args()
+    sets = {}
+    for item in a.set:
+        key, _, value = item.partition("=")
+        sets[key.strip()] = tomllib.loads(f"v = {value}")["v"]
     roots = {"before": a.before.resolve(), "after": a.after.resolve()}
     commits = {s: git_commit(r) or "?" for s, r in roots.items()}
     work = Path(tempfile.mkdtemp(prefix="pdctl-first-step-"))
@@ -159,6 +208,8 @@ def main() -> int:
     state_home.mkdir()
     envs = {s: side_env(r, state_home) for s, r in roots.items()}
     print(machine_line())
+    if sets:
+        print(f"template tms with {sets}")
     for s in SIDES:
         where = which_pdctl(roots[s], envs[s], work)
         print(f"{s}: {roots[s]} at {commits[s]}, imports {where}", file=sys.stderr)
@@ -168,7 +219,7 @@ def main() -> int:
     t_start = time.perf_counter()
     rows: list[dict] = []
     for i in range(a.repeats):
-        runs = {s: new_run(roots[s], envs[s], work / f"{s}-{i}") for s in SIDES}
+        runs = {s: new_run(roots[s], envs[s], work / f"{s}-{i}", sets) for s in SIDES}
         for case in CASES:
             args = ["run"] if case == "cold" else ["train", "--fresh"]
             for s in SIDES:
@@ -184,24 +235,31 @@ def main() -> int:
 
     print()
     head = ["case", "side", "commit", "first train step s (runs)", "median s", "min s"]
-    print("| " + " | ".join([*head, "pdctl's first_step_s"]) + " |")
-    print("|---" * (len(head) + 1) + "|")
+    tail = ["pdctl's first_step_s", "CPU s to it (runs)", "median CPU s"]
+    print("| " + " | ".join([*head, *tail]) + " |")
+    print("|---" * (len(head) + len(tail)) + "|")
     summary: dict = {}
     for case in CASES:
         for s in SIDES:
             xs, own = values(s, case), values(s, case, "pdctl_first_step_s")
+            cpu = values(s, case, "cpu_s")
             summary[f"{case}_{s}"] = {"median": statistics.median(xs), "min": min(xs)}
+            if cpu:
+                summary[f"{case}_{s}"]["cpu_median"] = statistics.median(cpu)
             print(
                 f"| {case} | {s} | {commits[s]} | {fmt(xs)} | {statistics.median(xs):.2f} | "
-                f"{min(xs):.2f} | {fmt(own) if own else '-'} |"
+                f"{min(xs):.2f} | {fmt(own) if own else '-'} | {fmt(cpu) if cpu else '-'} | "
+                f"{f'{statistics.median(cpu):.2f}' if cpu else '-'} |"
             )
     print()
     for case in CASES:
         b, af = summary[f"{case}_before"], summary[f"{case}_after"]
-        ratio = {k: af[k] / b[k] for k in ("median", "min")}
+        ratio = {k: af[k] / b[k] for k in ("median", "min", "cpu_median") if k in af and k in b}
         summary[f"{case}_ratio"] = ratio
+        cpu = f", {ratio['cpu_median']:.2f} (CPU s medians)" if "cpu_median" in ratio else ""
         print(
-            f"{case}: after / before = {ratio['median']:.2f} (medians), {ratio['min']:.2f} (mins)"
+            f"{case}: after / before = {ratio['median']:.2f} (medians), {ratio['min']:.2f} "
+            f"(mins){cpu}"
         )
     odd = [r for r in rows if r["rc"] != 3]
     if odd:
@@ -214,6 +272,7 @@ def main() -> int:
             "machine": machine_line(),
             "sides": {s: {"root": str(roots[s]), "commit": commits[s]} for s in SIDES},
             "repeats": a.repeats,
+            "set": sets,
             "wall_s": wall,
             "runs": rows,
             "summary": summary,

@@ -151,10 +151,14 @@ class Run:
         return _table(rows, self.tables)
 
     def checkpoints(self, stage: str) -> list[int]:
-        """The steps of `stage`'s complete checkpoints, oldest first."""
+        """The steps of `stage`'s complete checkpoints, oldest first ([0] for a warmup that ran
+        with `steps = 0`: it saves none, its components are init-weights')."""
         from pdctl.engine.checkpoint import complete_steps
+        from pdctl.stages.decomposition import warmup_kept_init
 
         _check_stage(stage)
+        if stage == "warmup" and warmup_kept_init(Project.load(self.project.path)):
+            return [0]
         return complete_steps(self.project.checkpoint_dir(stage))
 
     def decomposition(self, stage: str = "train", step: int | None = None) -> Any:
@@ -170,7 +174,8 @@ class Run:
             raise PdctlError(f"step: must be an integer checkpoint step, got {step!r}")
         asked = step
         for _ in range(RETRIES):
-            state = Project.load(self.project.path).stage(stage)
+            now = Project.load(self.project.path)  # the state as it is now
+            state = now.stage(stage)
             if asked is None:
                 steps = self.checkpoints(stage)
                 if not steps:
@@ -183,7 +188,7 @@ class Run:
             if key in self._decompositions:
                 return self._decompositions[key]
             try:
-                dec = D.load_decomposition(self.project, stage, step)
+                dec = D.load_decomposition(now, stage, step)
             except LookupError as e:
                 # the newest checkpoint went while it was read (a running stage keeps only
                 # `checkpoint.keep`): read the newest again

@@ -46,8 +46,9 @@ def test_pdctl_run_leaves_nothing_of_a_stage_on_the_devices(tmp_path: Path, monk
 
 
 def test_a_stage_with_no_steps_compiles_no_step(tmp_path: Path, monkeypatch) -> None:
-    """warmup at `steps = 0` (the aligned init's templates) saves its state and is done
-    without compiling its step (52.7 s and 6.4 GiB for every MLP of SmolLM2 on a v5e)."""
+    """warmup at `steps = 0` (the aligned init's templates) is done without compiling its step
+    (52.7 s and 6.4 GiB for every MLP of SmolLM2 on a v5e), and saves nothing: train builds
+    its components from init-weights' (tests/test_warmup_idle.py)."""
     run = make_run(tmp_path, "tms", warmup={"steps": 0}, **SHORT)
     compiled: list[str] = []
     original = Loop.compile
@@ -60,5 +61,7 @@ def test_a_stage_with_no_steps_compiles_no_step(tmp_path: Path, monkeypatch) -> 
     cli_ok("--project", run, "run")
     assert compiled == ["pretrain", "train"], compiled
     warm = state(run, "warmup")
-    assert warm["status"] == "done" and warm["step"] == 0 and warm["checkpoint"] == 0, warm
+    assert warm["status"] == "done" and warm["step"] == 0 and "checkpoint" not in warm, warm
+    assert warm.get("components_from") == "init_weights", warm
+    assert not (run / "checkpoints" / "warmup").exists()
     assert state(run, "train")["status"] == "done"

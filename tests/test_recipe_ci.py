@@ -308,16 +308,17 @@ def test_pdctl_run_with_aligned_init_no_warmup_transformer_ci_and_clamp(tmp_path
     lines = [json.loads(x) for x in (run / "metrics" / "train.jsonl").read_text().splitlines()]
     assert any("total" in m for m in lines)
     assert all(np.isfinite(m["total"]) for m in lines if "total" in m)
-    # warmup (0 steps) saved the aligned components: V U = W bit for bit, from the TRAINED
-    # target (pretrain ran after init-weights)
-    from pdctl.stages.decomposition import abstract_decomposition
+    # warmup (0 steps, nothing saved) stands for the aligned components train started from:
+    # V U = W bit for bit, from the TRAINED target (pretrain ran after init-weights)
+    from pdctl.stages.decomposition import load_decomposition
     from pdctl.stages.env import pretrained_target
 
-    with StageEnv.open(Project.load(run / "pdctl.toml"), "report") as env:
-        dec = abstract_decomposition(env.cfg, env.target)
-        items, _ = env.restore_items("warmup", {"components": dec["components"]})
+    project = Project.load(run / "pdctl.toml")
+    assert project.stage("warmup").get("components_from") == "init_weights"
+    components = load_decomposition(project, "warmup").components
+    with StageEnv.open(project, "report") as env:
         weights = env.target.site_weights(pretrained_target(env))
-    for p, c in items["components"].items():
+    for p, c in components.items():
         np.testing.assert_array_equal(
             np.asarray(c["V"]) @ np.asarray(c["U"]), np.asarray(weights[p]), err_msg=p
         )

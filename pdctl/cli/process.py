@@ -55,6 +55,7 @@ def run(app: Any) -> None:
     from pdctl.engine import runtime
 
     runtime.cpu_xla_flags()  # before JAX starts (any command)
+    runtime.one_command()
     supervisor.enable()
     try:
         app(prog_name="pdctl")

@@ -43,6 +43,7 @@ def stage_project(ctx: typer.Context):
     peers.report_to(supervisor.share_peer, lambda pid: supervisor.tell(left=pid))
     runtime.setup_logging()
     runtime.initialize(proj.config, ctx.obj.dist if ctx.obj else None, root=proj.root)
+    runtime.freeze_heap()  # JAX, orbax and the stages are imported: none of it is garbage
     return proj
 
 

@@ -150,6 +150,20 @@ def drop_unfinished(directory: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def drop_checkpoints(directory: Path) -> None:
+    """Delete a stage's checkpoints and its `.previous` (those of a run that a fresh run which
+    saves none, `stages.runner._run_idle`, has replaced); process 0 deletes, all wait. A
+    symlink among them is refused, as `Checkpointer` refuses it."""
+    directory = Path(directory)
+    previous = directory.with_name(directory.name + PREVIOUS_SUFFIX)
+    for d in (directory, previous):
+        refuse_links(d, 1)
+    if jax.process_index() == 0:
+        for d in (directory, previous):
+            shutil.rmtree(d, ignore_errors=True)
+    _barrier(f"pdctl-drop-{directory.name}")
+
+
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

@@ -208,8 +208,14 @@ def _batches_of(pid: int, nproc: int, n_batches: int) -> tuple[int, int]:
 
 def _latest_step(project: Project, stage: str) -> int | None:
     """The step of `stage`'s latest checkpoint, found as `decomposition.load_decomposition`
-    finds it, without reading it (None: there is none)."""
+    finds it, without reading it (None: there is none; 0 for a warmup of `steps = 0`, whose
+    components are init-weights')."""
     import orbax.checkpoint as ocp
+
+    from pdctl.stages.decomposition import warmup_kept_init
+
+    if stage == "warmup" and warmup_kept_init(project):
+        return 0
 
     directory = project.checkpoint_dir(stage)
     found = ocp.step.standard_name_format().find_all(directory) if directory.is_dir() else []

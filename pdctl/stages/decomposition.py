@@ -1,24 +1,29 @@
 """The decomposition, below every stage that makes or reads one: which sites are decomposed and
 with how many components (`decomposed_sites`), the shapes of what init-weights creates
-(`abstract_decomposition`, computed without running anything), and a finished stage's
-decomposition read back onto the host (`load_decomposition`) for report, harvest and the
-benchmarks, with the decoder of the run's tokens."""
+(`abstract_decomposition`, computed without running anything), the nonlinearity-aligned init
+(`aligned_components`), warmup's result when it ran with `steps = 0` and saved none
+(`warmup_kept_init`, `warmup_components`), and a finished stage's decomposition read back onto
+the host (`load_decomposition`) for report, harvest and the benchmarks, with the decoder of the
+run's tokens."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
 import numpy as np
 
 from pdctl.config import Config, match_sites, ppgd_source_layout
+from pdctl.engine import sharding
+from pdctl.engine.init import grouped_init
 from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.spd import components as comps
 from pdctl.science.targets import Target
-from pdctl.stages.inputs import target_from_config
+from pdctl.stages.inputs import STREAM_DECOMP, decomp_layout, stream_key, target_from_config
 from pdctl.stages.registry import command
 
 # ---- the decomposition's shape ----------------------------------------------------------------
@@ -114,6 +119,93 @@ def abstract_decomposition(cfg: Config, target: Target) -> dict[str, Any]:
     return jax.eval_shape(build, key)
 
 
+# ---- the nonlinearity-aligned init (computed from the trained target's weights) -----------------
+
+
+def aligned_components(
+    cfg: Config, target: Target, mesh, params: Any, components: dict[str, Any]
+) -> tuple[dict[str, Any], list[str], int]:
+    """(`components` with the MLP sites' aligned to the target weights in `params`, the sites
+    aligned, how many of them have V U = W exactly). Seeded with the sites' component keys
+    (`site_keys`), grouped and vmapped as the random init (`engine.init.grouped_init`),
+    bit-identical to calling `components.aligned_site_components` site by site."""
+    sites = decomposed_sites(cfg, target)
+    aligned = aligned_sites(cfg, target, sites)
+    order = list(sites)
+    comp_keys, _, _ = comps.site_keys(stream_key(cfg, STREAM_DECOMP), len(order))
+    weights = target.site_weights(params)
+    names = [p for p in order if p in aligned]
+    dtype = jax.numpy.dtype(cfg.precision.param_dtype)
+    out, _ = grouped_init(
+        _aligned,
+        names,
+        [(sites[p][2], aligned[p], tuple(weights[p].shape), dtype) for p in names],
+        comp_keys[jax.numpy.asarray([order.index(p) for p in names])],
+        mesh,
+        decomp_spec_fn(cfg, target, mesh),
+        arrays=[weights[p] for p in names],
+    )
+    n_exact = sum(sites[p][2] == sites[p][0 if aligned[p] == "in" else 1] for p in names)
+    return {**components, **out}, names, n_exact
+
+
+def _aligned(key, W, C, side, shape, dtype):
+    return comps.aligned_site_components(key, W, C, side, dtype)
+
+
+def decomp_spec_fn(cfg: Config, target: Target, mesh):
+    """path, shape -> the PartitionSpec of a decomposition array on `mesh` (`grouped_init`'s)."""
+    return partial(
+        sharding.spec_for,
+        fsdp=sharding.axis_size(mesh, "fsdp"),
+        tp=sharding.axis_size(mesh, "tp"),
+        min_size=cfg.mesh.fsdp_min_param_size,
+        decomp=decomp_layout(cfg, mesh, target),
+    )
+
+
+# ---- warmup at `steps = 0`: its result is where it starts ------------------------------------
+
+# `[state.warmup] components_from`: warmup ran with `steps = 0` and saved no checkpoint; its
+# components are init-weights' (nonlinearity-aligned where `[decomp] init` says so)
+KEPT_INIT = "init_weights"
+
+
+def warmup_kept_init(project: Project) -> bool:
+    """Warmup is done with `steps = 0` and no checkpoint of its own (`stages.runner._run_idle`):
+    whoever reads its components builds them from init-weights' checkpoint, as warmup starts
+    (`warmup.start_components` on the devices, `warmup_components` on the host)."""
+    st = project.stage("warmup")
+    return st.get("status") == "done" and st.get("components_from") == KEPT_INIT
+
+
+def warmup_components(
+    project: Project, target: Any | None = None, params: Any | None = None
+) -> dict[str, Any]:
+    """Warmup's components on the host when it ran with `steps = 0` (`warmup_kept_init`):
+    init-weights' (tied sites folded), the MLP sites nonlinearity-aligned to the trained target
+    `params` where `[decomp] init` says so; the same bits as `warmup.start_components` (the
+    aligned init does no float arithmetic but w * 1 and w * 0). Raises LookupError when
+    init-weights or pretrain changed since warmup ran: what it stood for is gone."""
+    changed = project.rerun_upstream("warmup") or [
+        s for s in ("init_weights", "pretrain") if project.is_stale(s)
+    ]
+    if changed:
+        raise LookupError(
+            f"warmup ran with steps = 0 (its components are init-weights', not saved) and "
+            f"{', '.join(changed)} changed since; rerun `pdctl {command('warmup')}`"
+        )
+    cfg = project.config
+    components = _restore(project, "init_weights", ["components"])[0]["components"]
+    if cfg.decomp.init != "nonlinearity_aligned":
+        return components
+    target = target if target is not None else target_from_config(cfg, project.root)
+    params = params if params is not None else target_params(project, target)
+    mesh = sharding.make_mesh(1, 1, jax.local_devices()[:1])
+    aligned, _, _ = aligned_components(cfg, target, mesh, params, components)
+    return _host(aligned)
+
+
 # ---- a finished stage's decomposition, on the host --------------------------------------------
 
 
@@ -194,6 +286,14 @@ def load_decomposition(project: Project, stage: str, step: int | None = None) ->
     if stage == "train":
         items, step = _restore(project, "train", ["trainable"], step)
         free, ci_fns = items["trainable"]["components"], items["trainable"]["ci_fns"]
+    elif stage == "warmup" and warmup_kept_init(project):
+        if step not in (None, 0):
+            raise LookupError(
+                f"warmup has no checkpoint {step} (it ran with steps = 0: its components are "
+                "init-weights', at step 0)"
+            )
+        free, step = warmup_components(project, target, params), 0
+        ci_fns = _restore(project, "init_weights", ["ci_fns"])[0]["ci_fns"]
     elif stage == "warmup":
         items, step = _restore(project, "warmup", ["components"], step)
         free = items["components"]

@@ -49,6 +49,9 @@ class StageEnv:
     # the stage's fingerprint and its checkpoints' config, so a run is never taken for another.
     overrides: dict[str, Any] = field(default_factory=dict)
     fresh_run: bool = False  # begun with begin(fresh=True): its checkpoints start from none
+    # the trained target as `frozen_target` restored it for this stage (never donated): what
+    # the nonlinearity-aligned init reads too, so it is not restored twice
+    frozen_params: Any = None
     _fresh_ckpt_given: bool = False
     _closed: bool = False
 
@@ -307,8 +310,10 @@ def pretrained_target(env: StageEnv) -> Any:
 
 
 def frozen_target(env: StageEnv, prog: Any) -> tuple[Any, ...]:
-    """The frozen first argument of warmup and train: the trained (or imported) target."""
-    return (pretrained_target(env),)
+    """The frozen first argument of warmup and train: the trained (or imported) target (kept
+    as `env.frozen_params`)."""
+    env.frozen_params = pretrained_target(env)
+    return (env.frozen_params,)
 
 
 def text_batches(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ from pdctl.files import atomic_output
 from pdctl.project import Project
 from pdctl.science.spd.stacked import per_site_tree
 from pdctl.stages import registry
+from pdctl.stages.decomposition import warmup_components, warmup_kept_init
 from pdctl.stages.policy import how_to_finish
 from pdctl.stages.registry import STAGES, command
 
@@ -70,7 +72,13 @@ def export(
     if stage == "train" and not _has_latest(project, stage, "sources"):
         # a train checkpoint copied without its `training` item: the decomposition alone
         items = tuple(i for i in items if i != "sources")
-    arrays.update(_load(project, stage, items, rename={"params": "target", "trainable": ""}))
+    if stage == "warmup" and warmup_kept_init(project):  # steps = 0: init-weights' components
+        try:
+            arrays.update(_flat({"components": warmup_components(project)}))
+        except LookupError as e:
+            raise PdctlError(f"export: {e}") from None
+    else:
+        arrays.update(_load(project, stage, items, rename={"params": "target", "trainable": ""}))
     if stage == "warmup":  # warmup trains V/U only: its CI functions and sources are init's
         arrays.update(_load(project, "init_weights", ("ci_fns", "sources")))
     _expand_tied(project, arrays)
@@ -186,7 +194,6 @@ def _load(
 ) -> dict[str, np.ndarray]:
     """The stage's latest checkpoint's items `names` as flat `item.path -> array` entries, an
     item's prefix renamed by `rename` ("" drops it)."""
-    rename = rename or {}
     # Read-only and as host arrays: no CheckpointManager (opening one cleans up an in-flight
     # save), and no shardings, so a run trained on N devices exports on any device count.
     directory = project.checkpoint_dir(stage)
@@ -203,6 +210,12 @@ def _load(
             f"{stage}'s checkpoint {step} does not restore ({type(e).__name__}: {reason}); "
             f"rerun `pdctl {command(stage)} --fresh`"
         ) from None
+    return _flat(items, rename)
+
+
+def _flat(items: dict[str, Any], rename: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Items as flat `item.path -> array` entries, an item's prefix renamed by `rename`."""
+    rename = rename or {}
     flat = {}
     for name, tree in items.items():
         prefix = rename.get(name, name)

@@ -22,65 +22,29 @@ from pdctl.errors import notify
 from pdctl.project import Project
 from pdctl.science.spd import components as comps
 from pdctl.science.targets import Target
-from pdctl.stages.decomposition import aligned_sites, decomposed_sites, source_shape
+from pdctl.stages.decomposition import (  # aligned_components: also this module's name for it
+    aligned_components,
+    decomp_spec_fn,
+    decomposed_sites,
+    source_shape,
+)
 from pdctl.stages.env import StageEnv, pretrained_target
-from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, decomp_layout, stream_key
+from pdctl.stages.inputs import STREAM_DECOMP, STREAM_TARGET, stream_key
 
 
 def nonlinearity_aligned(env: Any, components: dict[str, Any]) -> dict[str, Any]:
     """`components` (init-weights' random ones) with the MLP sites' replaced by the
-    `nonlinearity_aligned` init of the TRAINED target's weights: called when warmup starts,
-    because init-weights runs before pretrain (a self-trained target's weights are not yet the
-    ones decomposed then). See `aligned_components`."""
-    out, names, n_exact = aligned_components(
-        env.cfg, env.target, env.mesh, pretrained_target(env), components
-    )
+    `nonlinearity_aligned` init of the TRAINED target's weights: called when warmup starts
+    (or train, after a warmup of `steps = 0`), because init-weights runs before pretrain (a
+    self-trained target's weights are not yet the ones decomposed then); the stage's frozen
+    target where it has restored it already. See `aligned_components`."""
+    params = env.frozen_params if env.frozen_params is not None else pretrained_target(env)
+    out, names, n_exact = aligned_components(env.cfg, env.target, env.mesh, params, components)
     notify(
-        f"warmup: {len(names)} MLP site(s) start nonlinearity-aligned ({n_exact} with C = "
+        f"{env.stage}: {len(names)} MLP site(s) start nonlinearity-aligned ({n_exact} with C = "
         "their neurons: V U = W exactly)"
     )
     return out
-
-
-def aligned_components(
-    cfg: Config, target: Target, mesh, params: Any, components: dict[str, Any]
-) -> tuple[dict[str, Any], list[str], int]:
-    """(`components` with the MLP sites' aligned to the target weights in `params`, the sites
-    aligned, how many of them have V U = W exactly). Seeded with the sites' component keys
-    (`site_keys`), grouped and vmapped as the random init (`engine.init.grouped_init`),
-    bit-identical to calling `components.aligned_site_components` site by site."""
-    sites = decomposed_sites(cfg, target)
-    aligned = aligned_sites(cfg, target, sites)
-    order = list(sites)
-    comp_keys, _, _ = comps.site_keys(stream_key(cfg, STREAM_DECOMP), len(order))
-    weights = target.site_weights(params)
-    names = [p for p in order if p in aligned]
-    dtype = jax.numpy.dtype(cfg.precision.param_dtype)
-    out, _ = grouped_init(
-        _aligned,
-        names,
-        [(sites[p][2], aligned[p], tuple(weights[p].shape), dtype) for p in names],
-        comp_keys[jax.numpy.asarray([order.index(p) for p in names])],
-        mesh,
-        _spec_fn(cfg, target, mesh),
-        arrays=[weights[p] for p in names],
-    )
-    n_exact = sum(sites[p][2] == sites[p][0 if aligned[p] == "in" else 1] for p in names)
-    return {**components, **out}, names, n_exact
-
-
-def _aligned(key, W, C, side, shape, dtype):
-    return comps.aligned_site_components(key, W, C, side, dtype)
-
-
-def _spec_fn(cfg: Config, target: Target, mesh):
-    return partial(
-        sharding.spec_for,
-        fsdp=sharding.axis_size(mesh, "fsdp"),
-        tp=sharding.axis_size(mesh, "tp"),
-        min_size=cfg.mesh.fsdp_min_param_size,
-        decomp=decomp_layout(cfg, mesh, target),
-    )
 
 
 def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str, Any], dict]:
@@ -88,7 +52,7 @@ def init_decomposition(cfg: Config, target: Target, mesh, key) -> tuple[dict[str
     sites = decomposed_sites(cfg, target)
     names = list(sites)
     comp_keys, ci_keys, src_keys = comps.site_keys(key, len(names))
-    spec_fn = _spec_fn(cfg, target, mesh)
+    spec_fn = decomp_spec_fn(cfg, target, mesh)
     dtype = jax.numpy.dtype(cfg.precision.param_dtype)
     hidden = cfg.decomp.ci_fn.arch()
     kind = cfg.decomp.ci_fn.type

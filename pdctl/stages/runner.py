@@ -4,12 +4,15 @@ state, feeds it batches and hands it to `engine.loop.Loop`."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.engine import runtime
-from pdctl.engine.loop import Loop
+from pdctl.engine.checkpoint import drop_checkpoints
+from pdctl.engine.loop import Loop, LoopResult
+from pdctl.engine.tracking import JsonlTracker
 from pdctl.project import Project
 from pdctl.stages.env import StageEnv, batches_state, text_batches
 from pdctl.stages.inputs import peak_flops
@@ -30,6 +33,11 @@ class StageSpec:
     # (env, step, program) -> (state, meta); default `env.restore_state` into the program's
     # abstract state (train converts an older checkpoint layout)
     restore: Callable[[StageEnv, int, Any], tuple[Any, dict[str, Any]]] | None = None
+    # (the config it runs with) -> None, or, for a stage whose result would be the state it
+    # starts from (warmup at `steps = 0`), the fields its `[state.<stage>]` records instead of a
+    # checkpoint: a fresh run of it then builds, restores and saves nothing (`_run_idle`), and
+    # the stages that read its result rebuild it from its inputs
+    idle: Callable[[Any], dict[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,8 +87,14 @@ def run_stage(
 def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
     env.overrides.update(opts.overrides)
     cfg = env.cfg
-    prog = spec.program(cfg, env.mesh, env.target, **opts.program_options)
+    idle = spec.idle(env.effective_config()) if spec.idle is not None else None
+    if idle is None:
+        prog = spec.program(cfg, env.mesh, env.target, **opts.program_options)
     ckpt_step = resume_point(env, resume=opts.resume, fresh=opts.fresh)
+    if idle is not None:
+        if ckpt_step is None:
+            return _run_idle(env, idle)
+        prog = spec.program(cfg, env.mesh, env.target, **opts.program_options)
     # Restores, tokenization and the compiles inside them are long calls into C++: each runs
     # `interruptible`, so a stop request is acted on within seconds (runtime.StopNow).
     later = runtime.interruptible
@@ -127,6 +141,29 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
     if result.status == "done" and result.eval:
         env.on_state(eval=result.eval)
     return result
+
+
+def _run_idle(env: StageEnv, fields: dict[str, Any]) -> LoopResult:
+    """A fresh run of a stage with nothing to do (`StageSpec.idle`): done at step 0 at once. No
+    program, no restore, no state and no checkpoint (warmup at `steps = 0` would otherwise build
+    and save the whole decomposition state, AdamW moments included, for the next stage to read
+    back its components unchanged: 27 s and ~20 s of a TPU run of every MLP of SmolLM2). The
+    previous run's checkpoints go, as a fresh run's first checkpoint would replace them, once
+    the state says done; its metrics history starts over."""
+    t0 = time.perf_counter()
+    env.begin(fresh=True, steps=0)
+    project = env.project
+    if project.writer:
+        JsonlTracker(project.metrics_path(env.stage)).truncate_after(-1)
+    env.on_state(
+        status="done",
+        step=0,
+        metrics={},
+        wall_s=round(time.perf_counter() - t0, 3),
+        **fields,
+    )
+    drop_checkpoints(project.checkpoint_dir(env.stage))
+    return LoopResult(None, 0, "done")
 
 
 def _loop(env: StageEnv, spec: StageSpec, prog: Any, start: _Start, opts: RunOptions):

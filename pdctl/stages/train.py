@@ -35,7 +35,7 @@ from pdctl.science.spd.losses import (
 )
 from pdctl.science.spd.stacked import Stacking, is_stacked, members, per_site
 from pdctl.science.targets import Target
-from pdctl.stages.decomposition import abstract_decomposition
+from pdctl.stages.decomposition import abstract_decomposition, warmup_kept_init
 from pdctl.stages.env import StageEnv, frozen_target
 from pdctl.stages.inputs import (
     STREAM_TRAIN,
@@ -452,9 +452,11 @@ def spd_fns(
 
 
 def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
-    """What a fresh train starts from: warmup's components, init-weights' CI functions and
-    PPGD sources; with `[train] init_from`, the parent run's final components and CI
-    functions instead (`stages.init_from`), and this run's fresh sources."""
+    """What a fresh train starts from: warmup's components (when warmup ran with `steps = 0`,
+    the ones it started from, built here as it would have: `warmup.start_components`),
+    init-weights' CI functions and PPGD sources; with `[train] init_from`, the parent run's
+    final components and CI functions instead (`stages.init_from`), and this run's fresh
+    sources."""
     dec = abstract_decomposition(env.cfg, env.target)  # per site, as upstream stages save it
     trainable = {"components": dec["components"], "ci_fns": dec["ci_fns"]}
     if env.cfg.train.init_from:
@@ -475,6 +477,10 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
     init, _ = env.restore_items(
         "init_weights", {"ci_fns": trainable["ci_fns"], "sources": dec["sources"]}
     )
+    if warmup_kept_init(env.project):  # warmup ran with steps = 0: it saved nothing
+        from pdctl.stages.warmup import start_components
+
+        return start_components(env, trainable["components"]), init["ci_fns"], init["sources"]
     warm, _ = env.restore_items("warmup", {"components": trainable["components"]})
     return warm["components"], init["ci_fns"], init["sources"]
 

@@ -40,13 +40,18 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
         )
         eval_batch = next(it)
         it.close()
-    else:
-        eval_batch = jax.jit(lambda k: target.make_batch(k, cfg.train.eval_batch_size))(eval_key)
+    # A toy's batch is a pure function of its key: drawn at the first evaluation (the same
+    # batch), so that its program is not compiled before the stage's first step.
     expand = jax.jit(fns.expand)
 
     policy = Policy.from_config(cfg.precision)
 
     def eval_fn(state) -> dict[str, Any]:
+        nonlocal eval_batch
+        if eval_batch is None:  # a toy's, outside the evaluations' matmul precision
+            eval_batch = jax.jit(lambda k: target.make_batch(k, cfg.train.eval_batch_size))(
+                eval_key
+            )
         with policy.eval_scope():  # traced (and cached) at the evaluations' matmul precision
             return evaluations(state)
 

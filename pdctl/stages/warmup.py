@@ -1,7 +1,12 @@
 """`pdctl warmup`: faithfulness warmup of V/U toward the pretrained target weights.
 
 Its own AdamW (discarded afterwards). The step donates everything but the frozen target
-parameters, its first argument, which must survive the call."""
+parameters, its first argument, which must survive the call.
+
+At `steps = 0` its result is the components it starts from (`start_components`): it is done at
+once and saves nothing (`[state.warmup] components_from = "init_weights"`); train, and what
+reads warmup's decomposition (`stages.decomposition.warmup_kept_init`), build them from
+init-weights' checkpoint as warmup would have, bit for bit."""
 
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from pdctl.engine.program import StepProgram
 from pdctl.science.spd.components import expand_tied, fold_tied
 from pdctl.science.spd.losses import faithfulness_loss
 from pdctl.science.targets import Target
-from pdctl.stages.decomposition import abstract_decomposition, site_layout
+from pdctl.stages.decomposition import KEPT_INIT, abstract_decomposition, site_layout
 from pdctl.stages.env import StageEnv, frozen_target
 from pdctl.stages.inputs import STREAM_WARMUP, abstract_target, decomp_layout, stream_key
 from pdctl.stages.runner import StageSpec, run_stage
@@ -103,15 +108,27 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     )
 
 
-def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
-    """What a fresh warmup starts from: init-weights' components."""
-    abstract = prog.abstract_state["components"]
+def start_components(env: StageEnv, abstract: Any) -> Any:
+    """The components warmup starts from, sharded as `env` shards `abstract` (per site, tied
+    sites folded): init-weights', nonlinearity-aligned to the trained target where `[decomp]
+    init` says so. At `steps = 0` also its result, which train then builds with this."""
     items, _ = env.restore_items("init_weights", {"components": abstract})
     if env.cfg.decomp.init == "nonlinearity_aligned":  # from the trained target's weights
         from pdctl.stages.init_weights import nonlinearity_aligned
 
-        return (nonlinearity_aligned(env, items["components"]),)
-    return (items["components"],)
+        return nonlinearity_aligned(env, items["components"])
+    return items["components"]
+
+
+def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
+    """What a fresh warmup starts from: init-weights' components (`start_components`)."""
+    return (start_components(env, prog.abstract_state["components"]),)
+
+
+def idle(cfg: Config) -> dict[str, Any] | None:
+    """At `steps = 0` warmup changes nothing: what its state records instead of a checkpoint
+    (`runner._run_idle`)."""
+    return {"components_from": KEPT_INIT} if cfg.warmup.steps == 0 else None
 
 
 SPEC = StageSpec(
@@ -119,6 +136,7 @@ SPEC = StageSpec(
     program=program,
     fresh_inputs=fresh_inputs,
     frozen=frozen_target,
+    idle=idle,
 )
 
 

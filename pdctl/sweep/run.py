@@ -97,7 +97,7 @@ def _run_group_stage(sweep, members, stage: str, strategy: str, echo) -> None:
     for action, ms in _actions(members, stage).items():
         if action == "skip":
             continue
-        if stage == "init_weights" or len(ms) == 1:
+        if stage == "init_weights" or len(ms) == 1 or _idle(stage, ms):
             for m, p in ms:
                 try:
                     pipeline.run_stage(p, stage, **pipeline.ACTION_KWARGS.get(action, {}))
@@ -112,6 +112,13 @@ def _run_group_stage(sweep, members, stage: str, strategy: str, echo) -> None:
         run_members(ms, stage, strategy, resume=action == "resume")
         echo(f"{stage}: {len(ms)} members as one program in {time.perf_counter() - t0:.1f} s")
         _say_done(echo, ms, stage)
+
+
+def _idle(stage: str, ms) -> bool:
+    """Every member's `stage` has nothing to do (warmup at `steps = 0`): each is done at once on
+    its own (`runner._run_idle`), with no program to share."""
+    spec = registry.stage(stage).load().SPEC
+    return spec.idle is not None and all(spec.idle(p.config) is not None for _, p in ms)
 
 
 def _say_done(echo, ms, stage: str) -> None:

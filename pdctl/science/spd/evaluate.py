@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from scipy.optimize import linear_sum_assignment
 
 from pdctl.config import Config
 from pdctl.science.spd.ci import compute_ci
@@ -103,6 +102,10 @@ def toy_ci_matrix(
 def identity_assignment(ci_matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows, cols) of the Hungarian assignment of features to components maximising the
     matched CI (the permutation the CI-error count and the permuted CI plots use)."""
+    # imported here: scipy.optimize takes ~0.4 s to import, which a stage would pay before its
+    # first step (the train stage imports this module for its evaluation)
+    from scipy.optimize import linear_sum_assignment
+
     return linear_sum_assignment(-np.asarray(ci_matrix, dtype=np.float64))
 
 
