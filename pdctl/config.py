@@ -752,7 +752,7 @@ class TrainConfig(Section):
     )
     grad_accum_steps: Pos = Field(1, description="micro-batches accumulated per optimizer step")
     remat: Literal["none", "dots_saveable", "full"] = Field("none", description=_REMAT)
-    scan_layers: bool | Literal["auto"] = Field(
+    scan_layers: bool | Literal["auto", "all"] = Field(
         "auto",
         description=(
             "imported (hf) models: run the layers that have sites as a scan and hold each site "
@@ -760,6 +760,10 @@ class TrainConfig(Section):
             "works on, so that the train step's compile time does not grow with depth "
             "(measured on CPU: the step itself ran 0.75-0.8x as fast, see docs/performance.md). "
             f'"auto": on when the decomposed sites sit in {AUTO_SCAN_LAYERS} layers or more. '
+            '"all": on, and the runs of layers without sites (those before and after a few '
+            "decomposed layers) scanned as well: a much smaller program, so a shorter compile "
+            "and trace (a one-layer decomposition of a deep model), for a step that slices "
+            "each of those layers' weights out of a stack. "
             "Not part of the fingerprint: a run resumes across a change of it"
         ),
     )
@@ -809,8 +813,8 @@ class TrainConfig(Section):
     @classmethod
     def _scan_layers_choice(cls, v: Any) -> Any:
         # one line naming the choices, not pydantic's one error per member of the union
-        if not isinstance(v, bool) and v != "auto":
-            raise ValueError('must be true, false or "auto"')
+        if not isinstance(v, bool) and v not in ("auto", "all"):
+            raise ValueError('must be true, false, "auto" or "all"')
         return v
 
 

@@ -340,7 +340,7 @@ def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
 
     from pdctl.config import AUTO_SCAN_LAYERS
     from pdctl.science.targets.hf import HFCausalLM, read_hf_config
-    from pdctl.stages.inputs import scan_layers
+    from pdctl.stages.inputs import scan_layers, with_scan
 
     base = {"schema": 1, "target": {"kind": "hf", "path": "unused"}, "data": {"path": "unused"}}
     cfgs = {}
@@ -356,7 +356,9 @@ def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
     for bad in ("yes", 1):
         with pytest.raises(PdctlError) as e:
             parse_config({**base, "decomp": {"sites": []}, "train": {"scan_layers": bad}})
-        assert str(e.value) == f'train.scan_layers: must be true, false or "auto", got {bad!r}'
+        assert str(e.value) == (
+            f'train.scan_layers: must be true, false, "auto" or "all", got {bad!r}'
+        )
 
     n = AUTO_SCAN_LAYERS
     (tmp_path / "config.json").write_text(json.dumps({
@@ -373,3 +375,5 @@ def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
     assert resolved(f"*.[0-{n - 1}].mlp.*")  # exactly n layers
     assert not resolved(f"*.[0-{n - 2}].mlp.*")  # n - 1 layers
     assert not resolved("*.mlp.*", False) and resolved("*.0.mlp.*", True)  # as set
+    assert resolved("*.0.mlp.*", "all") == "all"  # the site-less layers scanned too
+    assert with_scan(target, "all").scan_siteless and not with_scan(target, True).scan_siteless

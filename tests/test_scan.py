@@ -106,6 +106,53 @@ def test_scanned_forward_equals_unrolled(tmp_path, name):
     )
 
 
+def test_scanned_siteless_layers_equal_unrolled(tmp_path):
+    """`scan_siteless`: the layers without sites before and after one decomposed layer (here
+    layers 0-1 and 3-4 of 5, the MLP of layer 2 decomposed) run as two scans; the clean
+    forward (captures, the kept stream), the masked forward started from that stream and its
+    gradient equal the unrolled ones. Without it those layers stay unrolled (no loop)."""
+    from pdctl.science.targets.base import Residual
+
+    unrolled, scanned = _targets(tmp_path, "llama", n_layers=5)
+    suffix = dataclasses.replace(scanned, scan_siteless=True)
+    params = jax.jit(unrolled.init)(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, SEQ), 0, 64)
+    paths = [p for p in unrolled.site_paths() if ".2.mlp." in p]
+    shapes = unrolled.site_shapes()
+    rng = np.random.default_rng(0)
+    C = 5
+    data = {}
+    for p in paths:
+        d_in, d_out = shapes[p]
+        data[p] = (
+            jnp.asarray(rng.normal(size=(d_in, C)) / d_in**0.5, jnp.float32),
+            jnp.asarray(rng.normal(size=(C, d_out)) / C**0.5, jnp.float32),
+            jnp.asarray(rng.uniform(size=(2, SEQ, C)), jnp.float32),
+            jnp.asarray(rng.uniform(size=(2, SEQ)), jnp.float32),
+            jnp.asarray(rng.uniform(size=(2, SEQ)) < 0.5),
+        )
+    assert suffix._runs(data, paths) == [(0, 2), (2, 3), (3, 5)]
+
+    def step(t):
+        def f(prm, x, d):
+            clean = L.clean_forward(t, prm, x, paths)
+            start = Residual(2, clean.residual)
+
+            def masked(vu):  # d with its components (V, U) as the variables
+                d2 = {p: (*vu[p], *d[p][2:]) for p in d}
+                return t.apply_sites(prm, x, L._masked_site, d2, start=start)[0]
+
+            out, vjp = jax.vjp(masked, {p: d[p][:2] for p in d})
+            return clean, out, vjp(jnp.ones_like(out))[0]
+
+        return jax.jit(f)
+
+    _close(step(suffix)(params, tokens, data), step(unrolled)(params, tokens, data))
+    for t, loops in ((scanned, 0), (suffix, 2)):
+        jaxpr = jax.make_jaxpr(lambda prm, x, t=t: t.apply_sites(prm, x, capture=paths))
+        assert str(jaxpr(params, tokens)).count("scan[") == loops, t
+
+
 @pytest.mark.slow
 def test_scanned_forward_takes_stacked_units(tmp_path):
     """Units (a group key, its data stacked over its layers) give the per-site forward:

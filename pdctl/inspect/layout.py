@@ -203,7 +203,8 @@ def layer_notes(cfg: Config, stage: str, target: Any) -> list[str]:
             if cfg.train.scan_layers == "auto"
             else "as set"
         )
-        notes.append(f"scan_layers: {'on' if on else 'off'} ({how})")
+        state = "on, site-less layers too" if on == "all" else "on" if on else "off"
+        notes.append(f"scan_layers: {state} ({how})")
     first = prefix_layer(target, sites)
     if first is not None:
         notes.append(

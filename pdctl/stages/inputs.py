@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -91,11 +91,14 @@ def with_remat(target: Target, remat: str) -> Target:
     return dataclasses.replace(target, remat=remat)
 
 
-def scan_layers(cfg: Config, target: Target) -> bool:
-    """`[train] scan_layers` for this target: true / false as set; "auto": on when the target
-    can scan (an imported model) and the decomposed sites sit in `AUTO_SCAN_LAYERS` layers or
-    more (where the scanned step compiled faster than the unrolled one, docs/performance.md)."""
+def scan_layers(cfg: Config, target: Target) -> bool | Literal["all"]:
+    """`[train] scan_layers` for this target: true / false / "all" as set; "auto": on when the
+    target can scan (an imported model) and the decomposed sites sit in `AUTO_SCAN_LAYERS`
+    layers or more (where the scanned step compiled faster than the unrolled one,
+    docs/performance.md)."""
     setting = cfg.train.scan_layers
+    if setting == "all":
+        return "all" if hasattr(target, "scan_layers") else False
     if setting != "auto":
         return bool(setting)
     if not hasattr(target, "scan_layers"):
@@ -104,12 +107,16 @@ def scan_layers(cfg: Config, target: Target) -> bool:
     return len(layers - {None}) >= AUTO_SCAN_LAYERS
 
 
-def with_scan(target: Target, scan: bool) -> Target:
+def with_scan(target: Target, scan: bool | Literal["all"]) -> Target:
     """The target with its blocks scanned over layers in `apply_sites` (`[train] scan_layers`;
-    only models with blocks have it)."""
-    if not hasattr(target, "scan_layers") or target.scan_layers == scan:
+    only models with blocks have it); "all": the runs of layers without sites too."""
+    if not hasattr(target, "scan_layers"):
         return target
-    return dataclasses.replace(target, scan_layers=scan)
+    on, siteless = bool(scan), scan == "all"
+    if target.scan_layers == on and getattr(target, "scan_siteless", False) == siteless:
+        return target
+    extra = {"scan_siteless": siteless} if hasattr(target, "scan_siteless") else {}
+    return dataclasses.replace(target, scan_layers=on, **extra)
 
 
 def abstract_target(cfg: Config, target: Target) -> Any:

@@ -89,6 +89,10 @@ class HFCausalLM(LMTarget):
     remat: str = "none"  # none | dots_saveable | full: rematerialise each block in the backward
     # `apply_sites` runs the blocks as a scan over layers (`[train] scan_layers`)
     scan_layers: bool = False
+    # with `scan_layers`, also scan each run of two or more consecutive layers without sites
+    # (the layers after a single decomposed layer, say; `[train] scan_layers = "all"`); off:
+    # those stay unrolled
+    scan_siteless: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -427,9 +431,9 @@ class HFCausalLM(LMTarget):
         the same shapes): the layer params are stacked along a leading layer axis and each
         unit's data are scanned over as they are (sliced when a run covers part of a unit), so
         the program holds one block per run instead of one per layer and nothing per site,
-        whatever the depth. Other layers (alone, or without sites) stay unrolled. The values
-        are those of the unrolled forward up to float reassociation inside the loop body
-        (tests/test_scan.py)."""
+        whatever the depth. Other layers (alone, or without sites unless `scan_siteless`)
+        stay unrolled. The values are those of the unrolled forward up to float reassociation
+        inside the loop body (tests/test_scan.py)."""
         params = self.computed(params)
         site_data = dict(site_data or {})
         capture = tuple(capture)
@@ -470,11 +474,13 @@ class HFCausalLM(LMTarget):
             names = [n for n, _, _ in self.layer_sites()]
             fed = [n for n in names if (lo, n) in data_at]
             caught = tuple(n for n in names if (lo, n) in cap_at)
-            if stop - lo < 2 or not (caught or fed):
+            if stop - lo < 2 or not (caught or fed or self.scan_siteless):
                 # Nothing repeats here (one layer, or layers without sites): unrolled. On
                 # XLA:CPU a scan slices (copies) each layer's weights out of the stack on every
                 # iteration of every forward and backward, which cost a 30-layer SmolLM2 step
-                # with 3 sites 1.45x its unrolled time; layers without sites compile cheaply.
+                # with 3 sites 1.45x its unrolled time; layers without sites compile cheaply
+                # there. XLA:TPU compiles them at a cost: `scan_siteless` scans them too
+                # (benchmarks/scan_suffix.py measures both sides, docs/performance.md).
                 for i in ids:
 
                     def site(name, x_in, proj, i=i):
