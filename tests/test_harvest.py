@@ -448,6 +448,43 @@ def test_bad_input_is_one_line(tms_done: Path, tmp_path: Path):
     assert not (fresh / "harvest" / "harvest.db").exists()
 
 
+def test_a_harvest_of_some_sites_holds_their_rows_of_a_harvest_of_all(tms_done, tmp_path: Path):
+    """`--sites`: only the matching sites are harvested (a whole model's harvest cut to the
+    layers one wants to read), and each of their components' statistics and examples are the
+    rows a harvest of every site gives them (nothing of a component depends on the other
+    sites); run again with the same patterns, it is complete; a harvest of every site is
+    another harvest. A pattern that matches nothing: one line, nothing written."""
+    import shutil
+
+    run = tmp_path / "t"
+    shutil.copytree(tms_done, run, symlinks=True, ignore=shutil.ignore_patterns("harvest"))
+    hv_ = ("--project", run, "harvest", "--tokens", "1024", "--batch-size", "256")
+    path = run / "harvest" / "harvest.db"
+    line = cli_fails(2, *hv_, "--sites", "linear1,lin*9")
+    assert line == "error: --sites: no site matches 'lin*9' (the sites: linear1, linear2)", line
+    assert not path.exists()
+    cli_ok(*hv_)
+    every = _dump(path)
+    r = cli_ok(*hv_, "--sites", "linear2")
+    assert r.stdout.startswith("harvested 1024 positions"), r.stdout
+    some = _dump(path)
+
+    def rows(dump: list[str], table: str, site: str) -> list[str]:
+        return [x for x in dump if x.startswith(f'INSERT INTO "{table}"') and f"'{site}'" in x]
+
+    for table in ("components", "examples"):
+        assert rows(some, table, "linear2") == rows(every, table, "linear2") != [], table
+        assert rows(some, table, "linear1") == [], table
+    with db.open_readonly(path) as con:
+        assert [s for (s,) in con.execute("SELECT site FROM sites")] == ["linear2"]
+    assert db.read_meta(path)["options"]["sites"] == ["linear2"]
+    r = cli_ok(*hv_, "--sites", "linear2")
+    assert "already complete" in r.stdout, r.stdout
+    r = cli_ok(*hv_)
+    assert r.stdout.startswith("harvested 1024 positions"), r.stdout
+    assert _dump(path) == every
+
+
 # ---- pdctl browse ------------------------------------------------------------------------------
 
 

@@ -87,6 +87,15 @@ def harvest(
             "pass over the N most often firing.",
         ),
     ] = "8192",
+    sites: Annotated[
+        str | None,
+        typer.Option(
+            "--sites",
+            metavar="PATTERNS",
+            help="Only the sites matching these glob patterns, comma-separated (e.g. "
+            "'model.layers.0.*,model.layers.15.*'): a smaller harvest of a whole model.",
+        ),
+    ] = None,
     fresh: Annotated[
         bool,
         typer.Option(
@@ -111,6 +120,7 @@ def harvest(
         "top_k": int_flag(top_k, "--top-k"),
         "effects": int_flag(effects, "--effects"),
         "cooc_max": int_flag(cooc_max, "--cooc-max"),
+        "sites": tuple(sites.split(",")) if sites is not None else (),
     }
     hv.check_options(stage=stage, **options)  # before anything starts
     proj = project(ctx)

@@ -125,8 +125,9 @@ def _step(
     lm: bool, cooc: bool,
 ):  # fmt: skip
     """The jitted per-batch program: (state, CI per site (B, T, C) | (B, C), tokens (B, T) |
-    None, start, valid) -> (state, token counts (n, C_total) int32 | None, distinct tokens
-    (n,) | None). `valid`: the batch's first rows that count (the last batch is padded)."""
+    None, start, valid, component numbers (C_total,)) -> (state, token counts (n, C_total)
+    int32 | None, distinct tokens (n,) | None). `valid`: the batch's first rows that count (the
+    last batch is padded); the component numbers key the sample's priorities."""
     width = 2 * window + 1
 
     def candidates(val, idx, flat, tok, pos, T, k):
@@ -168,7 +169,7 @@ def _step(
             out[f] = jnp.take_along_axis(v, idx, axis=1)
         return out
 
-    def step(state, cis, tok, start, valid):
+    def step(state, cis, tok, start, valid, comp):
         ci = cis[0] if len(cis) == 1 else jnp.concatenate(cis, axis=-1)
         B = ci.shape[0]
         T = ci.shape[1] if lm else 1
@@ -195,7 +196,6 @@ def _step(
         val, idx = jax.lax.top_k(key.T, min(k_top, n))  # ties: the lower index (= position)
         top = candidates(val, idx, flat, tok_flat, pos, T, k_top)
         new["top"] = merge(state["top"], top, k_top)
-        comp = jnp.arange(C, dtype=jnp.int64)
         u53 = _priority53(seed, pos[None, :], comp[:, None])  # (C, n)
         idx, took = _top_k_u53(u53, fired.T, min(k_sample, n))
         prio = jnp.take_along_axis(u53, idx, axis=1).astype(jnp.float64) / float(2**53)
@@ -235,6 +235,7 @@ class Harvest(SiteLayout):
         cooc_max: int = 8192,
         seed: int = 0,
         device: Any = None,
+        numbered_from: Mapping[str, int] | None = None,
     ) -> None:
         self.sites = dict(sites)
         self.threshold = float(threshold)
@@ -251,6 +252,15 @@ class Harvest(SiteLayout):
         self._cooc_index: np.ndarray | None = None  # a restricted co-occurrence (`set_cooc`)
         self._cooc_sub: np.ndarray | None = None
         self._dev = self._put(self._initial())
+        # each component's number in the sample's priority: its global index, or, for a
+        # harvest of some of the decomposition's sites, its index among all of them
+        # (`numbered_from`: each site's component 0), so that its sample is the one a harvest
+        # of every site draws
+        first = self.offsets() if numbered_from is None else dict(numbered_from)
+        comp = np.concatenate([np.arange(C, dtype=np.int64) + first[s]
+                               for s, C in self.sites.items()])  # fmt: skip
+        with jax.enable_x64(True):
+            self._comp = jax.device_put(comp, self._device)
 
     # ---- adding batches ---------------------------------------------------------------------
 
@@ -295,7 +305,9 @@ class Harvest(SiteLayout):
         with jax.enable_x64(True):
             tok = None if tokens is None else jnp.asarray(np.asarray(tokens, np.int32))
             start_ = np.int64(start)
-            self._dev, counts, uniq = fn(self._dev, arrays, tok, start_, np.int32(valid))
+            self._dev, counts, uniq = fn(
+                self._dev, arrays, tok, start_, np.int32(valid), self._comp
+            )
         self._host = None
         self.n_positions += valid * T
         if lm:

@@ -48,6 +48,7 @@ effects saves what they had done, and the rerun goes on from there.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -222,6 +223,21 @@ def _latest_step(project: Project, stage: str) -> int | None:
     return max((int(m.step) for m in found), default=None)
 
 
+def select_sites(sites: dict[str, int], patterns: list[str]) -> dict[str, int]:
+    """The decomposition's sites (in its order) that match any of `patterns` (`--sites`, glob
+    patterns as `[[decomp.sites]] pattern` takes them); all of them when none is given."""
+    import fnmatch
+
+    if not patterns:
+        return sites
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(s, p) for s in sites):
+            names = list(sites)
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} sites)" if len(names) > 3 else "")
+            raise PdctlError(f"--sites: no site matches {p!r} (the sites: {shown})")
+    return {s: C for s, C in sites.items() if any(fnmatch.fnmatchcase(s, p) for p in patterns)}
+
+
 def harvest_options(project: Project, stage: str, step: int | None, **options: Any) -> dict:
     """What makes two harvests the same, beside the batch and the devices and processes it ran
     on (meta's `batch_size`, `devices`, `processes`: an LM's mean CI can move by an ulp with
@@ -370,6 +386,7 @@ def check_options(
     top_k: int = 20,
     effects: int = EFFECTS,
     cooc_max: int = COOC_MAX,
+    sites: tuple[str, ...] = (),
 ) -> None:
     """One line naming the flag for a value no harvest takes."""
     if n_tokens is not None and n_tokens < 1:
@@ -386,6 +403,8 @@ def check_options(
         raise PdctlError(f"--cooc-max: must be >= 1, got {cooc_max}")
     if stage not in ("train", "warmup"):
         raise PdctlError(f"--stage: {stage!r} has no decomposition (choose from train, warmup)")
+    if any(not p.strip() for p in sites):
+        raise PdctlError("--sites: an empty pattern (give glob patterns separated by commas)")
 
 
 def _harvest(
@@ -398,6 +417,7 @@ def _harvest(
     top_k: int = 20,
     effects: int = EFFECTS,
     cooc_max: int = COOC_MAX,
+    sites: tuple[str, ...] = (),
     on_batch: Callable[[int, int], None] | None = None,
     fresh: bool = False,
 ) -> Result:
@@ -408,11 +428,14 @@ def _harvest(
     from pdctl.stages.inputs import STREAM_TRAIN, stream_key, target_from_config
 
     check_options(stage=stage, n_tokens=n_tokens, batch_size=batch_size, split=split,
-                  top_k=top_k, effects=effects, cooc_max=cooc_max)  # fmt: skip
+                  top_k=top_k, effects=effects, cooc_max=cooc_max, sites=sites)  # fmt: skip
     nproc, pid = jax.process_count(), jax.process_index()
     path = harvest_dir(project) / "harvest.db"
+    patterns = [p.strip() for p in sites]
     given = {"split": split, "tokens": n_tokens, "top_k": top_k, "effects": effects,
              "cooc_max": cooc_max}  # fmt: skip
+    if patterns:  # only when given: a harvest of every site keeps the options it always had
+        given["sites"] = patterns
     db.check_side_files(path)  # another program's -wal beside harvest.db: before any work
     step = _latest_step(project, stage)
     done_before = None
@@ -454,7 +477,8 @@ def _harvest(
             f"--batch-size: {B} is not divisible by the {n_dev} devices of this process "
             "(pick a multiple)"
         )
-    sites = {s: int(c["V"].shape[1]) for s, c in dec.components.items()}
+    every = {s: int(c["V"].shape[1]) for s, c in dec.components.items()}
+    sites = select_sites(every, patterns)
 
     if lm:
         T = cfg.data.seq_len
@@ -481,14 +505,17 @@ def _harvest(
     n_batches = math.ceil(n_items / B)
 
     rep = sharding.replicated(mesh)
+    # each site's component 0 as numbered among all the decomposition's sites (`--sites`)
+    first = dict(zip(every, itertools.accumulate(every.values(), initial=0), strict=False))
     h = Harvest(sites, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
-                cooc_max=cooc_max, seed=cfg.run.seed, device=devices[0])  # fmt: skip
+                cooc_max=cooc_max, seed=cfg.run.seed, device=devices[0],
+                numbered_from=first)  # fmt: skip
     st = project.stage(stage)
     options = harvest_options(project, stage, dec.step, **given)
     ident = {"stage": stage, "step": dec.step, "run_id": st.get("run_id"), "split": split,
              "items": n_items, "batch": B, "top_k": top_k, "lm": lm,
              "format": PARTIAL_FORMAT, "processes": nproc, "cooc_max": cooc_max,
-             "config": options["config"]}  # fmt: skip
+             "config": options["config"], **({"sites": patterns} if patterns else {})}  # fmt: skip
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     out_dir = harvest_dir(project)
     out_dir.mkdir(exist_ok=True)
@@ -669,6 +696,7 @@ def _harvest(
         s: (np.linalg.norm(np.asarray(c["V"], np.float32), axis=0),
             np.linalg.norm(np.asarray(c["U"], np.float32), axis=1))
         for s, c in dec.components.items()
+        if s in sites
     }  # fmt: skip
     kept = keep.keep(path, meta, sites)  # labels to carry; those it does not are saved now
     db.write(path, h, meta, toy_features=toy, norms=norms, effects=changes, labels=kept.labels)
