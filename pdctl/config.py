@@ -759,7 +759,8 @@ class TrainConfig(Section):
             "that repeats over consecutive layers as one stacked array that the whole step "
             "works on, so that the train step's compile time does not grow with depth "
             "(measured on CPU: the step itself ran 0.75-0.8x as fast, see docs/performance.md). "
-            f'"auto": on when the decomposed sites sit in {AUTO_SCAN_LAYERS} layers or more. '
+            f'"auto": on when the decomposed sites sit in {AUTO_SCAN_LAYERS} layers or more; '
+            'below that "all" on a TPU and off elsewhere. '
             '"all": on, and the runs of layers without sites (those before and after a few '
             "decomposed layers) scanned as well: a much smaller program, so a shorter compile "
             "and trace (a one-layer decomposition of a deep model), for a step that slices "

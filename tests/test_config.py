@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import types
 import typing
 from pathlib import Path
 
@@ -338,6 +339,8 @@ def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
     moves any fingerprint: it changes how the step runs, not what it computes."""
     import json
 
+    import numpy as np
+
     from pdctl.config import AUTO_SCAN_LAYERS
     from pdctl.science.targets.hf import HFCausalLM, read_hf_config
     from pdctl.stages.inputs import scan_layers, with_scan
@@ -376,4 +379,12 @@ def test_scan_layers_auto_and_fingerprints(tmp_path) -> None:
     assert not resolved(f"*.[0-{n - 2}].mlp.*")  # n - 1 layers
     assert not resolved("*.mlp.*", False) and resolved("*.0.mlp.*", True)  # as set
     assert resolved("*.0.mlp.*", "all") == "all"  # the site-less layers scanned too
+    # "auto" below the threshold: the site-less layers scanned on a TPU (the mesh's devices,
+    # an AOT topology's included), unrolled on a CPU
+    raw = {**base, "decomp": {"sites": [{"pattern": "*.0.mlp.*", "C": 4}]}}
+    cfg = parse_config(raw)
+    on = types.SimpleNamespace
+    assert scan_layers(cfg, target, on(devices=np.array([on(platform="tpu")]))) == "all"
+    assert scan_layers(cfg, target, on(devices=np.array([on(platform="cpu")]))) is False
+    assert scan_layers(cfg, target) is False  # this machine's backend: the CPU
     assert with_scan(target, "all").scan_siteless and not with_scan(target, True).scan_siteless

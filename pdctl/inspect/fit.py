@@ -93,7 +93,7 @@ def _eval_programs(p: Any) -> dict[str, Any]:
     from pdctl.stages.inputs import STREAM_TRAIN, scan_layers, stream_key, with_scan
 
     cfg, prog = p.cfg, p.program
-    target = with_scan(p.target, scan_layers(cfg, p.target))  # as the train stage evaluates
+    target = with_scan(p.target, scan_layers(cfg, p.target, p.mesh))  # as train evaluates
     fns = train.spd_fns(cfg, target)
     params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
     # The evaluation takes the decomposition as the train state holds it (a scanned target's

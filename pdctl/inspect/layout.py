@@ -180,11 +180,11 @@ def plan(cfg: Config, stage: str, mesh, root: Path | None = None) -> Plan:
     batch_specs = None if prog.batch_abstract is None else _spec_tree(prog.batch_shardings)
     args.append(Arg("batch", prog.batch_abstract, batch_specs, False, "batch"))
     notes = weight_space_notes(stage, decomp) + tensor_parallel_notes(mesh)
-    notes += layer_notes(cfg, stage, target)
+    notes += layer_notes(cfg, stage, target, mesh)
     return Plan(stage, cfg, mesh, args, prog, notes=notes, decomp=decomp, target=target)
 
 
-def layer_notes(cfg: Config, stage: str, target: Any) -> list[str]:
+def layer_notes(cfg: Config, stage: str, target: Any, mesh: Any = None) -> list[str]:
     """Whether the train step scans the layers (`[train] scan_layers`, "auto" resolved) and
     where its masked forwards start (`losses.prefix_layer`)."""
     if stage != "train" or not hasattr(target, "layer_of"):
@@ -196,10 +196,11 @@ def layer_notes(cfg: Config, stage: str, target: Any) -> list[str]:
     sites = list(match_sites(cfg, target.site_paths()))
     notes = []
     if hasattr(target, "scan_layers"):
-        on = scan_layers(cfg, target)
+        on = scan_layers(cfg, target, mesh)
         n = len({target.layer_of(p) for p in sites} - {None})
         how = (
             f'"auto": sites in {n} layer(s), on from {AUTO_SCAN_LAYERS}'
+            + (", the site-less layers scanned on a TPU" if n < AUTO_SCAN_LAYERS else "")
             if cfg.train.scan_layers == "auto"
             else "as set"
         )

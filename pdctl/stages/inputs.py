@@ -91,11 +91,13 @@ def with_remat(target: Target, remat: str) -> Target:
     return dataclasses.replace(target, remat=remat)
 
 
-def scan_layers(cfg: Config, target: Target) -> bool | Literal["all"]:
+def scan_layers(cfg: Config, target: Target, mesh: Any = None) -> bool | Literal["all"]:
     """`[train] scan_layers` for this target: true / false / "all" as set; "auto": on when the
     target can scan (an imported model) and the decomposed sites sit in `AUTO_SCAN_LAYERS`
-    layers or more (where the scanned step compiled faster than the unrolled one,
-    docs/performance.md)."""
+    layers or more (where the scanned step compiled faster than the unrolled one); below
+    that, "all" on a TPU (`mesh`'s devices, else JAX's default backend: the layers without
+    sites scanned, which halved the smollm2 template's compile on a v5e), off elsewhere
+    (XLA:CPU compiled and ran it slower scanned). docs/performance.md has the figures."""
     setting = cfg.train.scan_layers
     if setting == "all":
         return "all" if hasattr(target, "scan_layers") else False
@@ -104,7 +106,10 @@ def scan_layers(cfg: Config, target: Target) -> bool | Literal["all"]:
     if not hasattr(target, "scan_layers"):
         return False
     layers = {target.layer_of(p) for p in match_sites(cfg, target.site_paths())}
-    return len(layers - {None}) >= AUTO_SCAN_LAYERS
+    if len(layers - {None}) >= AUTO_SCAN_LAYERS:
+        return True
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "all" if platform == "tpu" else False
 
 
 def with_scan(target: Target, scan: bool | Literal["all"]) -> Target:

@@ -285,7 +285,7 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     tc = cfg.train
     total = tc.steps
     sharding.check_batch_divides(tc.batch_size, mesh, "train.batch_size", tc.grad_accum_steps)
-    target = with_scan(with_remat(target, tc.remat), scan_layers(cfg, target))
+    target = with_scan(with_remat(target, tc.remat), scan_layers(cfg, target, mesh))
     tx = optimizer(cfg, total)
     dec = abstract_decomposition(cfg, target)
     stacking = stacking_for(cfg, target, dec)
@@ -372,10 +372,11 @@ def restore(env: StageEnv, step: int, prog: StepProgram) -> tuple[Any, dict[str,
     a stacked state and the other way round, bit for bit (`scan_layers` is not part of the
     fingerprint: it changes how the step runs, not what it computes)."""
     cfg = env.cfg
-    target = with_scan(with_remat(env.target, cfg.train.remat), scan_layers(cfg, env.target))
+    scan = scan_layers(cfg, env.target, env.mesh)
+    target = with_scan(with_remat(env.target, cfg.train.remat), scan)
     dec = abstract_decomposition(cfg, target)
     stacking = stacking_for(cfg, target, dec)
-    other = stacking_for(cfg, with_scan(target, not scan_layers(cfg, target)), dec)
+    other = stacking_for(cfg, with_scan(target, not scan), dec)
     stacked = _checkpoint_is_stacked(env, step)
     if stacked is None or stacked == (not stacking.trivial) or other.trivial == stacking.trivial:
         return env.restore_state(step, prog.abstract_state, prog.state_shardings)
@@ -487,7 +488,7 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
 
 def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
     (target_params,) = frozen
-    target = with_scan(env.target, scan_layers(env.cfg, env.target))
+    target = with_scan(env.target, scan_layers(env.cfg, env.target, env.mesh))
     return make_eval(env, target_params, spd_fns(env.cfg, target), target)
 
 
