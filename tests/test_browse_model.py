@@ -226,7 +226,7 @@ def test_whole_model_pages_in_headless_chromium(model_run: Path, tmp_path: Path)
             go("#/site/layers.0.mlp.up")
             go("#/clusters")
             rows = js("document.querySelectorAll('#clusters tr.cluster').length")
-            assert rows > 3
+            assert rows > 3, js("document.getElementById('main').innerHTML")[:2000]
             assert js("Array.from(document.querySelectorAll('#clusters tr.cluster'))"
                       ".every(r => r.querySelector('td.tokens code') && "
                       "r.querySelector('.ex .here'))")  # fmt: skip

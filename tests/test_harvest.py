@@ -500,21 +500,26 @@ def _serving(run: Path):
 
     from pdctl.harvest.browse import make_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the server is handed the bound socket: a port found free and closed again could be taken
+    # by another test process's server before this one binds it, and the browser would then
+    # talk to that one (a run without clusters, say)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(make_app(_project(run)), host="127.0.0.1",
                                            port=port, log_level="warning"))  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
+        assert server.started, "the browse server did not start within 20 s"
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 def _closed_form_run(tmp_path: Path) -> Path:
