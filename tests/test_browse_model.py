@@ -240,3 +240,54 @@ def test_whole_model_pages_in_headless_chromium(model_run: Path, tmp_path: Path)
             assert page_errors == []
     finally:
         browser.close()
+
+
+@pytest.mark.slow  # headless Chromium, a page held back 1.5 s: ~6 s
+def test_a_page_still_loading_is_not_drawn_over_the_next(model_run: Path, tmp_path: Path):
+    """Navigating away from a page still loading: the newer page stays, and `ready` names it.
+    The overview's API is held back 1.5 s; the clusters page, asked for meanwhile, is drawn
+    first; the overview's answer, when it comes, is dropped (before, it replaced the clusters
+    page, and its late `ready` named the route the user was on: a whole-model browser test
+    under load saw the overview where it looked for clusters)."""
+    import asyncio
+    import os
+    import time
+
+    from test_report import CHROMIUM, _Browser
+
+    if CHROMIUM is None:
+        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
+            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+
+    def slow_overview(app):
+        async def held(scope, receive, send):
+            if scope["type"] == "http" and scope["path"] == "/api/overview":
+                await asyncio.sleep(1.5)
+            await app(scope, receive, send)
+
+        return held
+
+    browser = _Browser(tmp_path / "profile")
+
+    def js(expr: str):
+        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
+                           browser.session)  # fmt: skip
+        return out["result"].get("value")
+
+    try:
+        with _serving(model_run, wrap=slow_overview) as base:
+            browser.load(f"{base}/#/clusters")  # drawn; the overview not asked for
+            js("location.hash = '#/'")  # the overview asked for, its answer held back
+            time.sleep(0.3)
+            js("location.hash = '#/clusters/0'")
+            deadline = time.monotonic() + 20
+            while js("document.body.dataset.ready") != "#/clusters/0":
+                assert time.monotonic() < deadline, js("document.body.innerHTML")[:2000]
+                time.sleep(0.05)
+            time.sleep(2.5)  # the overview's answer has come (1.5 s) and been dropped
+            assert js("document.querySelectorAll('#clusters tr.cluster').length") > 3
+            assert js("document.querySelectorAll('#grid').length") == 0
+            assert js("document.body.dataset.ready") == "#/clusters/0"
+    finally:
+        browser.close()

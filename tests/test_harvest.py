@@ -489,9 +489,9 @@ def test_a_harvest_of_some_sites_holds_their_rows_of_a_harvest_of_all(tms_done, 
 
 
 @contextlib.contextmanager
-def _serving(run: Path):
-    """The app over `run`'s harvest.db, served by uvicorn on a free port in a thread: its base
-    url."""
+def _serving(run: Path, wrap=None):
+    """The app over `run`'s harvest.db (passed through `wrap`, if given), served by uvicorn on a
+    free port in a thread: its base url."""
     import socket
     import threading
     import time
@@ -506,7 +506,8 @@ def _serving(run: Path):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(_project(run)), host="127.0.0.1",
+    app = make_app(_project(run))
+    server = uvicorn.Server(uvicorn.Config(app if wrap is None else wrap(app), host="127.0.0.1",
                                            port=port, log_level="warning"))  # fmt: skip
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -69,6 +69,7 @@ function siteGrid(o) {
 }
 
 async function overview() {
+  const my = navGen;
   const o = await api("/api/overview");
   const m = o.meta;
   let h = `<h1>${esc(o.run)}</h1><p>${esc(m.kind)} run, ${esc(m.stage)} checkpoint ${esc(m.step)}: ${esc(m.n_positions)} positions harvested (${esc(m.split)}), CI threshold ${esc(m.threshold)}; co-occurrence ${esc(m.cooc)}</p>`;
@@ -77,10 +78,12 @@ async function overview() {
   for (const s of list(o.sites)) {
     h += `<tr><td><a class="site" href="#/site/${esc(encodeURIComponent(s.site))}">${esc(s.site)}</a></td><td>${esc(s.C)}</td><td>${esc(s.alive)}</td><td>${fmt(s.l0)}</td><td>${bars(s.frequency_hist)}</td></tr>`;
   }
+  if (my !== navGen) return;
   main.innerHTML = h + "</table>";
 }
 
 async function siteTable(site, sort = "frequency", desc = "1", minF = "0") {
+  const my = navGen;
   const d = await api(`/api/components?site=${encodeURIComponent(site)}&sort=${encodeURIComponent(sort)}&desc=${encodeURIComponent(desc)}&min_frequency=${encodeURIComponent(minF)}&limit=5000`);
   const cols = ["component", "count", "frequency", "mean_ci", "max_ci", "v_norm", "u_norm"];
   let h = `<h1>${esc(site)}</h1><p>${esc(d.total)} components; minimum frequency <input id="minf" value="${esc(minF)}" size="6"></p><table><tr>`;
@@ -88,6 +91,7 @@ async function siteTable(site, sort = "frequency", desc = "1", minF = "0") {
   for (const r of list(d.rows)) {
     h += `<tr><td>${compLink(r.site, r.component)}</td>` + cols.slice(1).map(c => `<td>${fmt(r[c])}</td>`).join("") + "</tr>";
   }
+  if (my !== navGen) return;
   main.innerHTML = h + "</table>";
   for (const th of main.querySelectorAll("th.sortable")) {
     th.onclick = () => siteTable(site, th.dataset.sort, th.dataset.sort === sort && desc === "1" ? "0" : "1", minF);
@@ -98,9 +102,10 @@ async function siteTable(site, sort = "frequency", desc = "1", minF = "0") {
 
 // Labels from `pdctl interp import` (and their scores from `pdctl interp score`), if any.
 async function labelColumn(site) {
+  const my = navGen;
   const d = await api(`/api/labels?site=${encodeURIComponent(site)}`);
   const by = new Map(list(d.rows).map(r => [String(r.component), r]));
-  if (!by.size) return;
+  if (!by.size || my !== navGen) return;
   const rows = main.querySelectorAll("table tr");
   rows.forEach((tr, i) => {
     const cell = document.createElement(i ? "td" : "th");
@@ -113,9 +118,10 @@ async function labelColumn(site) {
   });
 }
 async function labelSection(site, c) {
+  const my = navGen;
   const d = await api(`/api/labels?site=${encodeURIComponent(site)}&component=${encodeURIComponent(c)}`);
   const r = list(d.rows)[0];
-  if (!r) return;
+  if (!r || my !== navGen) return;
   let h = `<p id="label"><b>label</b>: <span class="label">${esc(r.label)}</span>`;
   for (const k of ["detection", "fuzzing", "confidence"]) {
     if (r[k] !== null && r[k] !== undefined) h += `; ${k} ${fmt(r[k])}`;
@@ -127,6 +133,7 @@ async function labelSection(site, c) {
 }
 
 async function component(site, c) {
+  const my = navGen;
   const d = await api(`/api/component/${encodeURIComponent(site)}/${c}`);
   let h = `<h1 id="component-title">${esc(site)} #${esc(c)}</h1>`;
   h += `<p>fires on ${esc(d.count)} positions (frequency ${fmt(d.frequency)}), mean CI ${fmt(d.mean_ci)}, max CI ${fmt(d.max_ci)}; |V[:, c]| ${fmt(d.v_norm)}, |U[c, :]| ${fmt(d.u_norm)}</p>`;
@@ -151,6 +158,7 @@ async function component(site, c) {
   const like = await api(`/api/like/${encodeURIComponent(site)}/${c}`);
   h += "<h2>components like this one (shared top tokens)</h2><p>" + (list(like.rows).map(r => compLink(r.site, r.component) + ` (${esc(r.shared)})`).join(", ") || '<span class="muted">none</span>') + "</p>";
   h += await attributionsSection(site, c);
+  if (my !== navGen) return;
   main.innerHTML = h;
   await labelSection(site, c);
 }
@@ -257,10 +265,11 @@ const CLUSTER_HEAD = '<table id="clusters"><tr><th>cluster</th><th>size</th><th>
 const PAGE = 50;
 
 async function clusters(offset = 0) {
+  const my = navGen;
   offset = Math.max(0, Math.floor(+offset) || 0);
   const d = await api(`/api/clusters?offset=${offset}&limit=${PAGE}`);
   let h = "<h1>clusters</h1>";
-  if (!d.available) { main.innerHTML = h + '<p class="muted">none yet: run `pdctl cluster`</p>'; return; }
+  if (!d.available) { if (my === navGen) main.innerHTML = h + '<p class="muted">none yet: run `pdctl cluster`</p>'; return; }
   const m = d.meta || {}, rows = list(d.clusters), total = +d.total || 0;
   h += `<p>${esc(m.method)}, Jaccard ≥ ${esc(m.min_jaccard)}: ${esc(d.total)} clusters of two or more, ${esc(d.singletons)} components alone</p>`;
   const nav = [];
@@ -269,26 +278,36 @@ async function clusters(offset = 0) {
   if (offset + rows.length < total) nav.push(`<a href="#/clusters/${offset + PAGE}">next ${PAGE} →</a>`);
   const pager = `<p class="pager">${nav.join(" · ")}</p>`;
   h += pager + CLUSTER_HEAD + rows.map(k => clusterRow(k)).join("") + "</table>" + (rows.length > 10 ? pager : "");
+  if (my !== navGen) return;
   main.innerHTML = h;
 }
 
 async function oneCluster(k) {
+  const my = navGen;
   const d = await api(`/api/cluster/${encodeURIComponent(k)}`);
   let h = `<h1>cluster ${esc(d.cluster)}</h1><p><a href="#/clusters">all clusters</a></p>`;
   h += CLUSTER_HEAD + clusterRow(d, true) + "</table>";
   h += '<h2>members</h2><table id="members"><tr><th>component</th><th>count</th><th>frequency</th><th>label</th></tr>';
   h += list(d.members).map(r => `<tr><td>${compLink(r.site, r.component)}</td><td>${esc(r.count)}</td><td>${fmt(r.frequency)}</td><td class="label">${r.label === null || r.label === undefined ? "" : esc(r.label)}</td></tr>`).join("");
+  if (my !== navGen) return;
   main.innerHTML = h + "</table>";
 }
 
 async function search(q) {
+  const my = navGen;
   const d = await api(`/api/search?q=${encodeURIComponent(q)}`);
   let h = `<h1>components firing on <code>${esc(q)}</code></h1><p>token ids: ${esc(list(d.ids).join(", ")) || "none"}</p><table id="results"><tr><th>component</th><th>token</th><th>count</th><th>PMI</th></tr>`;
   h += list(d.rows).map(r => `<tr><td>${compLink(r.site, r.component)}</td><td><code>${esc(r.token)}</code></td><td>${esc(r.count)}</td><td>${fmt(r.pmi)}</td></tr>`).join("");
+  if (my !== navGen) return;
   main.innerHTML = h + "</table>";
 }
 
+// Each navigation is a generation: a page still loading when the next navigation starts is
+// dropped, not drawn over the newer one (a slow overview finishing after a fast clusters page
+// would otherwise replace it), and `ready` names the route that was drawn.
+let navGen = 0;
 async function route() {
+  const gen = ++navGen, hash = location.hash || "#/";
   const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
   try {
     if (parts[0] === "site") await siteTable(parts[1]);
@@ -298,9 +317,9 @@ async function route() {
     else if (parts[0] === "cluster") await oneCluster(parts[1]);
     else await overview();
   } catch (e) {
-    main.innerHTML = `<p class="muted">${esc(e.message)}</p>`;
+    if (gen === navGen) main.innerHTML = `<p class="muted">${esc(e.message)}</p>`;
   }
-  document.body.dataset.ready = location.hash || "#/";
+  if (gen === navGen) document.body.dataset.ready = hash;
 }
 document.getElementById("search").onsubmit = e => {
   e.preventDefault();
