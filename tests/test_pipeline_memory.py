@@ -4,6 +4,7 @@ and a stage with nothing to do compiles no step program."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import jax
@@ -35,6 +36,9 @@ def test_pdctl_run_leaves_nothing_of_a_stage_on_the_devices(tmp_path: Path, monk
 
     monkeypatch.setattr(pipeline, "run_stage", spy)
     jax.clear_caches()
+    # an earlier test's arrays left in reference cycles (this worker's process ran other test
+    # files first) would be freed by the stages' own collection and read as a difference
+    gc.collect()
     before = _live()
     cli_ok("--project", run, "run")
     after = _live()
