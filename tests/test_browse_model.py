@@ -187,21 +187,14 @@ def test_an_older_harvest_db_still_opens_and_shows_the_same(model_run: Path, tmp
 
 @pytest.mark.slow  # headless Chromium, as the other browser tests (~3 s)
 def test_whole_model_pages_in_headless_chromium(model_run: Path, tmp_path: Path):
-    import os
     import time
 
-    from test_report import CHROMIUM, _Browser
+    from test_report import _Browser, need_chromium
 
-    if CHROMIUM is None:
-        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
-            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    need_chromium()
     browser = _Browser(tmp_path / "profile")
 
-    def js(expr: str):
-        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                           browser.session)  # fmt: skip
-        return out["result"].get("value")
+    js = browser.js
 
     def go(route: str) -> None:
         js(f"location.hash = {json.dumps(route)}")
@@ -250,15 +243,11 @@ def test_a_page_still_loading_is_not_drawn_over_the_next(model_run: Path, tmp_pa
     page, and its late `ready` named the route the user was on: a whole-model browser test
     under load saw the overview where it looked for clusters)."""
     import asyncio
-    import os
     import time
 
-    from test_report import CHROMIUM, _Browser
+    from test_report import _Browser, need_chromium
 
-    if CHROMIUM is None:
-        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
-            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    need_chromium()
 
     def slow_overview(app):
         async def held(scope, receive, send):
@@ -270,10 +259,7 @@ def test_a_page_still_loading_is_not_drawn_over_the_next(model_run: Path, tmp_pa
 
     browser = _Browser(tmp_path / "profile")
 
-    def js(expr: str):
-        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                           browser.session)  # fmt: skip
-        return out["result"].get("value")
+    js = browser.js
 
     try:
         with _serving(model_run, wrap=slow_overview) as base:

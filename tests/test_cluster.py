@@ -191,26 +191,19 @@ def test_browse_api_serves_clusters_and_attributions(tmp_path: Path):
 
 @pytest.mark.slow  # headless Chromium: ~6 s
 def test_browse_shows_clusters_and_attributions_in_headless_chromium(tmp_path: Path):
-    import os
     import time
 
     from test_harvest import _serving
-    from test_report import CHROMIUM, _Browser
+    from test_report import _Browser, need_chromium
 
-    if CHROMIUM is None:
-        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
-            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    need_chromium()
     run = _synthetic_run(tmp_path)
     assert cli("--project", run, "cluster").exit_code == 0
     _with_attributions(run)
     browser = _Browser(tmp_path / "profile")
 
     def js(expr: str):
-        out = browser.call("Runtime.evaluate",
-                           {"expression": expr, "returnByValue": True, "awaitPromise": True},
-                           browser.session)  # fmt: skip
-        return out["result"].get("value")
+        return browser.js(expr, await_promise=True)
 
     def wait_ready(route: str) -> None:
         deadline = time.monotonic() + 20

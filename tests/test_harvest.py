@@ -578,26 +578,17 @@ def test_browse_api_is_read_only_over_the_run(served):
 
 @pytest.mark.slow
 def test_browse_in_headless_chromium(served, tmp_path: Path):
-    import os
 
-    from test_report import CHROMIUM, _Browser
+    from test_report import _Browser, need_chromium
 
-    if CHROMIUM is None:
-        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
-            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    need_chromium()
     base, _ = served
     broken = tmp_path / "broken.html"  # the control: the check sees what it is there to catch
     broken.write_text("<!DOCTYPE html><html><body><script>undefined_fn();</script></body></html>")
     browser = _Browser(tmp_path / "profile")
 
     def js(expr: str):
-        out = browser.call(
-            "Runtime.evaluate",
-            {"expression": expr, "returnByValue": True, "awaitPromise": True},
-            browser.session,
-        )
-        return out["result"].get("value")  # fmt: skip
+        return browser.js(expr, await_promise=True)
 
     def wait_ready(route: str) -> None:
         import time
@@ -1126,23 +1117,16 @@ def _hostile(run: Path) -> None:
 @pytest.mark.slow  # headless Chromium: ~6 s
 def test_browse_escapes_a_hostile_database_in_headless_chromium(tmp_path: Path):
     # item 4: an <img onerror> in sites.C, meta.step or components.count ran on #/
-    import os
     import time
 
-    from test_report import CHROMIUM, _Browser
+    from test_report import _Browser, need_chromium
 
-    if CHROMIUM is None:
-        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
-            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    need_chromium()
     run = _closed_form_run(tmp_path)
     _hostile(run)
     browser = _Browser(tmp_path / "profile")
 
-    def js(expr: str):
-        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                           browser.session)  # fmt: skip
-        return out["result"].get("value")
+    js = browser.js
 
     try:
         with _serving(run) as base:

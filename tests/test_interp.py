@@ -413,15 +413,11 @@ def test_browse_api_gives_the_labels(run: Path, tmp_path: Path):
 
 @pytest.mark.slow  # headless Chromium: ~6 s
 def test_browse_shows_labels_in_headless_chromium(run: Path, tmp_path: Path):
-    import os
     import time
 
-    from test_report import CHROMIUM, _Browser
+    from test_report import _Browser, need_chromium
 
-    if CHROMIUM is None:
-        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
-            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    need_chromium()
     hostile = "<img src=x onerror=\"document.title='pwned'\">"
     rows = [{"site": "a", "component": 0, "label": "zeros", "detection": 0.75,
              "reasoning": hostile},
@@ -429,10 +425,7 @@ def test_browse_shows_labels_in_headless_chromium(run: Path, tmp_path: Path):
     cli_ok("--project", run, "interp", "import", _write_jsonl(tmp_path / "l.jsonl", rows))
     browser = _Browser(tmp_path / "profile")
 
-    def js(expr: str):
-        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                           browser.session)  # fmt: skip
-        return out["result"].get("value")
+    js = browser.js
 
     def goto(route: str) -> None:
         js(f"location.hash = '{route}'")

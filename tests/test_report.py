@@ -154,6 +154,17 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
 BASH = shutil.which("bash") or "/bin/bash"
 
 
+def need_chromium() -> None:
+    """Skip the test where chromium is not installed, or fail it where PDCTL_REQUIRE_CHROMIUM
+    says it must run (CI)."""
+    if CHROMIUM is None:
+        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
+            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
+        pytest.skip(
+            "chromium is not installed (Debian: apt-get install chromium); .ci/run installs it"
+        )
+
+
 class _Browser:
     """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
     NUL-separated JSON on fds 3 and 4, no port, no websocket library)."""
@@ -194,6 +205,14 @@ class _Browser:
         self.session = attached["sessionId"]
         for domain in ("Runtime", "Log", "Page", "Network"):
             self.call(f"{domain}.enable", session=self.session)
+
+    def js(self, expr: str, await_promise: bool = False):
+        """`expr` evaluated in the page: its value (a promise's, with `await_promise`)."""
+        params = {"expression": expr, "returnByValue": True}
+        if await_promise:
+            params["awaitPromise"] = True
+        out = self.call("Runtime.evaluate", params, self.session)
+        return out["result"].get("value")
 
     def _read(self) -> None:
         buf = b""
@@ -272,12 +291,7 @@ class _Browser:
 
 @needs_run
 def test_index_html_loads_in_headless_chromium_without_errors(finished_report, tmp_path) -> None:
-    if CHROMIUM is None:
-        if os.environ.get("PDCTL_REQUIRE_CHROMIUM"):
-            pytest.fail("PDCTL_REQUIRE_CHROMIUM is set but no chromium is installed")
-        pytest.skip(
-            "chromium is not installed (Debian: apt-get install chromium); .ci/run installs it"
-        )
+    need_chromium()
     _, res = finished_report
     broken = tmp_path / "broken.html"  # the check must see what it is there to catch
     broken.write_text(

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_prefix_skip import _site_data
 
 from pdctl.config import parse_config
 from pdctl.science.spd import losses as L
@@ -72,19 +73,7 @@ def test_scanned_forward_equals_unrolled(tmp_path, name):
     params = jax.jit(unrolled.init)(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, SEQ), 0, 64)
     paths = _sites(unrolled)
-    shapes = unrolled.site_shapes()
-    rng = np.random.default_rng(0)
-    C = 5
-    data = {}
-    for j, p in enumerate(paths):
-        d_in, d_out = shapes[p]
-        data[p] = (
-            jnp.asarray(rng.normal(size=(d_in, C)) / d_in**0.5, jnp.float32),
-            jnp.asarray(rng.normal(size=(C, d_out)) / C**0.5, jnp.float32),
-            jnp.asarray(rng.uniform(size=(2, SEQ, C)), jnp.float32),
-            jnp.asarray(rng.uniform(size=(2, SEQ)), jnp.float32),
-            jnp.asarray(rng.uniform(size=(2, SEQ)) < 0.5 + 0.05 * j),
-        )
+    data = _site_data(unrolled, paths)
     assert len(scanned._runs(data, paths)) == 3  # layer 0 | layers 1-2 | layer 3
 
     def run(t):
@@ -118,19 +107,7 @@ def test_scanned_siteless_layers_equal_unrolled(tmp_path):
     params = jax.jit(unrolled.init)(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, SEQ), 0, 64)
     paths = [p for p in unrolled.site_paths() if ".2.mlp." in p]
-    shapes = unrolled.site_shapes()
-    rng = np.random.default_rng(0)
-    C = 5
-    data = {}
-    for p in paths:
-        d_in, d_out = shapes[p]
-        data[p] = (
-            jnp.asarray(rng.normal(size=(d_in, C)) / d_in**0.5, jnp.float32),
-            jnp.asarray(rng.normal(size=(C, d_out)) / C**0.5, jnp.float32),
-            jnp.asarray(rng.uniform(size=(2, SEQ, C)), jnp.float32),
-            jnp.asarray(rng.uniform(size=(2, SEQ)), jnp.float32),
-            jnp.asarray(rng.uniform(size=(2, SEQ)) < 0.5),
-        )
+    data = _site_data(unrolled, paths)
     assert suffix._runs(data, paths) == [(0, 2), (2, 3), (3, 5)]
 
     def step(t):

@@ -112,10 +112,15 @@ class SiteLayout:
 
     def offsets(self) -> dict[str, int]:
         """The global index of each site's component 0 (sites in order)."""
-        out, o = {}, 0
-        for s, C in self.sites.items():
-            out[s], o = o, o + C
-        return out
+        return offsets(self.sites)
+
+
+def offsets(sites: Mapping[str, int]) -> dict[str, int]:
+    """The global index of each site's component 0, for sites {site: C} in order."""
+    out, o = {}, 0
+    for s, C in sites.items():
+        out[s], o = o, o + C
+    return out
 
 
 @dataclass

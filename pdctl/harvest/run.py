@@ -48,7 +48,6 @@ effects saves what they had done, and the rerun goes on from there.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -64,6 +63,7 @@ import numpy as np
 from pdctl.errors import PdctlError
 from pdctl.harvest import db, keep
 from pdctl.harvest.accumulate import CoocCounter, Harvest, merge_states
+from pdctl.harvest.reference import offsets
 from pdctl.project import Project, now
 
 SAVE_EVERY = 8  # batches between saves of the partial state
@@ -230,12 +230,13 @@ def select_sites(sites: dict[str, int], patterns: list[str]) -> dict[str, int]:
 
     if not patterns:
         return sites
-    for p in patterns:
-        if not any(fnmatch.fnmatchcase(s, p) for s in sites):
+    hits = {p: {s for s in sites if fnmatch.fnmatchcase(s, p)} for p in patterns}
+    for p, matched in hits.items():
+        if not matched:
             names = list(sites)
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} sites)" if len(names) > 3 else "")
             raise PdctlError(f"--sites: no site matches {p!r} (the sites: {shown})")
-    return {s: C for s, C in sites.items() if any(fnmatch.fnmatchcase(s, p) for p in patterns)}
+    return {s: C for s, C in sites.items() if any(s in m for m in hits.values())}
 
 
 def harvest_options(project: Project, stage: str, step: int | None, **options: Any) -> dict:
@@ -505,11 +506,10 @@ def _harvest(
     n_batches = math.ceil(n_items / B)
 
     rep = sharding.replicated(mesh)
-    # each site's component 0 as numbered among all the decomposition's sites (`--sites`)
-    first = dict(zip(every, itertools.accumulate(every.values(), initial=0), strict=False))
+    # components numbered among all the decomposition's sites, whichever `--sites` keeps
     h = Harvest(sites, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
                 cooc_max=cooc_max, seed=cfg.run.seed, device=devices[0],
-                numbered_from=first)  # fmt: skip
+                numbered_from=offsets(every))  # fmt: skip
     st = project.stage(stage)
     options = harvest_options(project, stage, dec.step, **given)
     ident = {"stage": stage, "step": dec.step, "run_id": st.get("run_id"), "split": split,
