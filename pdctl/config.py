@@ -288,6 +288,13 @@ class CompileConfig(Section):
         "mark (one that came with someone else's run directory) and never loads an entry it "
         "did not write",
     )
+    ahead: bool | Literal["auto"] = Field(
+        "auto",
+        description="`pdctl run`: compile the later stages' steps into the compile cache on a "
+        "host thread while the earlier stages run, so that warmup and train start from the "
+        "cache (auto: on a GPU or TPU, whose host cores are free meanwhile; off on CPU, where "
+        "the compile would take the cores the stages run on). Needs the compile cache",
+    )
 
 
 class CheckpointConfig(Section):

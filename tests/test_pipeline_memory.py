@@ -69,3 +69,25 @@ def test_a_stage_with_no_steps_compiles_no_step(tmp_path: Path, monkeypatch) -> 
     assert warm.get("components_from") == "init_weights", warm
     assert not (run / "checkpoints" / "warmup").exists()
     assert state(run, "train")["status"] == "done"
+
+
+def test_pdctl_run_compiles_the_later_steps_ahead(tmp_path: Path, monkeypatch) -> None:
+    """`[compile] ahead = true`: while init-weights runs, a host thread compiles pretrain's,
+    warmup's and train's steps into the compile cache, so each of those stages reads its step
+    from the cache (a fresh cache: without the thread, every one of them compiles)."""
+    run = make_run(
+        tmp_path, "tms", warmup={"steps": 2, "log_every": 2},
+        compile={"cache_dir": str(tmp_path / "cc"), "ahead": True}, **SHORT,
+    )  # fmt: skip
+    hits: dict[str, bool] = {}
+    original = Loop.compile
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        hits[self.stage] = self.cache_hit
+        return out
+
+    monkeypatch.setattr(Loop, "compile", spy)
+    cli_ok("--project", run, "run")
+    assert hits == {"pretrain": True, "warmup": True, "train": True}, hits
+    assert state(run, "train")["status"] == "done"

@@ -254,6 +254,37 @@ def test_2_sigterm_while_compiling_the_stage_step(initialized: Path, tmp_path: P
 
 
 @pytest.mark.slow  # a subprocess run of several seconds: the slow tier
+def test_2_sigterm_while_a_stage_waits_for_its_step_compiling_ahead(
+    initialized: Path, tmp_path: Path
+) -> None:
+    """`pdctl run` with `[compile] ahead = true`: warmup's step compiles on the host thread
+    (made to take a minute) while pretrain runs; SIGTERM once pretrain is done, while warmup
+    waits for that compile, ends the run within seconds (exit 3, warmup `interrupted`), the
+    thread left running, and `pdctl run` then finishes the run."""
+    run = _copy(initialized, tmp_path)
+    edit_config(run, {"compile": {"cache_dir": str(tmp_path / "cc"), "ahead": True}})
+    mark = tmp_path / "mark"
+    hook = (
+        "import jax, threading\nfrom pdctl.engine import ahead\n"
+        "slow(jax.stages.Lowered, 'compile', when=lambda *a, **k: ahead._current == 'warmup'"
+        " and threading.current_thread().name == 'pdctl: compiling ahead')"
+    )
+    proc = _start(run, hook, "run", mark=mark)
+    _wait_for(lambda: state(run, "pretrain").get("status") == "done", proc, what="pretrain")
+    assert mark.exists()  # the compile ahead is sleeping
+    time.sleep(0.5)
+    rc, out, err, dt = _signal_and_time(proc)
+    assert rc == 3, (rc, out, err[-3000:])
+    assert dt < LATENCY_S, f"{dt:.1f} s from SIGTERM to exit\n{err[-3000:]}"
+    assert "waiting for the step compiling ahead" in err, err[-3000:]
+    lines = _errors(err)
+    assert len(lines) == 1 and "warmup: stopped by SIGTERM while compiling the step" in lines[0]
+    assert state(run, "warmup")["status"] == "interrupted"
+    _ok("--project", run, "run")
+    assert state(run, "train")["status"] == "done"
+
+
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_2_sigterm_while_restoring_a_checkpoint(initialized: Path, tmp_path: Path) -> None:
     run = _copy(initialized, tmp_path)
     _ok("--project", run, "pretrain", "--until", "5")

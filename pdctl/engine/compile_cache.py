@@ -267,3 +267,9 @@ def install(path: str | Path, root: Path | None = None) -> None:
     cc.reset_cache()
     cc._cache = make_signed_cache(path, key)
     cc._cache_initialized = True
+
+
+def active() -> bool:
+    """Whether JAX compiles through a signed cache now (`install` succeeded in this process)."""
+    found = _jax_cache_module()
+    return found is not None and hasattr(found[0]._cache, "_key")

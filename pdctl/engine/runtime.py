@@ -487,8 +487,11 @@ def on_stop(fn) -> None:
 
 def abandoned() -> str | None:
     """What a stop left running on a worker thread (the process must then end with os._exit:
-    that call cannot be cancelled and would hold up the interpreter's exit), or None."""
-    return _abandoned
+    that call cannot be cancelled and would hold up the interpreter's exit), or None. A compile
+    started ahead (`engine.ahead`) that is still running counts as well."""
+    from pdctl.engine import ahead
+
+    return _abandoned or ahead.running()
 
 
 def barrier(name: str, timeout_s: float) -> None:
@@ -623,6 +626,9 @@ def release_device_memory() -> None:
 
     import jax
 
+    from pdctl.engine import ahead
+
     gc.collect()
-    jax.clear_caches()
+    with ahead.TRACING:  # not while a compile ahead is tracing (`engine.ahead`)
+        jax.clear_caches()
     gc.collect()

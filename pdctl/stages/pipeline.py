@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 from pdctl.engine import runtime
@@ -143,8 +144,60 @@ def run_all(project: Project, echo=print, until: int | None = None) -> dict[str,
     steps = plan(project)
     # One writer for the whole pipeline: no other pdctl can start between two stages.
     with project.locked() if runtime.is_writer() else contextlib.nullcontext():
+        compile_ahead(project, steps)
         _run_planned(project, steps, results, echo, until)
     return results
+
+
+def ahead_pays(project: Project) -> bool:
+    """`[compile] ahead`: "auto" is on where the devices are not the host's own cores (a GPU or
+    TPU: the host's cores compile while the devices run the earlier stages). On a CPU the
+    stages' own programs need those cores (measured: a 2-core machine gained nothing,
+    docs/performance.md "Time to the first train step on this CPU, part 2")."""
+    import jax
+
+    from pdctl.engine import compile_cache
+
+    ahead = project.config.compile.ahead
+    if ahead == "auto":
+        ahead = jax.default_backend() != "cpu"
+    return bool(ahead) and compile_cache.active()
+
+
+def compile_ahead(project: Project, steps: list[tuple[str, str]]) -> list[str]:
+    """Start compiling, on a host thread (`engine.ahead`), the steps of the stages that run
+    after the first one that runs, into the compile cache, where each stage's own compile then
+    finds it; the stages ahead of which a compile started. A stage with nothing to do
+    (warmup at `steps = 0`) has no program. The programs are built from the config alone
+    (`StepProgram`), as each stage builds its own, so they are the same programs."""
+    from pdctl.engine import ahead
+
+    ahead.reset()
+    running = [s for s, action in steps if action != "skip"]
+    if len(running) < 2 or not ahead_pays(project):
+        return []
+    cfg = project.config
+    later = []
+    for stage in running[1:]:
+        spec = getattr(registry.stage(stage).load(), "SPEC", None)
+        if spec is None or (spec.idle is not None and spec.idle(cfg) is not None):
+            continue
+        later.append((stage, spec))
+    if not later:
+        return []
+
+    def job(spec: Any) -> None:
+        from pdctl.engine import sharding
+        from pdctl.stages.inputs import target_from_config
+
+        with ahead.TRACING:
+            mesh = sharding.mesh_from_config(cfg.mesh)
+            target = target_from_config(cfg, project.root)
+            lowered = spec.program(cfg, mesh, target).lower()
+        lowered.compile()  # into the persistent cache; the executable itself is dropped
+
+    ahead.start([(stage, functools.partial(job, spec)) for stage, spec in later])
+    return [stage for stage, _ in later]
 
 
 # How `run_stage` carries out an action of `plan` ("run": no arguments).

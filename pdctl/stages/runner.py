@@ -9,10 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdctl.engine import runtime
+from pdctl.engine import ahead, runtime
 from pdctl.engine.checkpoint import drop_checkpoints
 from pdctl.engine.loop import Loop, LoopResult
 from pdctl.engine.tracking import JsonlTracker
+from pdctl.errors import notify
 from pdctl.project import Project
 from pdctl.stages.env import StageEnv, batches_state, text_batches
 from pdctl.stages.inputs import peak_flops
@@ -137,6 +138,9 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
         )
     if spec.evaluation:
         start.eval_fn = later(spec.evaluation, env, frozen, prog, what="preparing the evaluation")
+    if ahead.pending(spec.name):  # `pdctl run` started compiling this step ahead: take it
+        notify(f"{spec.name}: waiting for the step compiling ahead")
+        later(ahead.wait, spec.name, what="compiling the step")
     result = _loop(env, spec, prog, start, opts)
     if result.status == "done" and result.eval:
         env.on_state(eval=result.eval)
