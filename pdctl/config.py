@@ -290,10 +290,11 @@ class CompileConfig(Section):
     )
     ahead: bool | Literal["auto"] = Field(
         "auto",
-        description="`pdctl run`: compile the later stages' steps into the compile cache on a "
-        "host thread while the earlier stages run, so that warmup and train start from the "
-        "cache (auto: on a GPU or TPU, whose host cores are free meanwhile; off on CPU, where "
-        "the compile would take the cores the stages run on). Needs the compile cache",
+        description="compile on a host thread, into the compile cache, what runs later: "
+        "`pdctl run` compiles the later stages' steps while the earlier stages run, and train "
+        "its evaluation's programs while its steps run, so that each starts from the cache "
+        "(auto: on a GPU or TPU, whose host cores are free meanwhile; off on CPU, where the "
+        "compiles would take the cores the stages run on). Needs the compile cache",
     )
 
 

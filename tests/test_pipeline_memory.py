@@ -5,10 +5,14 @@ and a stage with nothing to do compiles no step program."""
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
-from helpers import cli_ok, make_run, state
+import pytest
+from helpers import cli_ok, make_run, pdctl_env, state
 
 from pdctl.engine.loop import Loop
 from pdctl.stages import pipeline
@@ -91,3 +95,59 @@ def test_pdctl_run_compiles_the_later_steps_ahead(tmp_path: Path, monkeypatch) -
     cli_ok("--project", run, "run")
     assert hits == {"pretrain": True, "warmup": True, "train": True}, hits
     assert state(run, "train")["status"] == "done"
+
+
+_COUNT_EVAL = """
+import json, sys
+from pdctl.engine.loop import cache_events
+from pdctl.stages import train
+original, OUT = train.make_eval, sys.argv[2]
+def spy(*args, **kwargs):
+    fn = original(*args, **kwargs)
+    def counted(state):
+        with cache_events() as counts:
+            out = fn(state)
+        with open(OUT, "a") as f:
+            f.write(json.dumps(counts) + "\\n")
+        return out
+    return counted
+train.make_eval = spy
+from pdctl.cli import main
+sys.argv = ["pdctl", "--project", sys.argv[1], *sys.argv[3:]]
+main()
+"""
+
+
+@pytest.mark.slow  # three runs of a tiny LM in processes of their own (one device)
+def test_the_evaluation_is_compiled_ahead(tmp_path: Path) -> None:
+    """With `[compile] ahead = true`, train's evaluation programs (the CI program and an LM's
+    masked forwards) are compiled into the cache on a host thread, while the stages before
+    train run (`pdctl run`) or while train's steps run (`pdctl train` alone, as a resume does),
+    so the first evaluation compiles neither. A fresh cache each. One device: several CPU
+    devices evaluate replicated, which nothing compiles ahead."""
+    seen = {}
+    for name, ahead, command in (("off", False, "run"), ("run", True, "run"),
+                                 ("train", True, "train")):  # fmt: skip
+        run = make_run(
+            tmp_path, "llama-mlp", name,
+            compile={"cache_dir": str(tmp_path / f"cc-{name}"), "ahead": ahead},
+            train={"steps": 2, "batch_size": 8, "log_every": 1, "eval_every": 2},
+        )  # fmt: skip
+        if command == "train":
+            for stage in ("init-weights", "pretrain", "warmup"):
+                cli_ok("--project", run, stage)
+        counts = tmp_path / f"counts-{name}.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-c", _COUNT_EVAL, str(run), str(counts), command],
+            env=pdctl_env(1, PDCTL_SUPERVISOR="0"), capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[name] = [json.loads(line) for line in counts.read_text().splitlines()]
+    assert all(len(v) == 1 for v in seen.values()), seen
+    off, run_, train_ = (seen[k][0] for k in ("off", "run", "train"))
+    assert off.get("hits", 0) == 0, seen  # without: every program compiled at the evaluation
+    # the CI and masked-forwards programs are not compiled at the evaluation: read from the
+    # cache after `pdctl run`'s stages (which clear JAX's in-process caches between them), or
+    # found in process after `pdctl train`'s own thread compiled them
+    assert run_.get("hits", 0) >= 2, seen
+    assert run_["misses"] <= off["misses"] - 2 and train_["misses"] <= off["misses"] - 2, seen

@@ -1,7 +1,8 @@
-"""Work started ahead on a host thread: `pdctl run` compiles its later stages' steps into the
-persistent compile cache while the earlier stages run on the devices (`[compile] ahead`).
+"""Work started ahead on a host thread (`[compile] ahead`): `pdctl run` compiles its later
+stages' steps into the persistent compile cache while the earlier stages run on the devices,
+and the train stage its evaluation's programs while its steps run.
 
-One thread per process runs the jobs in order; each job sets its event when it ends, however
+A thread runs its jobs in order; each job sets its event when it ends, however
 it ends (a failed compile only costs the stage its own compile, as without this). A stage
 `wait`s for its job before it compiles, then reads the cache. The thread is never cancelled (a
 compile is one C++ call): a stop or an error that ends the process while it runs ends it with
@@ -21,13 +22,27 @@ log = logging.getLogger("pdctl")
 
 TRACING = threading.Lock()
 _events: dict[str, threading.Event] = {}
-_thread: threading.Thread | None = None
+_threads: list[threading.Thread] = []
 _current: str | None = None
 
 
+def enabled(setting: bool | str) -> bool:
+    """`[compile] ahead`: "auto" is on where the devices are not the host's own cores (a GPU or
+    TPU: the host's cores compile while the devices run the earlier stages, or the steps). On a
+    CPU the stages' own programs need those cores (measured: a 2-core machine gained nothing,
+    docs/performance.md "Time to the first train step on this CPU, part 2"). Only with the
+    compile cache, which carries the programs to the stages."""
+    import jax
+
+    from pdctl.engine import compile_cache
+
+    if setting == "auto":
+        setting = jax.default_backend() != "cpu"
+    return bool(setting) and compile_cache.active()
+
+
 def start(jobs: list[tuple[str, Callable[[], None]]]) -> None:
-    """Run `jobs` ([(name, fn)], in order) on one daemon thread."""
-    global _thread
+    """Run `jobs` ([(name, fn)], in order) on a daemon thread of their own."""
     if not jobs:
         return
     for name, _ in jobs:
@@ -49,8 +64,14 @@ def start(jobs: list[tuple[str, Callable[[], None]]]) -> None:
                 _events[name].set()
         _current = None
 
-    _thread = threading.Thread(target=work, name="pdctl: compiling ahead", daemon=True)
-    _thread.start()
+    thread = threading.Thread(target=work, name="pdctl: compiling ahead", daemon=True)
+    _threads.append(thread)
+    thread.start()
+
+
+def started(name: str) -> bool:
+    """Whether a job called `name` was started (it may have ended)."""
+    return name in _events
 
 
 def pending(name: str) -> bool:
@@ -67,15 +88,14 @@ def wait(name: str) -> None:
 
 
 def running() -> str | None:
-    """What the thread is compiling now, or None."""
-    if _thread is None or not _thread.is_alive():
+    """What a thread is compiling now, or None."""
+    if not any(t.is_alive() for t in _threads):
         return None
     return f"compiling {_current} ahead" if _current else "compiling ahead"
 
 
 def reset() -> None:
     """Forget finished jobs (a process that runs several pipelines: the tests)."""
-    global _thread
     if running() is None:
         _events.clear()
-        _thread = None
+        _threads.clear()

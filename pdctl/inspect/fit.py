@@ -23,10 +23,6 @@ import re
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from pdctl.engine import sharding
 from pdctl.errors import PdctlError
 from pdctl.inspect import topology
 from pdctl.inspect.memory import fmt_bytes, memory_report
@@ -76,63 +72,13 @@ def device_budget(memory: str | None, kind: str | None) -> tuple[int, str] | Non
 
 
 def eval_programs(p: Any) -> dict[str, Any]:
-    """The evaluation's own programs for the train stage, lowered from abstract arguments with
-    the train state's shardings (the CPU-only replicated evaluation is a CPU workaround, not
-    what a device run compiles) as the stage traces them (at `[precision] eval_matmul`, in
-    `[train] eval_accum_steps` micro-batches): the CI program and, for an LM, the
-    masked-forwards program."""
+    """The evaluation's own programs for the train stage, lowered from abstract arguments
+    (`stages.train.eval_programs`: the programs `pdctl run` compiles ahead)."""
     if p.stage != "train" or p.program is None:
         return {}
-    with p.program.policy.eval_scope():
-        return _eval_programs(p)
-
-
-def _eval_programs(p: Any) -> dict[str, Any]:
-    from pdctl.science.spd import evaluate
     from pdctl.stages import train
-    from pdctl.stages.inputs import STREAM_TRAIN, scan_layers, stream_key, with_scan
 
-    cfg, prog = p.cfg, p.program
-    target = with_scan(p.target, scan_layers(cfg, p.target, p.mesh))  # as train evaluates
-    fns = train.spd_fns(cfg, target)
-    params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
-    # The evaluation takes the decomposition as the train state holds it (a scanned target's
-    # sites stacked in groups), laid out as the state lays it out.
-    trainable = sharding.abstract_with_shardings(
-        prog.abstract_state["trainable"], prog.state_shardings["trainable"]
-    )
-    comps = jax.eval_shape(fns.expand, trainable["components"])
-    comps = jax.tree.map(  # tied sites come out unsharded: shard them as their sources are
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding.replicated(p.mesh)),
-        comps,
-    ) if fns.ties else trainable["components"]  # fmt: skip
-    ci_fns = trainable["ci_fns"]
-    paths = evaluate.unit_order(target, comps)
-    n = cfg.train.eval_batch_size
-    d = cfg.decomp
-    if target.output_kind == "logits":
-        shape, dtype = (n, cfg.data.seq_len), jnp.int32
-    else:
-        batch = jax.eval_shape(lambda k: target.make_batch(k, n), jax.random.key(0))
-        x = target.inputs(batch)
-        shape, dtype = tuple(x.shape), x.dtype
-    # The evaluation batch splits over the devices like a train batch; one that does not
-    # divide is laid out replicated (the fit check then states a larger peak, not a crash).
-    split = n % sharding.batch_shards(p.mesh) == 0
-    x_sh = sharding.batch_sharding(p.mesh, len(shape)) if split else sharding.replicated(p.mesh)
-    x = jax.ShapeDtypeStruct(shape, dtype, sharding=x_sh)
-    ci = evaluate.ci_program(target, paths, d.ci_fn.type, d.sigmoid, d.sampling)
-    out: dict[str, Any] = {"eval: CI": ci.lower(params, comps, ci_fns, x)}
-    if target.output_kind == "logits":
-        key = jax.eval_shape(lambda: stream_key(cfg, STREAM_TRAIN))
-        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(p.mesh))
-        fn = evaluate.lm_eval_program(
-            target, paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
-            cfg.train.eval_rounding_threshold, evaluate.fresh_pgd_config(cfg),
-            cfg.train.eval_accum_steps,
-        )  # fmt: skip
-        out["eval: masked forwards"] = fn.lower(params, comps, ci_fns, x, x, key)
-    return out
+    return train.eval_programs(p.cfg, p.program, p.target, p.mesh)
 
 
 def compile_or_oom(name: str, compile_fn: Any) -> tuple[Any, float, dict[str, Any] | None]:

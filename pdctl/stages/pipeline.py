@@ -149,55 +149,53 @@ def run_all(project: Project, echo=print, until: int | None = None) -> dict[str,
     return results
 
 
-def ahead_pays(project: Project) -> bool:
-    """`[compile] ahead`: "auto" is on where the devices are not the host's own cores (a GPU or
-    TPU: the host's cores compile while the devices run the earlier stages). On a CPU the
-    stages' own programs need those cores (measured: a 2-core machine gained nothing,
-    docs/performance.md "Time to the first train step on this CPU, part 2")."""
-    import jax
-
-    from pdctl.engine import compile_cache
-
-    ahead = project.config.compile.ahead
-    if ahead == "auto":
-        ahead = jax.default_backend() != "cpu"
-    return bool(ahead) and compile_cache.active()
-
-
 def compile_ahead(project: Project, steps: list[tuple[str, str]]) -> list[str]:
     """Start compiling, on a host thread (`engine.ahead`), the steps of the stages that run
-    after the first one that runs, into the compile cache, where each stage's own compile then
-    finds it; the stages ahead of which a compile started. A stage with nothing to do
-    (warmup at `steps = 0`) has no program. The programs are built from the config alone
-    (`StepProgram`), as each stage builds its own, so they are the same programs."""
+    after the first one that runs, and train's evaluation programs, into the compile cache,
+    where each stage's own compile then finds them; the jobs started ("warmup", "train",
+    "train evaluation"). A stage with nothing to do (warmup at `steps = 0`) has no program.
+    The programs are built from the config alone (`StepProgram`, `train.eval_programs`), as
+    each stage builds its own, so they are the same programs."""
     from pdctl.engine import ahead
 
     ahead.reset()
     running = [s for s, action in steps if action != "skip"]
-    if len(running) < 2 or not ahead_pays(project):
+    if len(running) < 2 or not ahead.enabled(project.config.compile.ahead):
         return []
     cfg = project.config
-    later = []
+    jobs: list[tuple[str, Any]] = []
     for stage in running[1:]:
         spec = getattr(registry.stage(stage).load(), "SPEC", None)
         if spec is None or (spec.idle is not None and spec.idle(cfg) is not None):
             continue
-        later.append((stage, spec))
-    if not later:
-        return []
+        built: dict[str, Any] = {}
+        jobs.append((stage, functools.partial(_compile_step, project, spec, built)))
+        if spec.eval_programs is not None and getattr(cfg, stage).eval_every > 0:
+            jobs.append((f"{stage} evaluation", functools.partial(_compile_eval, spec, built)))
+    ahead.start(jobs)
+    return [name for name, _ in jobs]
 
-    def job(spec: Any) -> None:
-        from pdctl.engine import sharding
-        from pdctl.stages.inputs import target_from_config
 
-        with ahead.TRACING:
-            mesh = sharding.mesh_from_config(cfg.mesh)
-            target = target_from_config(cfg, project.root)
-            lowered = spec.program(cfg, mesh, target).lower()
-        lowered.compile()  # into the persistent cache; the executable itself is dropped
+def _compile_step(project: Project, spec: Any, built: dict[str, Any]) -> None:
+    from pdctl.engine import ahead, sharding
+    from pdctl.stages.inputs import target_from_config
 
-    ahead.start([(stage, functools.partial(job, spec)) for stage, spec in later])
-    return [stage for stage, _ in later]
+    cfg = project.config
+    with ahead.TRACING:
+        mesh = sharding.mesh_from_config(cfg.mesh)
+        target = target_from_config(cfg, project.root)
+        prog = spec.program(cfg, mesh, target)
+        built.update(cfg=cfg, prog=prog, target=target, mesh=mesh)
+        lowered = prog.lower()
+    lowered.compile()  # into the persistent cache; the executable itself is dropped
+
+
+def _compile_eval(spec: Any, built: dict[str, Any]) -> None:
+    """Train's evaluation programs, after its step (`built` by `_compile_step`)."""
+    from pdctl.stages.runner import compile_eval_programs
+
+    if "prog" in built:
+        compile_eval_programs(spec, built["cfg"], built["prog"], built["target"], built["mesh"])
 
 
 # How `run_stage` carries out an action of `plan` ("run": no arguments).

@@ -4,6 +4,7 @@ state, feeds it batches and hands it to `engine.loop.Loop`."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ class StageSpec:
     # checkpoint: a fresh run of it then builds, restores and saves nothing (`_run_idle`), and
     # the stages that read its result rebuild it from its inputs
     idle: Callable[[Any], dict[str, Any] | None] | None = None
+    # (cfg, program, target, mesh) -> {name: lowered}: the evaluation's own programs, lowered
+    # from abstract arguments, for compiling them ahead (`[compile] ahead`) and the fit check
+    eval_programs: Callable[..., dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,18 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
         )
     if spec.evaluation:
         start.eval_fn = later(spec.evaluation, env, frozen, prog, what="preparing the evaluation")
+        job = f"{spec.name} evaluation"
+        every = getattr(getattr(cfg, spec.name), "eval_every", 0)
+        if (
+            spec.eval_programs is not None
+            and every > 0
+            and not ahead.started(job)
+            and ahead.enabled(cfg.compile.ahead)
+        ):  # compiled on a host thread while the steps run (`pdctl run` may have begun it)
+            ahead.start([(job, functools.partial(compile_eval_programs, spec, cfg, prog,
+                                                 env.target, env.mesh))])  # fmt: skip
+        if ahead.pending(job):  # its programs are compiling ahead: the evaluation waits
+            start.eval_fn = _after_ahead(start.eval_fn, job)
     if ahead.pending(spec.name):  # `pdctl run` started compiling this step ahead: take it
         notify(f"{spec.name}: waiting for the step compiling ahead")
         later(ahead.wait, spec.name, what="compiling the step")
@@ -145,6 +161,30 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
     if result.status == "done" and result.eval:
         env.on_state(eval=result.eval)
     return result
+
+
+def compile_eval_programs(spec: StageSpec, cfg: Any, prog: Any, target: Any, mesh: Any) -> None:
+    """Compile the stage's evaluation programs (`StageSpec.eval_programs`) into the compile
+    cache, where its evaluation then finds them; not where the evaluation runs replicated
+    instead (several CPU devices: `runtime.collective_free_eval`)."""
+    if spec.eval_programs is None or runtime.collective_free_eval(mesh):
+        return
+    with ahead.TRACING:
+        lowered = spec.eval_programs(cfg, prog, target, mesh)
+    for program in lowered.values():
+        program.compile()
+
+
+def _after_ahead(eval_fn: Callable[[Any], dict], job: str) -> Callable[[Any], dict]:
+    """`eval_fn` that first waits for `job`, compiling its programs ahead (`engine.ahead`), so
+    that it reads them from the compile cache instead of compiling them a second time (the
+    loop runs an evaluation on a worker thread: a stop is acted on while it waits)."""
+
+    def wrapped(state: Any) -> dict:
+        ahead.wait(job)
+        return eval_fn(state)
+
+    return wrapped
 
 
 def _run_idle(env: StageEnv, fields: dict[str, Any]) -> LoopResult:

@@ -492,6 +492,62 @@ def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
     return make_eval(env, target_params, spd_fns(env.cfg, target), target)
 
 
+def eval_programs(cfg: Config, prog: StepProgram, target: Target, mesh: Mesh) -> dict[str, Any]:
+    """{name: lowered} of the evaluation's own programs (`evaluation` runs them), lowered from
+    abstract arguments with the train state's shardings as the stage traces them (at
+    `[precision] eval_matmul`, in `[train] eval_accum_steps` micro-batches): the CI program and,
+    for an LM, the masked-forwards program. Used by the fit check and by `pdctl run`'s compile
+    ahead (`[compile] ahead`). Several CPU devices evaluate replicated instead
+    (`runtime.collective_free_eval`), a CPU workaround these programs do not follow."""
+    with prog.policy.eval_scope():
+        return _eval_programs(cfg, prog, target, mesh)
+
+
+def _eval_programs(cfg: Config, prog: StepProgram, target: Target, mesh: Mesh) -> dict[str, Any]:
+    from pdctl.science.spd import evaluate
+
+    target = with_scan(target, scan_layers(cfg, target, mesh))  # as train evaluates
+    fns = spd_fns(cfg, target)
+    params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
+    # The evaluation takes the decomposition as the train state holds it (a scanned target's
+    # sites stacked in groups), laid out as the state lays it out.
+    trainable = sharding.abstract_with_shardings(
+        prog.abstract_state["trainable"], prog.state_shardings["trainable"]
+    )
+    comps = jax.eval_shape(fns.expand, trainable["components"])
+    comps = jax.tree.map(  # tied sites come out unsharded: shard them as their sources are
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding.replicated(mesh)),
+        comps,
+    ) if fns.ties else trainable["components"]  # fmt: skip
+    ci_fns = trainable["ci_fns"]
+    paths = evaluate.unit_order(target, comps)
+    n = cfg.train.eval_batch_size
+    d = cfg.decomp
+    if target.output_kind == "logits":
+        shape, dtype = (n, cfg.data.seq_len), jnp.int32
+    else:
+        batch = jax.eval_shape(lambda k: target.make_batch(k, n), jax.random.key(0))
+        x = target.inputs(batch)
+        shape, dtype = tuple(x.shape), x.dtype
+    # The evaluation batch splits over the devices like a train batch; one that does not
+    # divide is laid out replicated (the fit check then states a larger peak, not a crash).
+    split = n % sharding.batch_shards(mesh) == 0
+    x_sh = sharding.batch_sharding(mesh, len(shape)) if split else sharding.replicated(mesh)
+    x = jax.ShapeDtypeStruct(shape, dtype, sharding=x_sh)
+    ci = evaluate.ci_program(target, paths, d.ci_fn.type, d.sigmoid, d.sampling)
+    out: dict[str, Any] = {"eval: CI": ci.lower(params, comps, ci_fns, x)}
+    if target.output_kind == "logits":
+        key = jax.eval_shape(lambda: stream_key(cfg, STREAM_TRAIN))
+        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(mesh))
+        fn = evaluate.lm_eval_program(
+            target, paths, d.ci_fn.type, d.sigmoid, d.sampling, d.delta_component,
+            cfg.train.eval_rounding_threshold, evaluate.fresh_pgd_config(cfg),
+            cfg.train.eval_accum_steps,
+        )  # fmt: skip
+        out["eval: masked forwards"] = fn.lower(params, comps, ci_fns, x, x, key)
+    return out
+
+
 SPEC = StageSpec(
     name="train",
     program=program,
@@ -499,6 +555,7 @@ SPEC = StageSpec(
     frozen=frozen_target,
     evaluation=evaluation,
     restore=restore,
+    eval_programs=eval_programs,
 )
 
 

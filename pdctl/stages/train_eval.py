@@ -40,6 +40,9 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
         )
         eval_batch = next(it)
         it.close()
+    # The key laid out as `train.eval_programs` lowers it (replicated, not one device's), so
+    # that the program `pdctl run` compiled ahead is the one this evaluation looks up.
+    lm_key = jax.device_put(eval_key, sharding.replicated(env.mesh))
     # A toy's batch is a pure function of its key: drawn at the first evaluation (the same
     # batch), so that its program is not compiled before the stage's first step.
     expand = jax.jit(fns.expand)
@@ -72,7 +75,7 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
         if target.output_kind == "logits":
             # the reference's alive count (mean CI > 1e-6), beside fresh-PGD / stochastic KL
             out["alive_mean"] = {k[11:]: v for k, v in stats.items() if k.startswith("alive_mean/")}
-            lm = evaluate.lm_eval(target, target_params, comps, ci_fns, cfg, eval_batch, eval_key)
+            lm = evaluate.lm_eval(target, target_params, comps, ci_fns, cfg, eval_batch, lm_key)
             for k, v in lm.items():
                 out[k.replace("/", "_")] = v
         else:
