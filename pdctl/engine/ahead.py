@@ -23,7 +23,7 @@ log = logging.getLogger("pdctl")
 TRACING = threading.Lock()
 _events: dict[str, threading.Event] = {}
 _threads: list[threading.Thread] = []
-_current: str | None = None
+_current: dict[int, str] = {}  # thread ident -> the job it runs
 
 
 def enabled(setting: bool | str) -> bool:
@@ -42,16 +42,18 @@ def enabled(setting: bool | str) -> bool:
 
 
 def start(jobs: list[tuple[str, Callable[[], None]]]) -> None:
-    """Run `jobs` ([(name, fn)], in order) on a daemon thread of their own."""
+    """Run `jobs` ([(name, fn)], in order) on a daemon thread of their own. A job named as an
+    earlier one replaces it for `pending` / `wait` (`event` gives the earlier one's first)."""
     if not jobs:
         return
-    for name, _ in jobs:
-        _events[name] = threading.Event()
+    events = [threading.Event() for _ in jobs]
+    for (name, _), event in zip(jobs, events, strict=True):
+        _events[name] = event
 
     def work() -> None:
-        global _current
-        for name, fn in jobs:
-            _current = name
+        me = threading.get_ident()
+        for (name, fn), event in zip(jobs, events, strict=True):
+            _current[me] = name
             t0 = time.perf_counter()
             try:
                 fn()
@@ -61,37 +63,43 @@ def start(jobs: list[tuple[str, Callable[[], None]]]) -> None:
                 log.warning("compiling %s ahead failed (%s); it compiles when it starts",
                             name, first[:200])  # fmt: skip
             finally:
-                _events[name].set()
-        _current = None
+                event.set()
+        _current.pop(me, None)
 
     thread = threading.Thread(target=work, name="pdctl: compiling ahead", daemon=True)
     _threads.append(thread)
     thread.start()
 
 
-def started(name: str) -> bool:
-    """Whether a job called `name` was started (it may have ended)."""
-    return name in _events
+def event(name: str) -> threading.Event | None:
+    """The event of the job called `name` (set when it ends), or None."""
+    return _events.get(name)
 
 
 def pending(name: str) -> bool:
     """Whether `name`'s job was started and has not ended."""
-    event = _events.get(name)
-    return event is not None and not event.is_set()
+    found = _events.get(name)
+    return found is not None and not found.is_set()
 
 
 def wait(name: str) -> None:
     """Until `name`'s job has ended (at once when there is none)."""
-    event = _events.get(name)
-    if event is not None:
-        event.wait()
+    found = _events.get(name)
+    if found is not None:
+        found.wait()
+
+
+def current() -> str | None:
+    """The job the calling thread runs, or None (not a thread of this module's)."""
+    return _current.get(threading.get_ident())
 
 
 def running() -> str | None:
     """What a thread is compiling now, or None."""
     if not any(t.is_alive() for t in _threads):
         return None
-    return f"compiling {_current} ahead" if _current else "compiling ahead"
+    names = sorted(set(_current.values()))
+    return f"compiling {', '.join(names)} ahead" if names else "compiling ahead"
 
 
 def reset() -> None:

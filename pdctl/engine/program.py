@@ -51,7 +51,15 @@ class StepProgram:
         return self.batch_abstract is None
 
     def jit(self, donate: bool = True) -> Any:
-        """The step under `jax.jit` with its shardings and donation (the one jit of it)."""
+        """The step under `jax.jit` with its shardings and donation (the one jit of it): the
+        same object on every call, so that a compile of it on another thread (`engine.ahead`)
+        is found in process by the stage's own."""
+        key = f"_jit_{donate}"
+        if key not in self.__dict__:  # a frozen dataclass: cached beside its fields
+            object.__setattr__(self, key, self._make_jit(donate))
+        return self.__dict__[key]
+
+    def _make_jit(self, donate: bool) -> Any:
         return jax.jit(
             self.policy.scoped(self.step),
             in_shardings=(*self.frozen_shardings, self.state_shardings, self.batch_shardings),

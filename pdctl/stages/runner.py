@@ -100,6 +100,12 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
         if ckpt_step is None:
             return _run_idle(env, idle)
         prog = spec.program(cfg, env.mesh, env.target, **opts.program_options)
+    if ahead.enabled(cfg.compile.ahead):
+        # compiled on a host thread while the state is restored and the data read, after any
+        # compile of it `pdctl run` began (then from the cache); the loop's compile then finds
+        # it in process (`StepProgram.jit` is one object)
+        earlier = ahead.event(spec.name)
+        ahead.start([(spec.name, functools.partial(_compile_step, prog, earlier))])
     # Restores, tokenization and the compiles inside them are long calls into C++: each runs
     # `interruptible`, so a stop request is acted on within seconds (runtime.StopNow).
     later = runtime.interruptible
@@ -144,16 +150,14 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
         start.eval_fn = later(spec.evaluation, env, frozen, prog, what="preparing the evaluation")
         job = f"{spec.name} evaluation"
         every = getattr(getattr(cfg, spec.name), "eval_every", 0)
-        if (
-            spec.eval_programs is not None
-            and every > 0
-            and not ahead.started(job)
-            and ahead.enabled(cfg.compile.ahead)
-        ):  # compiled on a host thread while the steps run (`pdctl run` may have begun it)
+        if spec.eval_programs is not None and every > 0 and ahead.enabled(cfg.compile.ahead):
+            # compiled on a host thread while the steps run (after any compile of them `pdctl
+            # run` began: then from the cache), found in process by the evaluation
+            earlier = ahead.event(job)
             ahead.start([(job, functools.partial(compile_eval_programs, spec, cfg, prog,
-                                                 env.target, env.mesh))])  # fmt: skip
+                                                 env.target, env.mesh, earlier))])  # fmt: skip
         if ahead.pending(job):  # its programs are compiling ahead: the evaluation waits
-            start.eval_fn = _after_ahead(start.eval_fn, job)
+            start.eval_fn = _after_ahead(start.eval_fn, ahead.event(job))
     if ahead.pending(spec.name):  # `pdctl run` started compiling this step ahead: take it
         notify(f"{spec.name}: waiting for the step compiling ahead")
         later(ahead.wait, spec.name, what="compiling the step")
@@ -163,10 +167,22 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
     return result
 
 
-def compile_eval_programs(spec: StageSpec, cfg: Any, prog: Any, target: Any, mesh: Any) -> None:
+def _compile_step(prog: Any, earlier: Any = None) -> None:
+    if earlier is not None:
+        earlier.wait()
+    with ahead.TRACING:
+        lowered = prog.lower()
+    lowered.compile()
+
+
+def compile_eval_programs(
+    spec: StageSpec, cfg: Any, prog: Any, target: Any, mesh: Any, earlier: Any = None
+) -> None:
     """Compile the stage's evaluation programs (`StageSpec.eval_programs`) into the compile
-    cache, where its evaluation then finds them; not where the evaluation runs replicated
-    instead (several CPU devices: `runtime.collective_free_eval`)."""
+    cache, where its evaluation then finds them (after `earlier`, an event, is set); not where
+    the evaluation runs replicated instead (several CPU devices: `runtime.collective_free_eval`)."""
+    if earlier is not None:
+        earlier.wait()
     if spec.eval_programs is None or runtime.collective_free_eval(mesh):
         return
     with ahead.TRACING:
@@ -175,13 +191,13 @@ def compile_eval_programs(spec: StageSpec, cfg: Any, prog: Any, target: Any, mes
         program.compile()
 
 
-def _after_ahead(eval_fn: Callable[[Any], dict], job: str) -> Callable[[Any], dict]:
-    """`eval_fn` that first waits for `job`, compiling its programs ahead (`engine.ahead`), so
-    that it reads them from the compile cache instead of compiling them a second time (the
-    loop runs an evaluation on a worker thread: a stop is acted on while it waits)."""
+def _after_ahead(eval_fn: Callable[[Any], dict], done: Any) -> Callable[[Any], dict]:
+    """`eval_fn` that first waits for `done` (the event of a job compiling its programs ahead:
+    `engine.ahead`), so that it finds them instead of compiling them a second time (the loop
+    runs an evaluation on a worker thread: a stop is acted on while it waits)."""
 
     def wrapped(state: Any) -> dict:
-        ahead.wait(job)
+        done.wait()
         return eval_fn(state)
 
     return wrapped
