@@ -89,9 +89,7 @@ def test_pdctl_run_compiles_the_later_steps_ahead(tmp_path: Path, monkeypatch) -
     def steps() -> set[str]:
         return {p.name for p in cache.glob("jit_step-*")}
 
-    def spy(prog, earlier=None):
-        if earlier is not None:
-            earlier.wait()  # `pdctl run`'s compile of it, before looking
+    def spy(prog):  # runs after `pdctl run`'s compile of the same stage's step (its queue)
         before = steps()
         original(prog)
         written[prog.stage] = sorted(steps() - before)
@@ -131,10 +129,10 @@ main()
 @pytest.mark.slow  # three runs of a tiny LM in processes of their own (one device)
 def test_the_evaluation_is_compiled_ahead(tmp_path: Path) -> None:
     """With `[compile] ahead = true`, train's evaluation programs (the CI program and an LM's
-    masked forwards) are compiled into the cache on a host thread, while the stages before
-    train run (`pdctl run`) or while train's steps run (`pdctl train` alone, as a resume does),
-    so the first evaluation compiles neither. A fresh cache each. One device: several CPU
-    devices evaluate replicated, which nothing compiles ahead."""
+    masked forwards) are compiled on the host thread while train's steps run (in `pdctl run`
+    and in `pdctl train` alone, as a resume runs it), so the first evaluation compiles neither.
+    A fresh cache each. One device: several CPU devices evaluate replicated, which nothing
+    compiles ahead."""
     seen = {}
     for name, ahead, command in (("off", False, "run"), ("run", True, "run"),
                                  ("train", True, "train")):  # fmt: skip

@@ -62,7 +62,10 @@ def run(app: Any) -> None:
     except SystemExit as e:
         runtime = sys.modules.get("pdctl.engine.runtime")
         peers = sys.modules.get("pdctl.engine.peers")
+        ahead = sys.modules.get("pdctl.engine.ahead")
         code = e.code if isinstance(e.code, int) else 1
+        if ahead is not None:
+            ahead.close()  # no compile ahead starts now; one running is `abandoned`
         if runtime is not None and runtime.abandoned():
             sys.stdout.flush()
             sys.stderr.flush()
@@ -77,3 +80,16 @@ def run(app: Any) -> None:
             sys.stderr.flush()
             os._exit(code)
         raise
+    except BaseException:
+        # anything else (a bug: the traceback is printed) while a compile ahead still runs: the
+        # interpreter's exit would meet that C++ call on its way out
+        ahead = sys.modules.get("pdctl.engine.ahead")
+        if ahead is None or ahead.running() is None:
+            raise
+        import traceback
+
+        ahead.close()
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -159,6 +159,9 @@ class Loop:
     # the checkpoint resumed from was saved by a stop during its step's evaluation: that
     # evaluation is done first (`_stopped_evaluating`)
     eval_owed: bool = False
+    # seconds the stage waited for its step compiling ahead on a host thread (`engine.ahead`),
+    # counted in the step's compile time; None: the step was not compiled ahead
+    compiled_ahead_s: float | None = None
     # "auto" (a progress bar on a terminal, else `text`), "text" (a line when the step compiles
     # and each logging step and evaluation) or "json" (the same records as JSON lines): `pdctl
     # --log-format`, through $PDCTL_LOG_FORMAT so that a supervised stage process sees it
@@ -190,7 +193,7 @@ class Loop:
         with cache_events() as counts:
             compiled = runtime.interruptible(lowered.compile, what="compiling the step")
         self.cache_hit = counts.get("hits", 0) > 0
-        self.compile_s = time.perf_counter() - t0
+        self.compile_s = time.perf_counter() - t0 + (self.compiled_ahead_s or 0.0)
         self.flops_per_step = measure.flops_per_device(jaxpr, compiled, jax.device_count())
         return compiled
 
@@ -257,8 +260,10 @@ class Loop:
         self._say("compile", "compiling the step")
         compiled = self.compile(state)
         how = "read from the compile cache" if self.cache_hit else "compiled"
-        self._say("compiled", f"step {how} in {self.compile_s:.1f} s",
-                  seconds=self.compile_s, cache_hit=self.cache_hit)  # fmt: skip
+        line = f"step {how} in {self.compile_s:.1f} s"
+        if self.compiled_ahead_s is not None:  # its own compile found it in process
+            line = f"step compiled ahead; {self.compile_s:.1f} s spent waiting for it"
+        self._say("compiled", line, seconds=self.compile_s, cache_hit=self.cache_hit)
         self.on_state(
             status="running",
             compile_s={"step": round(self.compile_s, 3)},

@@ -83,6 +83,9 @@ class StepProgram:
             batch = sharding.abstract_with_shardings(self.batch_abstract, self.batch_shardings)
         return (*frozen, state, batch)
 
-    def lower(self, donate: bool = True) -> Any:
-        """The lowered step from abstract arguments: nothing is allocated."""
-        return self.jit(donate).lower(*self.abstract_args())
+    def lower(self, donate: bool = True, cached: bool = True) -> Any:
+        """The lowered step from abstract arguments: nothing is allocated. `cached = False`:
+        through a jit of its own, not `jit`'s, so that its compile is not kept with this program
+        (`pdctl run`'s compiles ahead of a later stage: into the compile cache only)."""
+        fn = self.jit(donate) if cached else self._make_jit(donate)
+        return fn.lower(*self.abstract_args())

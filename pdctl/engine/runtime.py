@@ -629,6 +629,11 @@ def release_device_memory() -> None:
     from pdctl.engine import ahead
 
     gc.collect()
-    with ahead.TRACING:  # not while a compile ahead is tracing (`engine.ahead`)
-        jax.clear_caches()
+    # not while a compile ahead traces (`engine.ahead`); after a stop, not waiting for it either
+    # (the process is ending: nothing more runs on the devices)
+    if ahead.TRACING.acquire(blocking=stop_requested() is None):
+        try:
+            jax.clear_caches()
+        finally:
+            ahead.TRACING.release()
     gc.collect()

@@ -150,52 +150,40 @@ def run_all(project: Project, echo=print, until: int | None = None) -> dict[str,
 
 
 def compile_ahead(project: Project, steps: list[tuple[str, str]]) -> list[str]:
-    """Start compiling, on a host thread (`engine.ahead`), the steps of the stages that run
-    after the first one that runs, and train's evaluation programs, into the compile cache,
-    where each stage's own compile then finds them; the jobs started ("warmup", "train",
-    "train evaluation"). A stage with nothing to do (warmup at `steps = 0`) has no program.
-    The programs are built from the config alone (`StepProgram`, `train.eval_programs`), as
-    each stage builds its own, so they are the same programs."""
+    """Queue, for the host thread that compiles ahead (`engine.ahead`), the steps of the stages
+    that run after the first one that runs, into the compile cache, where each stage's own
+    compile then finds them; the stages queued. A stage with nothing to do (warmup at
+    `steps = 0`) has no program. The programs are built from the config alone
+    (`StepProgram`), as each stage builds its own, so they are the same programs."""
     from pdctl.engine import ahead
 
-    ahead.reset()
     running = [s for s, action in steps if action != "skip"]
     if len(running) < 2 or not ahead.enabled(project.config.compile.ahead):
         return []
     cfg = project.config
-    jobs: list[tuple[str, Any]] = []
+    queued = []
     for stage in running[1:]:
         spec = getattr(registry.stage(stage).load(), "SPEC", None)
         if spec is None or (spec.idle is not None and spec.idle(cfg) is not None):
             continue
-        built: dict[str, Any] = {}
-        jobs.append((stage, functools.partial(_compile_step, project, spec, built)))
-        if spec.eval_programs is not None and getattr(cfg, stage).eval_every > 0:
-            jobs.append((f"{stage} evaluation", functools.partial(_compile_eval, spec, built)))
-    ahead.start(jobs)
-    return [name for name, _ in jobs]
+        ahead.submit(stage, functools.partial(_compile_step, project, spec), STAGES.index(stage))
+        queued.append(stage)
+    return queued
 
 
-def _compile_step(project: Project, spec: Any, built: dict[str, Any]) -> None:
+def _compile_step(project: Project, spec: Any) -> None:
+    """`spec`'s step into the compile cache, through a jit of its own: nothing of it (the
+    program, its executable) stays in this process, on the devices, while earlier stages run."""
     from pdctl.engine import ahead, sharding
     from pdctl.stages.inputs import target_from_config
 
     cfg = project.config
     with ahead.TRACING:
         mesh = sharding.mesh_from_config(cfg.mesh)
-        target = target_from_config(cfg, project.root)
-        prog = spec.program(cfg, mesh, target)
-        built.update(cfg=cfg, prog=prog, target=target, mesh=mesh)
-        lowered = prog.lower()
-    lowered.compile()  # into the persistent cache; the executable itself is dropped
-
-
-def _compile_eval(spec: Any, built: dict[str, Any]) -> None:
-    """Train's evaluation programs, after its step (`built` by `_compile_step`)."""
-    from pdctl.stages.runner import compile_eval_programs
-
-    if "prog" in built:
-        compile_eval_programs(spec, built["cfg"], built["prog"], built["target"], built["mesh"])
+        prog = spec.program(cfg, mesh, target_from_config(cfg, project.root))
+        lowered = prog.lower(cached=False)
+    del prog
+    lowered.compile()
 
 
 # How `run_stage` carries out an action of `plan` ("run": no arguments).

@@ -19,6 +19,7 @@ from pdctl.project import Project
 from pdctl.stages.env import StageEnv, batches_state, text_batches
 from pdctl.stages.inputs import peak_flops
 from pdctl.stages.policy import resume_point
+from pdctl.stages.registry import STAGES
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,13 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
         if ckpt_step is None:
             return _run_idle(env, idle)
         prog = spec.program(cfg, env.mesh, env.target, **opts.program_options)
+    step_ready = None
+    rank = STAGES.index(spec.name) if spec.name in STAGES else len(STAGES)
     if ahead.enabled(cfg.compile.ahead):
-        # compiled on a host thread while the state is restored and the data read, after any
-        # compile of it `pdctl run` began (then from the cache); the loop's compile then finds
-        # it in process (`StepProgram.jit` is one object)
-        earlier = ahead.event(spec.name)
-        ahead.start([(spec.name, functools.partial(_compile_step, prog, earlier))])
+        # compiled on the host thread while the state is restored and the data read (after
+        # `pdctl run`'s compile of it, if it queued one: then read from the cache); the loop's
+        # compile then finds it in process (`StepProgram.jit` is one object)
+        step_ready = ahead.submit(spec.name, functools.partial(_compile_step, prog), rank)
     # Restores, tokenization and the compiles inside them are long calls into C++: each runs
     # `interruptible`, so a stop request is acted on within seconds (runtime.StopNow).
     later = runtime.interruptible
@@ -148,41 +150,36 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
         )
     if spec.evaluation:
         start.eval_fn = later(spec.evaluation, env, frozen, prog, what="preparing the evaluation")
-        job = f"{spec.name} evaluation"
         every = getattr(getattr(cfg, spec.name), "eval_every", 0)
-        if spec.eval_programs is not None and every > 0 and ahead.enabled(cfg.compile.ahead):
-            # compiled on a host thread while the steps run (after any compile of them `pdctl
-            # run` began: then from the cache), found in process by the evaluation
-            earlier = ahead.event(job)
-            ahead.start([(job, functools.partial(compile_eval_programs, spec, cfg, prog,
-                                                 env.target, env.mesh, earlier))])  # fmt: skip
-        if ahead.pending(job):  # its programs are compiling ahead: the evaluation waits
-            start.eval_fn = _after_ahead(start.eval_fn, ahead.event(job))
-    if ahead.pending(spec.name):  # `pdctl run` started compiling this step ahead: take it
-        notify(f"{spec.name}: waiting for the step compiling ahead")
-        later(ahead.wait, spec.name, what="compiling the step")
-    result = _loop(env, spec, prog, start, opts)
+        if spec.eval_programs is not None and every > 0 and step_ready is not None:
+            # compiled on the host thread after the step, while the steps run; the evaluation
+            # waits for it and finds them in process
+            done = ahead.submit(f"{spec.name} evaluation", functools.partial(
+                compile_eval_programs, spec, cfg, prog, env.target, env.mesh), rank)  # fmt: skip
+            start.eval_fn = _after_ahead(start.eval_fn, done)
+    waited = None
+    if step_ready is not None:
+        t0 = time.perf_counter()
+        if not step_ready.is_set():
+            notify(f"{spec.name}: waiting for the step compiling ahead")
+            later(step_ready.wait, what="compiling the step")
+        waited = time.perf_counter() - t0
+    result = _loop(env, spec, prog, start, opts, waited)
     if result.status == "done" and result.eval:
         env.on_state(eval=result.eval)
     return result
 
 
-def _compile_step(prog: Any, earlier: Any = None) -> None:
-    if earlier is not None:
-        earlier.wait()
+def _compile_step(prog: Any) -> None:
     with ahead.TRACING:
         lowered = prog.lower()
     lowered.compile()
 
 
-def compile_eval_programs(
-    spec: StageSpec, cfg: Any, prog: Any, target: Any, mesh: Any, earlier: Any = None
-) -> None:
-    """Compile the stage's evaluation programs (`StageSpec.eval_programs`) into the compile
-    cache, where its evaluation then finds them (after `earlier`, an event, is set); not where
-    the evaluation runs replicated instead (several CPU devices: `runtime.collective_free_eval`)."""
-    if earlier is not None:
-        earlier.wait()
+def compile_eval_programs(spec: StageSpec, cfg: Any, prog: Any, target: Any, mesh: Any) -> None:
+    """Compile the stage's evaluation programs (`StageSpec.eval_programs`), kept in process for
+    its evaluation (and in the compile cache); not where the evaluation runs replicated
+    instead (several CPU devices: `runtime.collective_free_eval`)."""
     if spec.eval_programs is None or runtime.collective_free_eval(mesh):
         return
     with ahead.TRACING:
@@ -226,9 +223,13 @@ def _run_idle(env: StageEnv, fields: dict[str, Any]) -> LoopResult:
     return LoopResult(None, 0, "done")
 
 
-def _loop(env: StageEnv, spec: StageSpec, prog: Any, start: _Start, opts: RunOptions):
+def _loop(
+    env: StageEnv, spec: StageSpec, prog: Any, start: _Start, opts: RunOptions,
+    waited: float | None = None,
+):  # fmt: skip
     """Run the engine loop on the stage's program with this stage's checkpointer, state writer
-    and trackers; its cadences and bad-step limit come from the stage's config table."""
+    and trackers; its cadences and bad-step limit come from the stage's config table. `waited`:
+    the seconds the stage waited for its step compiling ahead (None: not compiled ahead)."""
     table = getattr(env.cfg, spec.name)
     step_fn = prog.jit()
     tracker = env.tracker(start.step)
@@ -262,6 +263,7 @@ def _loop(env: StageEnv, spec: StageSpec, prog: Any, start: _Start, opts: RunOpt
             profile_dir=env.project.profiles_dir / env.stage,
             meta=env.run_meta() if isinstance(env.project, Project) else {},
             eval_owed=start.eval_owed,
+            compiled_ahead_s=waited,
         ).run()
     finally:
         tracker.finish()
