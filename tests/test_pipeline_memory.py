@@ -186,3 +186,31 @@ def test_a_stage_alone_compiles_its_step_while_it_restores(tmp_path: Path, monke
         assert state(run, "train")["status"] == "done"
         assert events["train"].get("misses", 0) == (0 if ahead else 1), (ahead, events)
         assert events["train"].get("hits", 0) == 0, (ahead, events)
+
+
+def test_the_first_stage_compiles_its_own_step_first(tmp_path: Path, monkeypatch) -> None:
+    """`pdctl run` with init-weights done: pretrain runs first, and its own step compiles before
+    the later stages' steps that `pdctl run` queued (held back until pretrain queued its own: a
+    compile already started would hold pretrain up for a later stage)."""
+    from pdctl.stages import runner
+
+    order: list[str] = []
+    mine, theirs = runner._compile_step, pipeline._compile_step
+
+    def spy_mine(prog):
+        order.append(f"{prog.stage} (its own)")
+        return mine(prog)
+
+    def spy_theirs(project, spec):
+        order.append(f"{spec.name} (pdctl run)")
+        return theirs(project, spec)
+
+    monkeypatch.setattr(runner, "_compile_step", spy_mine)
+    monkeypatch.setattr(pipeline, "_compile_step", spy_theirs)
+    run = make_run(
+        tmp_path, "tms", warmup={"steps": 2, "log_every": 2},
+        compile={"cache_dir": str(tmp_path / "cc"), "ahead": True}, **SHORT,
+    )  # fmt: skip
+    cli_ok("--project", run, "init-weights")
+    cli_ok("--project", run, "run")
+    assert order[:3] == ["pretrain (its own)", "warmup (pdctl run)", "train (pdctl run)"], order

@@ -84,11 +84,12 @@ def run(app: Any) -> None:
         # anything else (a bug: the traceback is printed) while a compile ahead still runs: the
         # interpreter's exit would meet that C++ call on its way out
         ahead = sys.modules.get("pdctl.engine.ahead")
+        if ahead is not None:
+            ahead.close()
         if ahead is None or ahead.running() is None:
             raise
         import traceback
 
-        ahead.close()
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()

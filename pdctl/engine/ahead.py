@@ -5,10 +5,12 @@ programs while its steps run.
 
 One worker thread runs the jobs (`submit`), the lowest rank first (the stage's place in the
 pipeline, so that a stage's own job does not wait behind a later stage's compile), in the order
-submitted within a rank. Each job's event is set when it ends, however it ends: a failed job
-only costs its stage the compile it would have done anyway. A compile is one C++ call and is
-never cancelled: `close` drops the jobs not yet started, and a process that ends while one runs
-ends with os._exit (`running`: `cli.process.run`), as for a compile a stop left running.
+submitted within a rank; `pdctl run`'s jobs are held back (`hold`) until the stage that runs
+first has queued its own, since a compile already started cannot be overtaken. Each job's
+event is set when it ends, however it ends: a failed job only costs its stage the compile it
+would have done anyway. A compile is one C++ call and is never cancelled: `close` drops the
+jobs not yet started, and a process that ends while one runs ends with os._exit (`running`:
+`cli.process.run`), as for a compile a stop left running.
 
 JAX's tracing caches are cleared between stages (`runtime.release_device_memory`); jobs trace
 and lower under `TRACING`, which that clearing takes too, and compile outside it."""
@@ -29,7 +31,9 @@ _jobs: queue.PriorityQueue = queue.PriorityQueue()
 _order = itertools.count()
 _worker: threading.Thread | None = None
 _busy: str | None = None  # the job the worker runs now
-_start_lock = threading.Lock()
+_lock = threading.Lock()  # the worker's start, `_busy` and `_closed`
+_closed = False  # the process is ending: no job starts any more
+_held: list[tuple] = []  # queued only with the next `submit` or `release` (`hold`)
 
 
 def enabled(setting: bool | str) -> bool:
@@ -49,32 +53,62 @@ def enabled(setting: bool | str) -> bool:
 
 
 def submit(name: str, fn: Callable[[], None], rank: int = 0) -> threading.Event:
-    """Queue `fn` for the worker thread; the event is set when it has ended."""
-    global _worker
+    """Queue `fn` for the worker thread (with any jobs held back: `hold`); the event is set
+    when it has ended (or was dropped by `close`)."""
     done = threading.Event()
-    _jobs.put((rank, next(_order), name, fn, done))
-    with _start_lock:
-        if _worker is None or not _worker.is_alive():
-            _worker = threading.Thread(target=_work, name="pdctl: compiling ahead", daemon=True)
-            _worker.start()
+    with _lock:
+        _jobs.put((rank, next(_order), name, fn, done))
+        _queue_held()
     return done
+
+
+def hold(name: str, fn: Callable[[], None], rank: int = 0) -> threading.Event:
+    """As `submit`, but queued only with the next `submit` or `release`: `pdctl run`'s jobs for
+    later stages wait until the stage that runs first has queued its own step, which a job
+    already compiling would otherwise hold up."""
+    done = threading.Event()
+    with _lock:
+        _held.append((rank, next(_order), name, fn, done))
+    return done
+
+
+def release() -> None:
+    """Queue the jobs held back (`hold`), if any."""
+    with _lock:
+        if _held:
+            _queue_held()
+
+
+def _queue_held() -> None:  # under _lock
+    global _worker
+    for job in _held:
+        _jobs.put(job)
+    _held.clear()
+    if _worker is None or not _worker.is_alive():
+        _worker = threading.Thread(target=_work, name="pdctl: compiling ahead", daemon=True)
+        _worker.start()
 
 
 def _work() -> None:
     global _busy
     while True:
         _, _, name, fn, done = _jobs.get()
-        _busy = name
+        with _lock:
+            if _closed:
+                done.set()
+                continue
+            _busy = name
         t0 = time.perf_counter()
         try:
             fn()
             log.info("compiled %s ahead in %.1f s", name, time.perf_counter() - t0)
-        except Exception as e:  # the stage compiles it itself, as it would have
+        except BaseException as e:  # the stage compiles it itself, as it would have
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning("compiling %s ahead failed (%s); it compiles when it starts",
                         name, first[:200])  # fmt: skip
         finally:
-            _busy = None
+            with _lock:
+                _busy = None
             done.set()
 
 
@@ -90,7 +124,12 @@ def running() -> str | None:
 
 
 def close() -> None:
-    """Drop the jobs not yet started (their events are set: nobody waits for them)."""
+    """The process is ending: no queued or held job starts any more (their events are set:
+    nobody waits for them); one already running is `running`."""
+    global _closed
+    with _lock:
+        _closed = True
+        _held.clear()
     while True:
         try:
             *_, done = _jobs.get_nowait()

@@ -6,7 +6,7 @@ import contextlib
 import functools
 from typing import Any
 
-from pdctl.engine import runtime
+from pdctl.engine import ahead, runtime
 from pdctl.engine.checkpoint import complete_steps
 from pdctl.errors import PdctlError
 from pdctl.project import Project
@@ -161,12 +161,22 @@ def compile_ahead(project: Project, steps: list[tuple[str, str]]) -> list[str]:
     if len(running) < 2 or not ahead.enabled(project.config.compile.ahead):
         return []
     cfg = project.config
-    queued = []
-    for stage in running[1:]:
+
+    def stepping(stage: str) -> Any:  # its SPEC if it compiles a step now, else None
         spec = getattr(registry.stage(stage).load(), "SPEC", None)
         if spec is None or (spec.idle is not None and spec.idle(cfg) is not None):
+            return None
+        return spec
+
+    # Held back until the stage that runs first has queued its own step (it compiles that
+    # first: a job already compiling cannot be overtaken), or has ended (`_run_planned`).
+    queue_job = ahead.hold if stepping(running[0]) is not None else ahead.submit
+    queued = []
+    for stage in running[1:]:
+        spec = stepping(stage)
+        if spec is None:
             continue
-        ahead.submit(stage, functools.partial(_compile_step, project, spec), STAGES.index(stage))
+        queue_job(stage, functools.partial(_compile_step, project, spec), STAGES.index(stage))
         queued.append(stage)
     return queued
 
@@ -221,6 +231,7 @@ def _run_planned(
             # its result carried, its compiled programs and their reservations): each stage
             # of `pdctl run` fits where it fits alone (issue 49).
             runtime.release_device_memory()
+            ahead.release()  # the later stages' compiles, if the stage queued none of its own
         echo(
             f"{stage}: {project.stage(stage).get('status')} at step "
             f"{project.stage(stage).get('step')}"
