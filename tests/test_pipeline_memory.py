@@ -160,6 +160,7 @@ def test_the_evaluation_is_compiled_ahead(tmp_path: Path) -> None:
         assert counts.get("hits", 0) == 0 and counts["misses"] <= off["misses"] - 2, seen
 
 
+@pytest.mark.slow  # eight stage commands in process, ~18 s: the slow tier
 def test_a_stage_alone_compiles_its_step_while_it_restores(tmp_path: Path, monkeypatch) -> None:
     """`pdctl train` alone (as a resume runs it) with `[compile] ahead = true`: the step compiles
     on a host thread while the stage restores its inputs, and the loop's compile finds it in
@@ -188,6 +189,7 @@ def test_a_stage_alone_compiles_its_step_while_it_restores(tmp_path: Path, monke
         assert events["train"].get("hits", 0) == 0, (ahead, events)
 
 
+@pytest.mark.slow  # two pipelines' worth of stages in process, ~11 s: the slow tier
 def test_the_first_stage_compiles_its_own_step_first(tmp_path: Path, monkeypatch) -> None:
     """`pdctl run` with init-weights done: pretrain runs first, and its own step compiles before
     the later stages' steps that `pdctl run` queued (held back until pretrain queued its own: a
