@@ -293,8 +293,9 @@ class CompileConfig(Section):
         description="compile on a host thread, into the compile cache, what runs later: "
         "`pdctl run` compiles the later stages' steps while the earlier stages run, and train "
         "its evaluation's programs while its steps run, so that each starts from the cache "
-        "(auto: on a GPU or TPU, whose host cores are free meanwhile; off on CPU, where the "
-        "compiles would take the cores the stages run on). Needs the compile cache",
+        "(auto: on for one process on a GPU or TPU, whose host cores are free meanwhile; off "
+        "on CPU, where the compiles would take the cores the stages run on, and under "
+        "jax.distributed). Needs the compile cache",
     )
 
 
