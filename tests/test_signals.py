@@ -275,7 +275,7 @@ def test_2_sigterm_while_a_stage_waits_for_its_step_compiling_ahead(
     rc, out, err, dt = _signal_and_time(proc)
     assert rc == 3, (rc, out, err[-3000:])
     assert dt < LATENCY_S, f"{dt:.1f} s from SIGTERM to exit\n{err[-3000:]}"
-    assert "waiting for the step compiling ahead" in err, err[-3000:]
+    assert "warmup: waiting for the step compiling ahead" in out + err, (out, err[-3000:])
     lines = _errors(err)
     assert len(lines) == 1 and "warmup: stopped by SIGTERM while compiling the step" in lines[0]
     assert state(run, "warmup")["status"] == "interrupted"

@@ -159,9 +159,10 @@ class Loop:
     # the checkpoint resumed from was saved by a stop during its step's evaluation: that
     # evaluation is done first (`_stopped_evaluating`)
     eval_owed: bool = False
-    # seconds the stage waited for its step compiling ahead on a host thread (`engine.ahead`),
-    # counted in the step's compile time; None: the step was not compiled ahead
-    compiled_ahead_s: float | None = None
+    # set when the step's compile ahead on a host thread (`engine.ahead`) has ended: the loop
+    # waits for it before its own compile, which then finds the executable in process; the wait
+    # counts as the step's compile time. None: the step is not compiled ahead
+    compiled_ahead: Any = None
     # "auto" (a progress bar on a terminal, else `text`), "text" (a line when the step compiles
     # and each logging step and evaluation) or "json" (the same records as JSON lines): `pdctl
     # --log-format`, through $PDCTL_LOG_FORMAT so that a supervised stage process sees it
@@ -181,6 +182,10 @@ class Loop:
     # ---- compile -------------------------------------------------------------------------
     def compile(self, state: Any = None) -> Any:
         t0 = time.perf_counter()
+        ready = self.compiled_ahead
+        if ready is not None and not ready.is_set():
+            self._say("compile_wait", "waiting for the step compiling ahead")
+            runtime.interruptible(ready.wait, what="compiling the step")
         batch = self._peek_batch()
         state = self.state if state is None else state
         args = (*self.frozen, state, batch)
@@ -193,7 +198,7 @@ class Loop:
         with cache_events() as counts:
             compiled = runtime.interruptible(lowered.compile, what="compiling the step")
         self.cache_hit = counts.get("hits", 0) > 0
-        self.compile_s = time.perf_counter() - t0 + (self.compiled_ahead_s or 0.0)
+        self.compile_s = time.perf_counter() - t0
         self.flops_per_step = measure.flops_per_device(jaxpr, compiled, jax.device_count())
         return compiled
 
@@ -261,7 +266,7 @@ class Loop:
         compiled = self.compile(state)
         how = "read from the compile cache" if self.cache_hit else "compiled"
         line = f"step {how} in {self.compile_s:.1f} s"
-        if self.compiled_ahead_s is not None:  # its own compile found it in process
+        if self.compiled_ahead is not None:  # its own compile found it in process
             line = f"step compiled ahead; {self.compile_s:.1f} s spent waiting for it"
         self._say("compiled", line, seconds=self.compile_s, cache_hit=self.cache_hit)
         self.on_state(

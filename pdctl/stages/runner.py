@@ -14,7 +14,6 @@ from pdctl.engine import ahead, runtime
 from pdctl.engine.checkpoint import drop_checkpoints
 from pdctl.engine.loop import Loop, LoopResult
 from pdctl.engine.tracking import JsonlTracker
-from pdctl.errors import notify
 from pdctl.project import Project
 from pdctl.stages.env import StageEnv, batches_state, text_batches
 from pdctl.stages.inputs import peak_flops
@@ -103,7 +102,8 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
         prog = spec.program(cfg, env.mesh, env.target, **opts.program_options)
     step_ready = None
     rank = STAGES.index(spec.name) if spec.name in STAGES else len(STAGES)
-    if ahead.enabled(cfg.compile.ahead):
+    end = min(prog.total_steps, opts.until or prog.total_steps)
+    if ahead.enabled(cfg.compile.ahead) and (ckpt_step is None or ckpt_step < end):
         # compiled on the host thread while the state is restored and the data read (after
         # `pdctl run`'s compile of it, if it queued one: then read from the cache); the loop's
         # compile then finds it in process (`StepProgram.jit` is one object)
@@ -157,14 +157,7 @@ def _run_stage(env: StageEnv, spec: StageSpec, opts: RunOptions):
             done = ahead.submit(f"{spec.name} evaluation", functools.partial(
                 compile_eval_programs, spec, cfg, prog, env.target, env.mesh), rank)  # fmt: skip
             start.eval_fn = _after_ahead(start.eval_fn, done)
-    waited = None
-    if step_ready is not None:
-        t0 = time.perf_counter()
-        if not step_ready.is_set():
-            notify(f"{spec.name}: waiting for the step compiling ahead")
-            later(step_ready.wait, what="compiling the step")
-        waited = time.perf_counter() - t0
-    result = _loop(env, spec, prog, start, opts, waited)
+    result = _loop(env, spec, prog, start, opts, step_ready)
     if result.status == "done" and result.eval:
         env.on_state(eval=result.eval)
     return result
@@ -225,11 +218,11 @@ def _run_idle(env: StageEnv, fields: dict[str, Any]) -> LoopResult:
 
 def _loop(
     env: StageEnv, spec: StageSpec, prog: Any, start: _Start, opts: RunOptions,
-    waited: float | None = None,
+    step_ready: Any = None,
 ):  # fmt: skip
     """Run the engine loop on the stage's program with this stage's checkpointer, state writer
-    and trackers; its cadences and bad-step limit come from the stage's config table. `waited`:
-    the seconds the stage waited for its step compiling ahead (None: not compiled ahead)."""
+    and trackers; its cadences and bad-step limit come from the stage's config table.
+    `step_ready`: the event of the step's compile ahead (`engine.ahead`), if one was queued."""
     table = getattr(env.cfg, spec.name)
     step_fn = prog.jit()
     tracker = env.tracker(start.step)
@@ -263,7 +256,7 @@ def _loop(
             profile_dir=env.project.profiles_dir / env.stage,
             meta=env.run_meta() if isinstance(env.project, Project) else {},
             eval_owed=start.eval_owed,
-            compiled_ahead_s=waited,
+            compiled_ahead=step_ready,
         ).run()
     finally:
         tracker.finish()
