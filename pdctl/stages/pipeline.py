@@ -149,17 +149,15 @@ def run_all(project: Project, echo=print, until: int | None = None) -> dict[str,
     return results
 
 
-def compile_ahead(project: Project, steps: list[tuple[str, str]]) -> list[str]:
+def compile_ahead(project: Project, steps: list[tuple[str, str]]) -> None:
     """Queue, for the host thread that compiles ahead (`engine.ahead`), the steps of the stages
     that run after the first one that runs, into the compile cache, where each stage's own
-    compile then finds them; the stages queued. A stage with nothing to do (warmup at
-    `steps = 0`) has no program. The programs are built from the config alone
-    (`StepProgram`), as each stage builds its own, so they are the same programs."""
-    from pdctl.engine import ahead
-
+    compile then finds them. A stage with nothing to do (warmup at `steps = 0`) has no program.
+    The programs are built from the config alone (`StepProgram`), as each stage builds its own,
+    so they are the same programs."""
     running = [s for s, action in steps if action != "skip"]
     if len(running) < 2 or not ahead.enabled(project.config.compile.ahead):
-        return []
+        return
     cfg = project.config
 
     def stepping(stage: str) -> Any:  # its SPEC if it compiles a step now, else None
@@ -171,20 +169,16 @@ def compile_ahead(project: Project, steps: list[tuple[str, str]]) -> list[str]:
     # Held back until the stage that runs first has queued its own step (it compiles that
     # first: a job already compiling cannot be overtaken), or has ended (`_run_planned`).
     queue_job = ahead.hold if stepping(running[0]) is not None else ahead.submit
-    queued = []
     for stage in running[1:]:
         spec = stepping(stage)
-        if spec is None:
-            continue
-        queue_job(stage, functools.partial(_compile_step, project, spec), STAGES.index(stage))
-        queued.append(stage)
-    return queued
+        if spec is not None:
+            queue_job(stage, functools.partial(_compile_step, project, spec), STAGES.index(stage))
 
 
 def _compile_step(project: Project, spec: Any) -> None:
     """`spec`'s step into the compile cache, through a jit of its own: nothing of it (the
     program, its executable) stays in this process, on the devices, while earlier stages run."""
-    from pdctl.engine import ahead, sharding
+    from pdctl.engine import sharding
     from pdctl.stages.inputs import target_from_config
 
     cfg = project.config
