@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,7 @@ class Run:
                             else f"run `pdctl {command(stage)}`")  # fmt: skip
                     raise PdctlError(f"{stage} has no checkpoint yet ({status}): {todo}")
                 step = steps[-1]
+            assert step is not None  # the one asked for, or the newest
             key = (stage, step, state.get("run_id"))  # a rerun stage numbers its steps anew
             if key in self._decompositions:
                 return self._decompositions[key]
@@ -260,8 +261,8 @@ class Model:
         self._params = jax.device_put(dec.params)
         self._components = jax.device_put(dec.components)
         self._ci_fns = jax.device_put(dec.ci_fns)
-        self._decoder = None
-        self._tokenizer = None
+        self._decoder: Callable[[list[int]], str] | None = None
+        self._tokenizer: Any = None  # a `tokenizers.Tokenizer`, once `tokenize` needs it
         if self.is_lm:
             self.vocab_size = int(
                 target.spec.vocab_size if target.kind == "hf" else target.vocab_size

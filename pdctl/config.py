@@ -1214,7 +1214,7 @@ def _variants(path: str, field: FieldInfo, value: BaseModel) -> list[str]:
     lines = [f"[{path}]  # {field.description}"]
     default = type(value)
     lines += _block(
-        [(f"{tag} = {_toml(getattr(value, tag))}", default.model_fields[tag].description)]
+        [(f"{tag} = {_toml(getattr(value, tag))}", default.model_fields[tag].description or "")]
     )
     others = [m for m in _submodels(field.annotation) if m is not default]
     for model in (default, *others):

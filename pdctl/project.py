@@ -436,12 +436,13 @@ class Project:
             return
         self.check_run_dir()
         try:
-            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            opened = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise PdctlError(f"{self.root}: cannot open the run directory ({e.strerror})") from None
+        dir_fd: int | None = opened  # None: the directory could not be locked
         try:
-            if not _flock(dir_fd, self.root, self._holder):
-                os.close(dir_fd)  # no flock on directories here: the lock file alone
+            if not _flock(opened, self.root, self._holder):
+                os.close(opened)  # no flock on directories here: the lock file alone
                 dir_fd = None
             made = not os.path.lexists(self.root / LOCK_FILE)
             try:

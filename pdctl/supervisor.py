@@ -57,7 +57,7 @@ _WHY = {
 # ---- the entry point -------------------------------------------------------------------------
 
 _held: list[int] = []  # SIGTERM/SIGINT received before the command could act on them
-_before: dict[int, Any] = {}  # the handlers `hold_signals` replaced
+_before: dict[signal.Signals, Any] = {}  # the handlers `hold_signals` replaced
 
 
 def _hold(signum: int, frame: Any) -> None:
@@ -92,8 +92,8 @@ def release_signals() -> None:
     before = dict(_before)
     for s, h in before.items():
         signal.signal(s, h)
-    for s in take_held():
-        os.kill(os.getpid(), s)
+    for signum in take_held():
+        os.kill(os.getpid(), signum)
 
 
 def enable() -> None:

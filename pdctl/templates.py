@@ -77,8 +77,8 @@ def create_run(name: str, template: str, parent: Path) -> Path:
     # Bytes, not text: the run's pdctl.toml is the template byte for byte (no locale, no newline
     # translation).
     toml_bytes = (src / PROJECT_FILE).read_bytes()
-    readme = string.Template((src / "README.md").read_text(encoding="utf-8"))
-    readme = readme.safe_substitute(name=name)
+    readme_template = string.Template((src / "README.md").read_text(encoding="utf-8"))
+    readme = readme_template.safe_substitute(name=name)
     Project.from_text(run / PROJECT_FILE, toml_bytes.decode("utf-8"))  # a template must be valid
     try:
         run.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -51,7 +51,7 @@ def cluster(
     from pdctl.cli.post import int_flag as _int_flag
     from pdctl.harvest import cluster as cl
 
-    options = {
+    options: dict[str, Any] = {  # `cluster`'s keyword arguments
         "min_jaccard": _float_flag(min_jaccard, "--min-jaccard"),
         "min_count": _int_flag(min_count, "--min-count"),
         "max_components": _int_flag(max_components, "--max-components"),
@@ -88,7 +88,7 @@ def attributions(
     from pdctl.engine import runtime
     from pdctl.harvest import attributions as at
 
-    options = {"n_components": _int_flag(components, "--components"),
+    options: dict[str, Any] = {"n_components": _int_flag(components, "--components"),
                "top": _int_flag(top, "--top")}  # fmt: skip
     at.check_options(**options)
     proj = _project(ctx)

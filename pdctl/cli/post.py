@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -113,7 +113,7 @@ def harvest(
     from pdctl.engine import runtime
     from pdctl.harvest import run as hv
 
-    options = {
+    options: dict[str, Any] = {  # `harvest`'s keyword arguments
         "n_tokens": int_flag(tokens, "--tokens"),
         "batch_size": int_flag(batch_size, "--batch-size"),
         "split": split,

@@ -60,18 +60,18 @@ def run(app: Any) -> None:
     try:
         app(prog_name="pdctl")
     except SystemExit as e:
-        runtime = sys.modules.get("pdctl.engine.runtime")
+        rt = sys.modules.get("pdctl.engine.runtime")
         peers = sys.modules.get("pdctl.engine.peers")
         ahead = sys.modules.get("pdctl.engine.ahead")
         code = e.code if isinstance(e.code, int) else 1
         if ahead is not None:
             ahead.close()  # no compile ahead starts now; one running is `abandoned`
-        if runtime is not None and runtime.abandoned():
+        if rt is not None and rt.abandoned():
             sys.stdout.flush()
             sys.stderr.flush()
             if peers is not None:
                 peers.say_bye()
-            runtime.leave_together()
+            rt.leave_together()
             os._exit(code)
         if peers is not None and peers.lost() is not None:
             # another process of the run died after this one's stage ended: JAX's shutdown

@@ -88,6 +88,8 @@ def run_stage(ctx: typer.Context, **flags: Any) -> tuple[str, Any]:
     rest go to the stage's `run` as given. Returns (the stage, what its run returned)."""
     from pdctl.stages import registry
 
+    if ctx.info_name is None:  # click names every command's context; a bare Context has none
+        raise TypeError("run_stage needs the context of a `pdctl <stage>` command")
     stage = registry.by_command(ctx.info_name).name
     check_stage_flags(
         until=flags.get("until"),

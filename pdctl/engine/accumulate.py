@@ -40,7 +40,8 @@ def split_micro(tree: Any, k: int, mesh, batch_axes: Any = 0) -> Any:
 
 
 def accumulate(
-    value_and_grad: Callable[[Any, jax.Array], tuple[tuple[jax.Array, dict], Any]],
+    # called with a traced index inside the scan, and with the literal 0 to evaluate shapes
+    value_and_grad: Callable[[Any, jax.Array | int], tuple[tuple[jax.Array, dict], Any]],
     micro: Any,
     k: int,
 ) -> tuple[tuple[jax.Array, dict], Any]:

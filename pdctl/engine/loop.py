@@ -326,7 +326,7 @@ class Loop:
                     donation.report(self.stage, donation_fraction, missed, echo=self.echo)
                     self._first_step(step, state)
                 steps_since_log += 1
-                if tracing and step >= self.profile[1]:
+                if tracing and self.profile is not None and step >= self.profile[1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
                     tracing = False
@@ -391,6 +391,7 @@ class Loop:
             donation_fraction=donation_fraction,
         )
         if interrupted and not done:
+            assert self._signal is not None  # what `interrupted` says
             name = signal.Signals(self._signal).name
             raise Interrupted(
                 f"{self.stage}: stopped by {name} at step {step}; checkpoint saved, "

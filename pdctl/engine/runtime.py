@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdctl.errors import PdctlError
 
@@ -593,7 +593,7 @@ def stop_signals() -> Iterator[None]:
             if _preemption_manager() is not None:  # tell the other processes
                 _hand_over()
 
-    old: dict[int, object] = {}
+    old: dict[signal.Signals, Any] = {}  # the handlers `signal.signal` replaced
     if _depth == 0:
         _stop = None
         _handed_over = _told = False

@@ -321,7 +321,7 @@ def _largest_divisible(shape: tuple[int, ...], ctx: Ctx) -> P | None:
     order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
     for i in order:
         if shape[i] % ctx.fsdp == 0:
-            spec = [None] * len(shape)
+            spec: list[str | None] = [None] * len(shape)
             spec[i] = "fsdp"
             return P(*spec)
     return None

@@ -11,9 +11,12 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pdctl.files import atomic_write, open_nofollow, refuse_links
+
+# `[tracking] wandb`
+WandbMode = Literal["disabled", "offline", "online"]
 
 
 class Tracker(Protocol):
@@ -103,7 +106,7 @@ class WandbTracker:
     def __init__(
         self,
         *,
-        mode: str,
+        mode: WandbMode,
         project: str,
         entity: str,
         name: str,
@@ -125,7 +128,7 @@ class WandbTracker:
             resume="allow",
             config=config,
         )
-        self.run_id = self._run.id
+        self.run_id: str | None = self._run.id
         self._prefix = prefix
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -154,7 +157,7 @@ class CompositeTracker:
 def make_tracker(
     *,
     jsonl: Path,
-    mode: str,
+    mode: WandbMode,
     project: str,
     entity: str,
     name: str,

@@ -311,6 +311,7 @@ class Harvest(SiteLayout):
         self._host = None
         self.n_positions += valid * T
         if lm:
+            assert self.vocab is not None and self.corpus_counts is not None  # set for an LM
             kept = np.asarray(tokens)[:valid].reshape(-1)
             self.corpus_counts += np.bincount(kept, minlength=self.vocab)[: self.vocab]
             self._inflight.append((counts, uniq))
@@ -319,6 +320,7 @@ class Harvest(SiteLayout):
 
     def _take_tokens(self, counts: Any, uniq: Any) -> None:
         """One batch's (token, component) counts (n, C_total) over its distinct tokens."""
+        assert self.vocab is not None  # only an LM's batches have token counts
         counts, uniq = np.asarray(counts), np.asarray(uniq)
         j, comp = np.nonzero(counts)
         keys = comp.astype(np.int64) * self.vocab + uniq[j].astype(np.int64)
@@ -335,6 +337,7 @@ class Harvest(SiteLayout):
         uk, inv = np.unique(pk, return_inverse=True)
         uc = np.bincount(inv, weights=pc, minlength=uk.size).astype(np.int64)
         # into the running (sorted, distinct) keys in one linear pass: no sort of everything
+        assert self.token_keys is not None and self.token_counts is not None  # an LM's
         keys, counts = self.token_keys, self.token_counts.copy()
         at = np.searchsorted(keys, uk)
         hit = at < keys.size

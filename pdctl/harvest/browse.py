@@ -75,11 +75,13 @@ def site_grid(sites: list[str]) -> dict[str, Any]:
     places = {s: site_place(s) for s in sites}
     kinds = list(dict.fromkeys(k for _, _, k in places.values()))
     prefixes = list(dict.fromkeys(p for p, layer, _ in places.values() if layer is not None))
+    keys: list[tuple[str, int | None]]
     keys = sorted({(p, layer) for p, layer, _ in places.values() if layer is not None},
                   key=lambda k: (prefixes.index(k[0]), k[1]))  # fmt: skip
     if any(layer is None for _, layer, _ in places.values()):
         keys.append(("", None))
     col = {k: i for i, k in enumerate(kinds)}
+    cells: dict[tuple[str, int | None], list[str | None]]
     cells = {key: [None] * len(kinds) for key in keys}
     for s, (p, layer, k) in places.items():
         cells[(p, layer)][col[k]] = s
@@ -213,6 +215,7 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
     (`HostCheck`; `names`: more names to accept, such as the --host given)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.requests import Request
     from starlette.responses import FileResponse, JSONResponse
     from starlette.routing import Route
 
@@ -500,7 +503,9 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
         if not ids:
             return []
         marks = ", ".join("?" * len(ids))
-        out = {k: {"cluster": k, "members": [], "tokens": [], "example": None} for k in ids}
+        out: dict[int, dict[str, Any]] = {
+            k: {"cluster": k, "members": [], "tokens": [], "example": None} for k in ids
+        }
         for r in con.execute(
             "SELECT k.cluster AS cluster, k.site AS site, k.component AS component, "
             "c.count AS count, c.frequency AS frequency FROM clusters k "
@@ -601,7 +606,7 @@ def make_app(project: Project, names: frozenset[str] = frozenset()):
             return JSONResponse({"available": True, "members": members, "tokens": tokens,
                                  "cluster": None if row is None else row["cluster"]})  # fmt: skip
 
-    async def attributions(request):
+    async def attributions(request: Request) -> JSONResponse:
         site, c = request.path_params["site"], request.path_params["c"]
         with closing(connect()) as con:
             site_exists(con, site)

@@ -285,9 +285,9 @@ def summarize(con: sqlite3.Connection, ids: list[int]) -> dict[int, dict[str, An
             at[0].add((s, c))
             if at[1] is None or ci > at[1][4]:
                 at[1] = (s, c, kind, rank, ci)
-        for k, by in seen.items():
+        for k, by_pos in seen.items():
             _, (who, (s, c, kind, rank, _)) = min(
-                by.items(), key=lambda x: (-len(x[1][0]), -x[1][1][4], x[0])
+                by_pos.items(), key=lambda x: (-len(x[1][0]), -x[1][1][4], x[0])
             )
             out[k]["example"] = [s, c, kind, rank, len(who)]
     return out

@@ -82,8 +82,8 @@ def output_effects(
         keep = dict(ones)
         keep[site] = ones[site].copy()
         keep[site][c] = 0.0
-        x, t, weight = jnp.asarray(windows[w]), jnp.asarray(t), jnp.asarray(weight)
-        out[(site, c)] = np.asarray(fn(params, components, ci_fns, x, t, weight, keep))
+        x, t_dev, weight_dev = jnp.asarray(windows[w]), jnp.asarray(t), jnp.asarray(weight)
+        out[(site, c)] = np.asarray(fn(params, components, ci_fns, x, t_dev, weight_dev, keep))
     return out
 
 

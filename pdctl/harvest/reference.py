@@ -170,7 +170,8 @@ class Harvest(SiteLayout):
         pos = start + np.arange(n, dtype=np.int64)
         offsets = self.offsets()
         fired_all = []
-        if lm:
+        if tokens is not None:  # an LM (`lm`)
+            assert self.vocab is not None and self.corpus_counts is not None  # set for an LM
             self.corpus_counts += np.bincount(tokens.reshape(-1), minlength=self.vocab)[
                 : self.vocab
             ]
@@ -192,7 +193,8 @@ class Harvest(SiteLayout):
             st.sample = st.sample.merge(
                 self._candidates(prio, flat, pos, c3, tokens, self.n_samples)
             )
-            if lm:
+            if tokens is not None:
+                assert self.vocab is not None  # an LM (checked above)
                 b_idx, c_idx = np.nonzero(fired)
                 keys = (offsets[s] + c_idx).astype(np.int64) * self.vocab + tokens.reshape(-1)[
                     b_idx
@@ -280,6 +282,9 @@ class Harvest(SiteLayout):
         "pmi"), pmi = ln(p(token | fires) / p(token))."""
         if self.token_keys is None or not self.token_keys.size:
             return []
+        # token counts are kept for an LM only, which has all of these
+        assert self.vocab is not None
+        assert self.corpus_counts is not None and self.token_counts is not None
         comp, tok = np.divmod(self.token_keys, self.vocab)
         total = float(self.corpus_counts.sum())
         n_fire = np.zeros(self.c_total, np.float64)

@@ -52,7 +52,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +140,8 @@ def _save_keyed(path: Path, key: str, arrays: dict[str, Any]) -> None:
     out = {k: np.asarray(v) for k, v in arrays.items()}
     out["_key"] = np.asarray(key)
     out["_sum"] = np.asarray(_checksum(out))
-    _atomic(path, lambda f: np.savez(f, **out))
+    # numpy's stub types savez's **kwds as if they could fill its `allow_pickle: bool`
+    _atomic(path, lambda f: np.savez(f, **out))  # type: ignore[arg-type]
 
 
 def _save_partial(path: Path, h: Harvest, key: str, next_batch: int) -> None:
@@ -348,6 +349,7 @@ def harvest(
 
     from pdctl.engine import runtime
 
+    held: contextlib.AbstractContextManager[None]
     if runtime.is_writer():
         held = project.locked()
     else:
@@ -433,8 +435,8 @@ def _harvest(
     nproc, pid = jax.process_count(), jax.process_index()
     path = harvest_dir(project) / "harvest.db"
     patterns = [p.strip() for p in sites]
-    given = {"split": split, "tokens": n_tokens, "top_k": top_k, "effects": effects,
-             "cooc_max": cooc_max}  # fmt: skip
+    given: dict[str, Any] = {"split": split, "tokens": n_tokens, "top_k": top_k,
+                             "effects": effects, "cooc_max": cooc_max}  # fmt: skip
     if patterns:  # only when given: a harvest of every site keeps the options it always had
         given["sites"] = patterns
     db.check_side_files(path)  # another program's -wal beside harvest.db: before any work
@@ -479,7 +481,7 @@ def _harvest(
             "(pick a multiple)"
         )
     every = {s: int(c["V"].shape[1]) for s, c in dec.components.items()}
-    sites = select_sites(every, patterns)
+    site_sizes = select_sites(every, patterns)
 
     if lm:
         T = cfg.data.seq_len
@@ -507,7 +509,7 @@ def _harvest(
 
     rep = sharding.replicated(mesh)
     # components numbered among all the decomposition's sites, whichever `--sites` keeps
-    h = Harvest(sites, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
+    h = Harvest(site_sizes, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
                 cooc_max=cooc_max, seed=cfg.run.seed, device=devices[0],
                 numbered_from=offsets(every))  # fmt: skip
     st = project.stage(stage)
@@ -546,6 +548,7 @@ def _harvest(
                 x = np.concatenate([x, np.zeros((B - x.shape[0], T), x.dtype)])
             x_dev = jax.device_put(x, in_sh)
         else:
+            assert make is not None  # built whenever not lm
             x_dev = jax.device_put(make(jax.random.fold_in(toy_key, i)), in_sh)
             x = None
         ci_lower, _ = evaluate.compute_ci_jit(target, params, comps, ci_fns, cfg, x_dev)
@@ -574,15 +577,17 @@ def _harvest(
         _save_partial(mine, h, key, last)
     if nproc > 1:  # hand the part over; take everyone's
         runtime.barrier("pdctl-harvest-parts", PEER_TIMEOUT_S)
-        parts = [_part(out_dir, key, p, nproc, n_batches, positions) for p in range(nproc)]
+        parts: list[Mapping[str, np.ndarray]] = [
+            _part(out_dir, key, p, nproc, n_batches, positions) for p in range(nproc)
+        ]
         h.load_state(merge_states(parts))
 
     if not h.cooc_kept:  # too many components for the dense matrix: a second, narrower pass
-        count = np.concatenate([h.stats[s].count for s in sites])
+        count = np.concatenate([h.stats[s].count for s in site_sizes])
         alive = np.nonzero(count > 0)[0]
         index = np.sort(alive[np.lexsort((alive, -count[alive]))[:cooc_max]])
         if index.size:
-            counter = CoocCounter(sites, index, cfg.decomp.ci_threshold, device=devices[0])
+            counter = CoocCounter(site_sizes, index, cfg.decomp.ci_threshold, device=devices[0])
             mine_c = out_dir / f"cooc-{pid}of{nproc}.npz"
 
             def save_cooc(nxt: int) -> None:
@@ -615,8 +620,8 @@ def _harvest(
             counts = counter.counts
             if nproc > 1:
                 runtime.barrier("pdctl-harvest-cooc", PEER_TIMEOUT_S)
-                counts = sum(_cooc_part(out_dir, key, p, nproc, n_batches)
-                             for p in range(nproc))  # fmt: skip
+                parts_c = [_cooc_part(out_dir, key, p, nproc, n_batches) for p in range(nproc)]
+                counts = sum(parts_c[1:], parts_c[0])
             h.set_cooc(index, counts)
 
     changes = None
@@ -627,8 +632,8 @@ def _harvest(
         ranked = sorted(
             (
                 (int(stats[s].count[c]), s, c)
-                for s in sites
-                for c in range(sites[s])
+                for s in site_sizes
+                for c in range(site_sizes[s])
                 if stats[s].count[c] > 0
             ),
             key=lambda r: (-r[0], r[1], r[2]),
@@ -696,9 +701,9 @@ def _harvest(
         s: (np.linalg.norm(np.asarray(c["V"], np.float32), axis=0),
             np.linalg.norm(np.asarray(c["U"], np.float32), axis=1))
         for s, c in dec.components.items()
-        if s in sites
+        if s in site_sizes
     }  # fmt: skip
-    kept = keep.keep(path, meta, sites)  # labels to carry; those it does not are saved now
+    kept = keep.keep(path, meta, site_sizes)  # labels to carry; those it does not are saved now
     db.write(path, h, meta, toy_features=toy, norms=norms, effects=changes, labels=kept.labels)
     for p in range(nproc):
         (out_dir / partial_name(p, nproc)).unlink(missing_ok=True)

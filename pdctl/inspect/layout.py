@@ -77,7 +77,12 @@ def parse_mesh(value: str | None) -> dict[str, int] | None:
 def mesh_config(cfg: Config, override: dict[str, int] | None) -> MeshConfig:
     if not override:
         return cfg.mesh
-    fields = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tp": cfg.mesh.tp, **override}
+    fields: dict[str, Any] = {
+        "data": cfg.mesh.data,
+        "fsdp": cfg.mesh.fsdp,
+        "tp": cfg.mesh.tp,
+        **override,
+    }
     if "data" in override and "fsdp" not in override and override["data"] != -1:
         fields["fsdp"] = -1  # data=A alone: the rest of the devices shard parameters
     if "fsdp" in override and "data" not in override and override["fsdp"] != -1:

@@ -3,12 +3,15 @@ the compiled step's memory and the fit check."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdctl.engine import donation
 from pdctl.inspect import fit
 from pdctl.inspect.layout import KIND_LABEL
 from pdctl.inspect.memory import fmt_bytes
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 
 def render(report: dict[str, Any], console: Any) -> None:
@@ -27,7 +30,7 @@ def render(report: dict[str, Any], console: Any) -> None:
         markup=False,
     )
     table = Table(title_justify="left")
-    for col, just in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("path", "left"),
         ("n", "right"),
         ("shape", "left"),
@@ -37,7 +40,8 @@ def render(report: dict[str, Any], console: Any) -> None:
         ("per device", "right"),
         ("layout", "left"),
         ("rule", "left"),
-    ):
+    )
+    for col, just in columns:
         table.add_column(col, justify=just, overflow="fold")
     for r in report["rows"]:
         layout = f"sharded /{r['shards']}" if r["sharded"] else "replicated"

@@ -31,11 +31,18 @@ def _paths(ctx: typer.Context):
     return proj, proj.root / "harvest" / "harvest.db", proj.root / "interp"
 
 
+def _int(text: str, flag: str) -> int:
+    """An integer option given as text (one line naming `flag` for anything else)."""
+    v = post.int_flag(text, flag)
+    assert v is not None  # int_flag returns None only for None text
+    return v
+
+
 def _positive(text: str, flag: str, low: int = 1) -> int:
     """An integer option given as text (one line naming `flag` for anything else)."""
     from pdctl.errors import PdctlError
 
-    v = post.int_flag(text, flag)
+    v = _int(text, flag)
     if v < low:
         raise PdctlError(f"{flag}: must be >= {low}, got {v}")
     return v
@@ -55,7 +62,7 @@ def _out_path(p: Path | None, default: Path) -> Path:
     return out
 
 
-def _client(endpoint: str, model: str | None, api_key_env: str, rpm: float, retries: int):
+def _client(endpoint: str, model: str | None, api_key_env: str, rpm: str, retries: str):
     from pdctl.errors import PdctlError
     from pdctl.interp import endpoint as ep
 
@@ -167,7 +174,7 @@ def export(
     sample_n = _positive(sample, "--sample", 0)
     held_n = _positive(held_out, "--held-out", 0)
     trials_n = _positive(n_trials, "--trials", 0)
-    seed_n = post.int_flag(seed, "--seed")
+    seed_n = _int(seed, "--seed")
     client = _client(endpoint, model, api_key_env, rpm, retries) if endpoint else None
     proj, path, interp_dir = _paths(ctx)
     try:

@@ -232,7 +232,7 @@ def done_keys(path: Path, field_name: str) -> set[str]:
     line cut short by a crash is asked again)."""
     from pdctl.interp.labels import decode, loads, read_bytes
 
-    keys = set()
+    keys: set[str] = set()
     try:
         lines = decode(read_bytes(path, nofollow=True), path).splitlines()
     except FileNotFoundError:

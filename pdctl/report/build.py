@@ -148,7 +148,7 @@ def build_report(
             work = Path(tempfile.mkdtemp(prefix=".pdctl-report-tmp-", dir=out_dir))
         except OSError as e:
             raise PdctlError(f"--out: cannot create {out_dir} ({e.strerror})") from None
-    trash = [work]
+    trash: list[Path | None] = [work]
     stop = _StopFlag()
     try:
         with stop.installed():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pdctl.engine.tracking import read_metrics as read_metrics  # the report's reader
@@ -135,13 +136,14 @@ def ci_stats(
         if x.shape[0] < size:  # pad the last chunk to the common shape, drop the padding below
             pad = np.zeros((size - x.shape[0], *x.shape[1:]), x.dtype)
             x = np.concatenate([x, pad])
-        ci_lower, _ = evaluate.compute_ci_jit(
-            dec.target, dec.params, dec.components, dec.ci_fns, cfg, x
+        ci_dev, _ = evaluate.compute_ci_jit(
+            dec.target, dec.params, dec.components, dec.ci_fns, cfg, jnp.asarray(x)
         )
         valid = stop - start
-        ci_lower = {s: np.asarray(c, np.float32)[:valid] for s, c in ci_lower.items()}
-        alive = evaluate.alive(ci_lower, thr)
-        l0 = l0_per_site(ci_lower, thr)
+        ci_lower = {s: np.asarray(c, np.float32)[:valid] for s, c in ci_dev.items()}
+        # alive / l0_per_site run jnp ops, which take numpy arrays too (annotated Array only)
+        alive = evaluate.alive(ci_lower, thr)  # type: ignore[arg-type]
+        l0 = l0_per_site(ci_lower, thr)  # type: ignore[arg-type]
         n_here = int(np.prod(next(iter(ci_lower.values())).shape[:-1]))
         for s, c in ci_lower.items():
             flat = c.reshape(-1, c.shape[-1])

@@ -20,6 +20,7 @@ builds numpy views of every string of every array first and needs 2.5-4.5 s for 
 so it is used only when the caller already holds one and passes it in.
 """
 
+import builtins
 import dataclasses
 import hashlib
 import mmap
@@ -45,6 +46,8 @@ _SCALAR_FORMATS = {
 }  # fmt: skip
 _STRING, _ARRAY = 8, 9
 _INT_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)
+# A metadata value's type: the scalar type, or for an array (9, element type)
+GgufKind = int | tuple[int, int]
 _TYPE_NAMES = {
     0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32",
     7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64",
@@ -308,7 +311,7 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     """SentencePiece BPE keeps no merge list: every split of a token into two tokens is a
     merge, ranked by the merged token's score (best first; ties by the halves' lengths, longest
     first, then by file order). The same order transformers' `generate_merges` gives."""
-    ranked = []
+    ranked: list[tuple[float, int, int, str, str]] = []
     for token, score in scores.items():
         splits = [
             (token[:k], token[k:]) for k in range(1, len(token))
@@ -357,7 +360,7 @@ def _template(bos: str | None, bos_id, eos: str | None, eos_id, meta: "_Metadata
 class _Metadata:
     """Typed access to the metadata fields, with one-line errors naming the file."""
 
-    def __init__(self, fields: dict[str, tuple[int, Any]], path: Path):
+    def __init__(self, fields: dict[str, tuple[GgufKind, Any]], path: Path):
         self._fields = fields
         self.path = path
 
@@ -385,7 +388,7 @@ class _Metadata:
             raise self.error(f"{key} is {value}, not an id of the {n_tokens} tokens")
         return value
 
-    def strings(self, key: str, required: bool = False) -> list[str] | None:
+    def strings(self, key: str, required: builtins.bool = False) -> list[str] | None:
         value = self._get(key, "an array of strings", lambda kind, _: kind == (_ARRAY, _STRING))
         if value is None and required:
             raise self.error(f"no {key} (the vocabulary) in the tokenizer metadata")
@@ -411,7 +414,7 @@ def _wanted(key: str) -> bool:
     return key.startswith("tokenizer.ggml.") or key == "general.architecture"
 
 
-def _scan_fields(path: Path) -> dict[str, tuple[int, Any]]:
+def _scan_fields(path: Path) -> dict[str, tuple[GgufKind, Any]]:
     """The tokenizer fields of a GGUF file (and general.architecture) as {key: (type, value)},
     where type is the value type, or for an array the tuple (9, element type)."""
     try:
@@ -439,7 +442,7 @@ class _GGUFScan:
     def fail(self, what: str) -> ValueError:
         return ValueError(f"{self.path}: {what}")
 
-    def fields(self) -> dict[str, tuple[int, Any]]:
+    def fields(self) -> dict[str, tuple[GgufKind, Any]]:
         if self.size < 24 or self.blob[:4] != b"GGUF":
             raise self.fail(f"not a GGUF file (starts with {bytes(self.blob[:4])!r}, not b'GGUF')")
         for order in "<>":
@@ -454,6 +457,7 @@ class _GGUFScan:
         (self.n_tensors,) = self.u64(self.blob, 8)
         (n_kv,) = self.u64(self.blob, 16)
         pos, fields = 24, {}
+        kind: GgufKind
         for _ in range(n_kv):
             key, pos = self._string(pos)
             (kind,) = self._u32(pos)
@@ -530,9 +534,9 @@ class _GGUFScan:
         return (values if keep else None), pos
 
 
-def _reader_fields(reader, path: Path) -> dict[str, tuple[int, Any]]:
+def _reader_fields(reader, path: Path) -> dict[str, tuple[GgufKind, Any]]:
     """The same fields as `_scan_fields`, from a `gguf.GGUFReader` the caller already holds."""
-    fields = {}
+    fields: dict[str, tuple[GgufKind, Any]] = {}
     for key, field in reader.fields.items():
         if not _wanted(key):
             continue

@@ -300,9 +300,12 @@ def pretrained_target(env: StageEnv) -> Any:
     st = env.project.stage("pretrain")
     if st.get("status") == "imported":
         from pdctl.science.targets import imported
+        from pdctl.science.targets.hf import HFCausalLM
 
-        imported.verify(env.target, st)
-        return imported.load(env.target, env.shardings(abstract), dtype=env.target.param_dtype)
+        target = env.target
+        assert isinstance(target, HFCausalLM)  # only an imported model is "imported"
+        imported.verify(target, st)
+        return imported.load(target, env.shardings(abstract), dtype=target.param_dtype)
     items, _ = env.restore_items("pretrain", {"params": abstract})
     # Fresh jit outputs: the frozen first argument of warmup/train is never donated, but a
     # consistent layout avoids a relayout copy at the first call.
@@ -366,7 +369,11 @@ def corpus_tokens(env: StageEnv, split: str = "train") -> Any:
     cfg = env.cfg
     if env.target.kind == "hf":
         from pdctl.science.targets import imported
+        from pdctl.science.targets.hf import HFCausalLM
 
+        target = env.target
+        assert isinstance(target, HFCausalLM)  # kind "hf"
+        cut: str | None
         path, key, cut = cfg.data.path, "data.path", split
         if split == "eval" and cfg.data.eval_path:
             path, key, cut = cfg.data.eval_path, "data.eval_path", None
@@ -375,7 +382,7 @@ def corpus_tokens(env: StageEnv, split: str = "train") -> Any:
         try:
             tokens = data.load_corpus(
                 resolve(env.project.root, path),
-                tokenizer_path=imported.tokenizer_path(env.target),
+                tokenizer_path=imported.tokenizer_path(target),
                 text_field=cfg.data.text_field,
                 eos_id=cfg.data.eos_id,
                 cache_dir=env.project.root / "cache" / "tokens",
@@ -386,7 +393,7 @@ def corpus_tokens(env: StageEnv, split: str = "train") -> Any:
             )
         except ValueError as e:
             raise PdctlError(f"{key}: {e}") from None
-        vocab = env.target.spec.vocab_size
+        vocab = target.spec.vocab_size
         if tokens.size and int(tokens.max()) >= vocab:
             raise PdctlError(
                 f"{key}: token id {int(tokens.max())} is outside the model's vocabulary "
@@ -394,11 +401,11 @@ def corpus_tokens(env: StageEnv, split: str = "train") -> Any:
             )
         return tokens
     if cfg.data.path:
-        path = resolve(env.project.root, cfg.data.path)
-        if not path.is_file():
-            raise PdctlError(f"data.path: no file at {path}")
+        file = resolve(env.project.root, cfg.data.path)
+        if not file.is_file():
+            raise PdctlError(f"data.path: no file at {file}")
         try:
-            return data.load_text(path)
+            return data.load_text(file)
         except ValueError as e:
             raise PdctlError(f"data.path: {e}") from None
     return data.synthetic_corpus(cfg.run.seed, cfg.data.synthetic_bytes)

@@ -123,7 +123,8 @@ def _write_export(
         # never a half-written file under the name asked for
         with atomic_output(out, suffix=out.suffix) as tmp:
             if fmt == "npz":
-                np.savez(tmp, **arrays)
+                # numpy's stub matches **arrays against savez's `allow_pickle: bool` keyword
+                np.savez(tmp, **arrays)  # type: ignore[arg-type]
             else:
                 _save_safetensors(project, stage, arrays, tmp)
     except (OSError, _SafetensorIOError) as e:

@@ -184,5 +184,7 @@ def imported_checkpoint(target: Target, cfg: Config) -> dict[str, Any] | None:
     if target.kind != "hf":
         return None
     from pdctl.science.targets import imported
+    from pdctl.science.targets.hf import HFCausalLM
 
+    assert isinstance(target, HFCausalLM)  # kind "hf"
     return imported.check(target, cfg.data.eos_id)

@@ -215,7 +215,7 @@ def _run_planned(
         previous = stage
         if action == "resume":
             echo(f"{stage}: resuming from its latest checkpoint")
-        kwargs = dict(ACTION_KWARGS.get(action, {}))
+        kwargs: dict[str, bool | int] = dict(ACTION_KWARGS.get(action, {}))
         if stage == "train" and until is not None:
             kwargs["until"] = until
         try:

@@ -523,12 +523,13 @@ def _eval_programs(cfg: Config, prog: StepProgram, target: Target, mesh: Mesh) -
     paths = evaluate.unit_order(target, comps)
     n = cfg.train.eval_batch_size
     d = cfg.decomp
+    shape: tuple[int, ...]
     if target.output_kind == "logits":
         shape, dtype = (n, cfg.data.seq_len), jnp.int32
     else:
         batch = jax.eval_shape(lambda k: target.make_batch(k, n), jax.random.key(0))
-        x = target.inputs(batch)
-        shape, dtype = tuple(x.shape), x.dtype
+        x_batch = target.inputs(batch)
+        shape, dtype = tuple(x_batch.shape), x_batch.dtype
     # The evaluation batch splits over the devices like a train batch; one that does not
     # divide is laid out replicated (the fit check then states a larger peak, not a crash).
     split = n % sharding.batch_shards(mesh) == 0

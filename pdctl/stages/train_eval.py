@@ -66,6 +66,7 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
             trainable = jax.device_put(jax.device_get(trainable), sharding.replicated(env.mesh))
         comps = expand(trainable["components"])
         ci_fns = trainable["ci_fns"]
+        assert eval_batch is not None  # an LM's is read up front, a toy's drawn by eval_fn
         out: dict[str, Any] = {}
         stats = evaluate.ci_stats(
             target, target_params, comps, ci_fns, cfg, target.inputs(eval_batch)
@@ -92,7 +93,7 @@ def make_eval(env: StageEnv, target_params, fns, target: Target | None = None):
 def _floats(d: dict[str, Any]) -> dict[str, Any]:
     """Plain floats, nested; non-finite values stay NaN/inf so that the loop sees a diverged
     evaluation (and fails the stage) instead of a silently shorter report."""
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
             out[k] = _floats(v)

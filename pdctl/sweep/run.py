@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -161,7 +161,7 @@ def _member_step(spec, env0: StageEnv, mesh) -> Callable[[dict[str, Any]], Calla
 class MemberRun:
     name: str
     env: StageEnv
-    checkpointer: Checkpointer | None = None
+    checkpointer: Checkpointer
     tracker: Tracker = field(default_factory=NoopTracker)
     eval_fn: Callable[[Any], dict[str, Any]] | None = None
     lr_fn: Callable[[int], dict[str, float]] | None = None  # its own, where lrs differ
@@ -242,7 +242,9 @@ def _run_members(spec, names, envs: list[StageEnv], strategy: str, resume: bool)
             frozen=frozen,
             total_steps=member_prog.total_steps,
             start_step=start,
-            checkpointer=FanOut(runs),
+            # FanOut has the Checkpointer methods the loop calls (save, wait, latest_step,
+            # previous_steps); Loop annotates the concrete class
+            checkpointer=cast(Checkpointer, FanOut(runs)),
             on_state=lambda **f: None,
             tracker=NoopTracker(),
             log_every=table.log_every,
@@ -346,8 +348,9 @@ class SweepLoop(Loop):
         for i in self._alive():
             rec = {k: float(np.asarray(v)[i]) for k, v in host.items()}
             rec.update(extra)
-            if self.members[i].lr_fn:
-                rec.update(self.members[i].lr_fn(step))
+            member_lr = self.members[i].lr_fn
+            if member_lr:
+                rec.update(member_lr(step))
             self.members[i].metrics = rec
             self.members[i].tracker.log(rec, step=step)
         mean = {k: to_float(v) for k, v in host.items()}

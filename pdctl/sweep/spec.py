@@ -13,6 +13,7 @@ import itertools
 import math
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
-def get_dotted(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
+def get_dotted(raw: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
     node: Any = raw
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:

@@ -291,6 +291,7 @@ def compute_ci(
         if sampling == "continuous":
             return squash(z, sigmoid)
         draw = partial(jax.random.uniform, dtype=z.dtype)
+        assert key is not None  # binomial: checked above
         u = window_draw(draw, jax.random.fold_in(key, i), z.shape, window)
         return squash(1.05 * z - 0.05 * u, sigmoid)[0], squash(z, sigmoid)[1]
 

@@ -412,8 +412,10 @@ def masked_site_fn(
             out = (h * m) @ U_
         else:
             dm = expand_left(jnp.asarray(delta_mask)[..., None], h.ndim).astype(V.dtype)
+            assert own is not None  # formed whenever delta_mask is set
             out = (h * (m - dm)) @ U_ + dm * own
         if route is not None:
+            assert own is not None  # formed whenever route is set
             out = jnp.where(expand_left(route[..., None], out.ndim), out, own)
         return out
 
@@ -429,8 +431,9 @@ def masked_site_fn(
 # linear map) brings per-site updates back onto the one parameter set.
 
 
-def component_ties(tied_sites: Mapping[str, str], site_C: Mapping[str, int]) -> dict[str, str]:
-    """{tied site: source site} for the target's tied matrices when both are decomposed."""
+def component_ties(tied_sites: Mapping[str, str], site_C: Mapping[str, object]) -> dict[str, str]:
+    """{tied site: source site} for the target's tied matrices when both are decomposed
+    (`site_C`: keyed by the decomposed sites; only its keys are read)."""
     return {t: s for t, s in tied_sites.items() if t in site_C and s in site_C}
 
 

@@ -22,7 +22,7 @@ in another order than the single one).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,7 +44,7 @@ def members(key: str) -> list[str] | None:
     return [f"{m['pre']}.{i}.{m['name']}" for i in range(a, b + 1)]
 
 
-def sites_of(units: Sequence[str]) -> list[str]:
+def sites_of(units: Iterable[str]) -> list[str]:
     """The site paths of `units` (site paths and group keys), each group's members in order."""
     return [s for u in units for s in (members(u) or [u])]
 

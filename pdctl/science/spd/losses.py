@@ -45,7 +45,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +139,8 @@ def clean_forward(
     kw = {"residual": wanted[0] if len(wanted) == 1 else wanted} if wanted else {}
     out, captured = apply_sites(target, params, x, capture=tuple(paths), **kw)
     site_inputs = {p: jax.lax.stop_gradient(captured[p]) for p in paths}
-    kept = {i: jax.lax.stop_gradient(r.x) for i, r in kept_at.items()}
+    # every stream of `kept_at` was filled in by the forward
+    kept = {i: jax.lax.stop_gradient(cast(Array, r.x)) for i, r in kept_at.items()}
     return Clean(
         jax.lax.stop_gradient(out),
         site_inputs,
@@ -148,7 +149,12 @@ def clean_forward(
     )
 
 
-def _masked_site(x_in: Array, W: Array, data: tuple, tail: Array | None = None) -> Array:
+# A masked site's data (`masked_site_fn`'s arguments after W): V, U, mask, delta mask, route,
+# inner; () for a site passed through
+SiteData = tuple[Array, Array, Array, Array | None, Array | None, Array | None] | tuple[()]
+
+
+def _masked_site(x_in: Array, W: Array, data: SiteData, tail: Array | None = None) -> Array:
     if not data:  # a site passed through (`masked_forward`'s `plain`): the target's own product
         return x_in @ W if tail is None else (x_in @ W) @ tail
     return masked_site_fn(W, *data, tail=tail)(x_in)
@@ -175,7 +181,7 @@ def masked_forward(
     their layers like any with sites, where it would unroll layers without any
     (`HFCausalLM.apply_sites`)."""
     inner = inner or {}
-    data = {
+    data: dict[str, SiteData] = {
         path: (
             components[path]["V"],
             components[path]["U"],
@@ -264,7 +270,9 @@ class Recon:
         if start is None and self.residual is not None:
             if not self.order:  # the block is the first of ALL the step's sites, not of `masks`
                 raise ValueError("Recon.residual needs Recon.order (the step's sites)")
-            start = Residual(prefix_layer(self.target, self.order), self.residual)
+            layer = prefix_layer(self.target, self.order)
+            assert layer is not None  # the clean forward keeps a residual only above block 0
+            start = Residual(layer, self.residual)
         out = masked_forward(
             self.target, self.params, self.components, self.x, masks, delta_masks, routes, shared,
             start, plain,
@@ -319,7 +327,7 @@ def faithfulness_loss(
 
     paths = list(components)
     W = {
-        u: weights[u] if members(u) is None else jnp.stack([weights[m] for m in members(u)])
+        u: weights[u] if (ms := members(u)) is None else jnp.stack([weights[m] for m in ms])
         for u in paths
     }
     # Under tensor parallelism sites split over tp differently (column / row) are laid out
@@ -372,7 +380,7 @@ def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     if loss_cfg.p_final is None:
         return loss_cfg.p
     c = loss_cfg
-    return _linear_anneal(c.p, c.p_final, c.p_anneal_start, c.p_anneal_end, step_frac)
+    return _linear_anneal(c.p, loss_cfg.p_final, c.p_anneal_start, c.p_anneal_end, step_frac)
 
 
 def _linear_anneal(
@@ -394,7 +402,7 @@ def gamma_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
         return loss_cfg.gamma
     c = loss_cfg
     return _linear_anneal(
-        c.gamma, c.gamma_final, c.gamma_anneal_start, c.gamma_anneal_end, step_frac
+        c.gamma, loss_cfg.gamma_final, c.gamma_anneal_start, c.gamma_anneal_end, step_frac
     )
 
 
@@ -449,7 +457,8 @@ def importance_minimality_loss(
     p: Array | float,
     eps: float,
     beta: float,
-    totals: tuple[Mapping[str, Array], int] | None = None,
+    # (a step's `imp_totals` also carries the whole batch's count, unused here)
+    totals: tuple[Mapping[str, Array], int] | tuple[Mapping[str, Array], int, int] | None = None,
     grouped: bool = False,
     penalty: Callable[[Array], Array] | None = None,
 ) -> Array:
@@ -675,8 +684,11 @@ def _slice_key(unit: str, j: int, n: int) -> str:
     """The key of members j .. j + n - 1 of a stacked unit: a group key of their layers, or
     the member's own path when n = 1."""
     if n == 1:
-        return members(unit)[j]
+        ms = members(unit)
+        assert ms is not None  # `unit` is a stacked unit's group key
+        return ms[j]
     where = _UNIT.match(unit)
+    assert where is not None  # likewise
     first = int(where["a"]) + j
     return group_key(where["pre"], first, first + n - 1, where["name"])
 
@@ -982,7 +994,11 @@ def make_spd_fns(
     # (above block 0; its forwards start there), only when the term is on
     chunks = site_chunks(paths, lcfg.sites_per_chunk)
     chunk_on = is_traced(lcfg.chunkwise_recon) or lcfg.chunkwise_recon > 0
-    chunk_starts = sorted({first_layer(target, c) for c in chunks} - {None, 0}) if chunk_on else []
+    chunk_starts = (
+        sorted(cast("set[int]", {first_layer(target, c) for c in chunks} - {None, 0}))  # no None
+        if chunk_on
+        else []
+    )
 
     def clean(target_params: Any, x: Array) -> Clean:
         return clean_forward(target, target_params, x, units, starts=chunk_starts)
@@ -1037,6 +1053,8 @@ def make_spd_fns(
         """The sources as this step's masks see them: in [0, 1] and, pooled, each example's
         particle (drawn from the loss key, so every ascent step of the step picks the same)."""
         if pooled:
+            if loss_key is None:
+                raise ValueError("pooled sources need the step's loss key")
             lead = _lead(ci_lower)
             idx = src_mod.particle_indices(
                 jax.random.fold_in(loss_key, _POOL_KEY), lead[0], pcfg.pool_size

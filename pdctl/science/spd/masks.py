@@ -62,6 +62,7 @@ def stochastic_masks(
 
     def one(i, ci: Array) -> tuple[Array, Array | None]:
         k_r, k_d = jax.random.split(jax.random.fold_in(key, i))
+        draw: Callable[[Array, tuple[int, ...]], Array]
         if sampling == "continuous":
             draw = functools.partial(jax.random.uniform, dtype=ci.dtype)
         else:

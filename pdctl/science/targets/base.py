@@ -7,8 +7,8 @@ matmul `x_in @ W`. The decomposition code only ever talks to targets through thi
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import Field, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,9 @@ class Target:
     Instances hold only static hyperparameters, so bound methods are safe to close over in
     `jax.jit`; all arrays come in through arguments.
     """
+
+    if TYPE_CHECKING:  # every concrete target is a dataclass (`dataclasses.replace` varies one)
+        __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
     kind: str = ""
     output_kind: str = ""  # "mse" for the toys, "logits" for the LM
@@ -130,6 +133,7 @@ class Target:
                 if path in capture:
                     captured[path] = x_in
                 if path in site_data:
+                    assert site_fn is not None  # overriding a site takes its function
                     return site_fn(x_in, weights[path], site_data[path])
                 return x_in @ weights[path]
 

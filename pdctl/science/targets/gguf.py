@@ -166,7 +166,8 @@ def _reader(path: str, mtime_ns: int, size: int) -> Any:
     except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's own parse errors
         line = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise _err(f"{path} is not a readable GGUF file ({line})") from None
-    r.fields = {k: f.contents() for k, f in r.fields.items() if _spec_key(k)}
+    # `fields` as {key: value}, as `GGUFIndex` has them (the stubs type it {key: ReaderField})
+    r.fields = {k: f.contents() for k, f in r.fields.items() if _spec_key(k)}  # type: ignore[assignment]
     return r
 
 
@@ -423,7 +424,8 @@ def load_gguf_params(
             return (block.T if p.transposed else block).astype(dtype, order="C")
 
         shape = p.stored[::-1] if p.transposed else p.stored
-        leaves[leaf] = jax.make_array_from_callback(shape, flat_sh[leaf], read, dtype)
+        # jax types the callback's index `Index | None`, but asserts it is not None before calling
+        leaves[leaf] = jax.make_array_from_callback(shape, flat_sh[leaf], read, dtype)  # type: ignore[arg-type]
     info = {
         "source": str(path),
         "tensors": len(plan),

@@ -169,6 +169,7 @@ class LlamaMLP(LMTarget):
         if start is None:
             first, x_BxTxD = 0, jnp.take(params["embed"], tokens, axis=0)
         else:
+            assert start.x is not None  # a start is given with its stream
             first, x_BxTxD = start.layer, start.x
         wanted = residuals(residual)
         for i in range(first, self.n_layers):

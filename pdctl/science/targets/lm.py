@@ -10,7 +10,7 @@ orders, which leaves the forward bit-identical but not XLA's gradients.
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,10 @@ class LMTarget(Target):
 
     seq_len: int
     remat: str
-    n_layers: int
+    if TYPE_CHECKING:  # a field of the subclass (LlamaMLP) or a property (HFCausalLM: its spec's)
+
+        @property
+        def n_layers(self) -> int: ...
 
     def _check_remat(self) -> None:
         if self.remat not in ("none", *REMAT_POLICIES):

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from pdctl.science.targets.base import (
     Overrides,
     Params,
+    Residual,
+    Residuals,
     SiteDataFn,
     Target,
     add_bias,
@@ -100,6 +102,8 @@ class ResidMLP(Target):
         site_fn: SiteDataFn | None = None,
         site_data: Mapping[str, Any] | None = None,
         capture: Sequence[str] = (),
+        residual: Residuals = None,
+        start: Residual | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`Target.apply_sites`; a forward with overridden sites reads the last layer's
         `mlp_out` out through `W_E.T` folded into it: the output is `r @ W_E.T + out @ W_E.T`
@@ -109,7 +113,9 @@ class ResidMLP(Target):
         that site and its backward are never formed: with d_embed 1000 and 100 features (the
         canonical ResidMLP-1) they were most of the SPD step's FLOPs. Equal to the plain
         forward up to float reassociation. Forwards without overrides (the clean forward,
-        pretraining) are the plain ones."""
+        pretraining) are the plain ones. No blocks: `residual` and `start` are refused."""
+        if residual is not None or start is not None:
+            raise TypeError("ResidMLP has no blocks: apply_sites takes no residual / start")
         if not site_data or self.n_features >= self.d_embed:
             return super().apply_sites(params, x, site_fn, site_data, capture)
         assert site_fn is not None

@@ -214,8 +214,13 @@ def load_hf_params(
         # One file mapped at a time; closing it drops the mapping (and its resident pages).
         with safe_open(str(stored.file), framework="numpy") as f:
             sl = f.get_slice(name)
+            # jax types the callback's index `Index | None` (this lambda's cannot be inferred),
+            # but asserts it is not None before calling
             leaves[path] = jax.make_array_from_callback(
-                shape, flat_sh[path], lambda index, sl=sl, t=t: _read(sl, t, index, dtype), dtype
+                shape,
+                flat_sh[path],
+                lambda index, sl=sl, t=t: _read(sl, t, index, dtype),  # type: ignore[misc]
+                dtype,
             )
             del sl
     info = {

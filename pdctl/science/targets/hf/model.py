@@ -349,6 +349,7 @@ class HFCausalLM(LMTarget):
         x_BxTxD, root, layers = self._embed(params, tokens)
         if start is None:
             return x_BxTxD, root, layers, 0
+        assert start.x is not None  # a start is given with its stream
         return start.x, root, layers, start.layer
 
     def computed(self, params: Params) -> Params:
@@ -448,7 +449,7 @@ class HFCausalLM(LMTarget):
                 start,
             )  # fmt: skip
             return out, {
-                c: got[c] if members(c) is None else jnp.stack([got[m] for m in members(c)])
+                c: got[c] if (ms := members(c)) is None else jnp.stack([got[m] for m in ms])
                 for c in capture
             }
         data_at, cap_at = self._where(site_data), self._where(capture)
@@ -558,12 +559,13 @@ class HFCausalLM(LMTarget):
         def key(i: int) -> tuple:
             out = []
             for n in names:
-                d = data_at.get((i, n))
-                if d is not None and d[1] is None:
-                    leaves, tree = jax.tree.flatten(site_data[d[0]])
+                at = data_at.get((i, n))
+                d: object = at  # what the run's key holds of the site's data
+                if at is not None and at[1] is None:
+                    leaves, tree = jax.tree.flatten(site_data[at[0]])
                     d = (tree, tuple((a.shape, str(a.dtype)) for a in leaves))
-                elif d is not None:
-                    d = d[0]
+                elif at is not None:
+                    d = at[0]
                 c = cap_at.get((i, n))
                 out.append((d, None if c is None else (c[0] if c[1] is not None else True)))
             return tuple(out)

@@ -285,6 +285,7 @@ def llama_spec(cfg: Mapping[str, Any], path: Path, arch: str) -> HfSpec:
                 f"sliding-window attention in {path} is not supported (supported: full "
                 "attention in every layer, use_sliding_window = false)"
             )
+    biases: dict[str, Any]  # HfSpec's bias flags, by keyword
     if arch == QWEN2:
         biases = {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
     elif arch == QWEN3:
