@@ -540,3 +540,28 @@ def test_one_tracker_interface_fans_out_to_jsonl_and_the_others(tmp_path):
     assert seen[0] == (5, {"loss": 0.5, "bad": seen[0][1]["bad"]}) and seen[-1] == "finish"
     JsonlTracker(path).truncate_after(10)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [5, 10]
+
+
+def test_logged_step_time_leaves_out_evaluations_and_checkpoints(pieces, tmp_path: Path) -> None:
+    """An evaluation (here a 1.5 s one) between two log lines is not step time: before, the
+    window after it read its seconds as ms a step (on a TPU "13462.6 ms/step, 304 tokens/s"
+    for the step after an 11 s evaluation)."""
+    import time
+
+    pt = pieces("tms", "1", total=12)
+
+    def slow_eval(state: Any) -> dict[str, Any]:
+        time.sleep(1.5)
+        return {"loss": 0.0}
+
+    loop, _, _ = make_loop(
+        pt.step_fn(), pt.init_state(), tmp_path, total=4, log_every=2,
+        eval_fn=slow_eval, eval_every=2,
+    )  # fmt: skip
+    loop.run()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    ms = {r["step"]: r["step_ms"] for r in lines if "step_ms" in r}
+    assert set(ms) == {2, 4}
+    # steps 3-4 ran after the evaluation of step 2: a toy step takes milliseconds (the 1.5 s
+    # evaluation spread over 2 steps would read 750 ms)
+    assert ms[4] < 300, ms

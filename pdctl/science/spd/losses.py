@@ -469,10 +469,12 @@ def importance_minimality_loss(
     frequency term with a' = examples x positions.
 
     With gradient accumulation the sums must cover the whole accumulated batch: `totals` =
-    ({site: S_c over all micro-batches}, examples x positions of all of them), computed in a
-    first pass. The term is then the first-order surrogate L'(S_total) * S_c(this micro-batch),
-    whose gradients, summed over the micro-batches, equal the gradient of the loss of the
-    whole batch (its value is not the loss; the step reports that from `totals`)."""
+    ({site: S_c over all micro-batches}, examples x positions of ONE micro-batch[, of all of
+    them]), computed in a first pass. The term is then the first-order surrogate
+    L'(S_total) * S_c(this micro-batch) with L' divided by the micro-batch's count: the step
+    averages the k micro-batches' gradients, so their mean is the gradient of the loss of the
+    whole batch (divided by all k micro-batches' count). Its value is not the loss; the step
+    reports that from `totals`."""
     total = jnp.zeros((), jnp.float32)
     penalty = penalty if penalty is not None else lp_penalty(p, eps)
     for path, S_C in penalty_sums(ci_upper, penalty, grouped).items():
