@@ -330,6 +330,12 @@ class Loop:
                     donation.report(self.stage, donation_fraction, missed, echo=self.echo)
                     self._first_step(step, state)
                 steps_since_log += 1
+                if check and step % self.log_every and step != end:
+                    # The first step of a process (waited on above) is not a step's time: the
+                    # executable's load and first-run work (after a resume on a v5e: 608 ms
+                    # for a 264 ms step). The first window starts after it, unless it is the
+                    # only step the window has.
+                    t_log, steps_since_log, paused = time.perf_counter(), 0, 0.0
                 if tracing and self.profile is not None and step >= self.profile[1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
