@@ -16,6 +16,7 @@ ratios, and confirm on a chip.
 
     python benchmarks/tpu_cost.py [--gguf PATH] [--configs NAME ...] [--top 25]
         [--hlo-dir DIR]          # also write each optimized program's text there
+        [--diff]                 # and the ops that changed most from the first configuration
     python benchmarks/tpu_cost.py --hlo FILE ...  # a program already dumped
 
 Needs libtpu (`pip install -e ".[tpu-aot]"`); a configuration compiles in ~70 s on 2 cores.
@@ -144,6 +145,28 @@ def describe(rows: list[dict], top: int) -> str:
     return "\n".join(out)
 
 
+def by_op(rows: list[dict]) -> dict[tuple[str, str, int], float]:
+    """Estimated ms by (JAX op, result shape, loop depth): comparable across programs, whose
+    loops XLA numbers differently."""
+    out: dict[tuple[str, str, int], float] = collections.defaultdict(float)
+    for r in rows:
+        op = re.sub(r"jit\(step\)/|while/body/|closed_call/", "", r["op"])[-70:]
+        shape = re.sub(r"\{[^}]*\}", "", r["shape"])[:48]
+        out[(op, shape, r["nest"].count("/") + bool(r["nest"]))] += ms(r["cycles"])
+    return dict(out)
+
+
+def diff(first: list[dict], other: list[dict], top: int) -> str:
+    """The ops whose estimated time changed most from `first` to `other`."""
+    a, b = by_op(first), by_op(other)
+    keys = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0.0) - a.get(k, 0.0)))
+    out = ["  changed most (ms: first -> this; JAX op, result, loop depth):"]
+    for op, shape, depth in keys[:top]:
+        va, vb = a.get((op, shape, depth), 0.0), b.get((op, shape, depth), 0.0)
+        out.append(f"    {va:7.2f} -> {vb:7.2f}  {op:70s} {shape:48s} {depth}")
+    return "\n".join(out)
+
+
 def compile_text(name: str, args) -> str:
     """The optimized program of `tpu_fit.py`'s configuration `name`, compiled for v5e:1x1."""
     import tpu_fit
@@ -168,6 +191,7 @@ def main() -> None:
     ap.add_argument("--hlo", nargs="+", help="analyse these dumped programs instead")
     ap.add_argument("--hlo-dir", help="write each compiled program's text here")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--diff", action="store_true", help="each program's changes from the first")
     args = ap.parse_args()
     args.no_eval = True
     print(f"# {machine_line()}", flush=True)
@@ -197,8 +221,10 @@ def main() -> None:
         nests = sorted(outer_nests(rows).items(), key=lambda kv: -kv[1])[:4]
         parts = ", ".join(f"{k} {v:.0f}" for k, v in nests)
         print(f"| {name} | {ms(total):.1f} | {base / total:.2f}x | {parts} |")
-    for name, rows in results:
+    for i, (name, rows) in enumerate(results):
         print(f"\n# {name}\n{describe(rows, args.top)}")
+        if i and args.diff:
+            print(diff(results[0][1], rows, args.top))
 
 
 if __name__ == "__main__":
