@@ -167,8 +167,9 @@ def diff(first: list[dict], other: list[dict], top: int) -> str:
     return "\n".join(out)
 
 
-def compile_text(name: str, args) -> str:
-    """The optimized program of `tpu_fit.py`'s configuration `name`, compiled for v5e:1x1."""
+def compile_text(name: str, args) -> tuple[str, float]:
+    """The optimized program of `tpu_fit.py`'s configuration `name`, compiled for v5e:1x1,
+    and the fit check's predicted peak (GiB)."""
     import tpu_fit
 
     from pdctl.inspect import topology
@@ -180,7 +181,7 @@ def compile_text(name: str, args) -> str:
     compiled = f.compiled["train step"][0]
     if compiled is None:
         sys.exit(f"{name}: the train step does not compile for one v5e ({f.check['worst']})")
-    return compiled.as_text()
+    return compiled.as_text(), f.peak / 2**30
 
 
 def main() -> None:
@@ -206,8 +207,12 @@ def main() -> None:
         runtime.configure_devices()
         for name in args.configs:
             t = time.perf_counter()
-            text = compile_text(name, args)
-            print(f"# {name}: compiled for v5e:1x1 in {time.perf_counter() - t:.0f} s", flush=True)
+            text, peak = compile_text(name, args)
+            print(
+                f"# {name}: compiled for v5e:1x1 in {time.perf_counter() - t:.0f} s; "
+                f"predicted peak {peak:.2f} GiB",
+                flush=True,
+            )
             if args.hlo_dir:
                 Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.hlo_dir, re.sub(r"\W+", "_", name) + ".hlo.txt").write_text(text)

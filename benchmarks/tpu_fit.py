@@ -89,6 +89,9 @@ VARIANTS: dict[str, dict] = {
                          "precision": {"compute_dtype": "bfloat16", "target_dtype": "bfloat16"}},
     "b16 k8 none": {"remat": "none"},
     "b16 k8 full unrolled": {"train": {"scan_layers": False}},
+    "b16 k4 full bf16 unrolled": {"grad_accum_steps": 4, "train": {"scan_layers": False},
+                                  "precision": {"compute_dtype": "bfloat16",
+                                                "target_dtype": "bfloat16"}},
     # where the time goes: the step without its two PPGD warm-up ascents
     "b16 k8 full no-ascent": {"ppgd": {"n_warmup_steps": 0}},
     "b16 k8 full bf16 no-ascent": {"ppgd": {"n_warmup_steps": 0},
