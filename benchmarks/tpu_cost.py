@@ -112,6 +112,11 @@ def costed_ops(text: str) -> list[dict]:
     return rows
 
 
+def short_op(op: str) -> str:
+    """A JAX op name without the step's jit and loop-body prefixes (the part that says what)."""
+    return re.sub(r"jit\(step\)/|while/body/|closed_call/", "", op)[-70:]
+
+
 def ms(cycles: float) -> float:
     return cycles / V5E_GHZ / 1e6
 
@@ -135,10 +140,9 @@ def describe(rows: list[dict], top: int) -> str:
         out.append(f"    {v:8.1f} ms {v / total:6.1%}  {nest}")
     ops: dict[tuple[str, str, str], float] = collections.defaultdict(float)
     for r in rows:
-        op = re.sub(r"jit\(step\)/|while/body/|closed_call/", "", r["op"])
-        ops[(op[-70:], r["shape"][:48], r["nest"].split("/")[-1] if r["nest"] else "-")] += ms(
-            r["cycles"]
-        )
+        ops[
+            (short_op(r["op"]), r["shape"][:48], r["nest"].split("/")[-1] if r["nest"] else "-")
+        ] += ms(r["cycles"])
     out.append("  costliest ops (JAX op, result, innermost loop):")
     for (op, shape, nest), v in sorted(ops.items(), key=lambda kv: -kv[1])[:top]:
         out.append(f"    {v:7.2f} ms  {op:70s} {shape:48s} {nest}")
@@ -150,9 +154,8 @@ def by_op(rows: list[dict]) -> dict[tuple[str, str, int], float]:
     loops XLA numbers differently."""
     out: dict[tuple[str, str, int], float] = collections.defaultdict(float)
     for r in rows:
-        op = re.sub(r"jit\(step\)/|while/body/|closed_call/", "", r["op"])[-70:]
         shape = re.sub(r"\{[^}]*\}", "", r["shape"])[:48]
-        out[(op, shape, r["nest"].count("/") + bool(r["nest"]))] += ms(r["cycles"])
+        out[(short_op(r["op"]), shape, r["nest"].count("/") + bool(r["nest"]))] += ms(r["cycles"])
     return dict(out)
 
 

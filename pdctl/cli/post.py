@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, overload
 
 import typer
 
@@ -32,6 +32,12 @@ def report(
     console.print(f"wrote {len(result.files)} files; open {result.index}", markup=False)
 
 
+@overload
+def int_flag(text: str, flag: str) -> int: ...
+@overload
+def int_flag(text: None, flag: str) -> None: ...
+@overload
+def int_flag(text: str | None, flag: str) -> int | None: ...
 def int_flag(text: str | None, flag: str) -> int | None:
     """An integer option given as text ("1000", "1e6"): one line naming `flag` for anything
     else (click's own check prints a usage block of three lines)."""

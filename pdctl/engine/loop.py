@@ -359,11 +359,10 @@ class Loop:
                 if eval_due or ckpt_due:
                     self._check_state_finite(step, state, last_metrics)
                     t_pause = time.perf_counter()  # the steps before are done (waited on above)
-                if eval_due:
-                    last_eval = self._evaluate(step, state, last_metrics)
-                if ckpt_due:
-                    self._checkpoint(step, state, last_metrics, t_start, status="running")
-                if eval_due or ckpt_due:
+                    if eval_due:
+                        last_eval = self._evaluate(step, state, last_metrics)
+                    if ckpt_due:
+                        self._checkpoint(step, state, last_metrics, t_start, status="running")
                     paused += time.perf_counter() - t_pause
             if tracing:
                 jax.profiler.stop_trace()

@@ -31,18 +31,11 @@ def _paths(ctx: typer.Context):
     return proj, proj.root / "harvest" / "harvest.db", proj.root / "interp"
 
 
-def _int(text: str, flag: str) -> int:
-    """An integer option given as text (one line naming `flag` for anything else)."""
-    v = post.int_flag(text, flag)
-    assert v is not None  # int_flag returns None only for None text
-    return v
-
-
 def _positive(text: str, flag: str, low: int = 1) -> int:
     """An integer option given as text (one line naming `flag` for anything else)."""
     from pdctl.errors import PdctlError
 
-    v = _int(text, flag)
+    v = post.int_flag(text, flag)
     if v < low:
         raise PdctlError(f"{flag}: must be >= {low}, got {v}")
     return v
@@ -174,7 +167,7 @@ def export(
     sample_n = _positive(sample, "--sample", 0)
     held_n = _positive(held_out, "--held-out", 0)
     trials_n = _positive(n_trials, "--trials", 0)
-    seed_n = _int(seed, "--seed")
+    seed_n = post.int_flag(seed, "--seed")
     client = _client(endpoint, model, api_key_env, rpm, retries) if endpoint else None
     proj, path, interp_dir = _paths(ctx)
     try:

@@ -377,10 +377,10 @@ def p_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     """p, annealed linearly from `p` to `p_final` between fractions `p_anneal_start` and
     `p_anneal_end` of training (constant `p` when `p_final` is None), as goodfire-ai/spd's
     `_get_linear_annealed_p`: p before the start, p_final from the end on."""
-    if loss_cfg.p_final is None:
-        return loss_cfg.p
     c = loss_cfg
-    return _linear_anneal(c.p, loss_cfg.p_final, c.p_anneal_start, c.p_anneal_end, step_frac)
+    if c.p_final is None:
+        return c.p
+    return _linear_anneal(c.p, c.p_final, c.p_anneal_start, c.p_anneal_end, step_frac)
 
 
 def _linear_anneal(
@@ -398,11 +398,11 @@ def gamma_at(loss_cfg: LossConfig, step_frac: Array | float) -> Array | float:
     `gamma_anneal_start` and `gamma_anneal_end` of training, exactly as `p_at` anneals p
     (param-decomp SPEC S9 anneals it over the schedule's steps - 1; pdctl's anneals share
     p's step / steps)."""
-    if loss_cfg.gamma_final is None:
-        return loss_cfg.gamma
     c = loss_cfg
+    if c.gamma_final is None:
+        return c.gamma
     return _linear_anneal(
-        c.gamma, loss_cfg.gamma_final, c.gamma_anneal_start, c.gamma_anneal_end, step_frac
+        c.gamma, c.gamma_final, c.gamma_anneal_start, c.gamma_anneal_end, step_frac
     )
 
 
@@ -996,11 +996,7 @@ def make_spd_fns(
     # (above block 0; its forwards start there), only when the term is on
     chunks = site_chunks(paths, lcfg.sites_per_chunk)
     chunk_on = is_traced(lcfg.chunkwise_recon) or lcfg.chunkwise_recon > 0
-    chunk_starts = (
-        sorted(cast("set[int]", {first_layer(target, c) for c in chunks} - {None, 0}))  # no None
-        if chunk_on
-        else []
-    )
+    chunk_starts = sorted({s for c in chunks if (s := first_layer(target, c))}) if chunk_on else []
 
     def clean(target_params: Any, x: Array) -> Clean:
         return clean_forward(target, target_params, x, units, starts=chunk_starts)
