@@ -124,6 +124,15 @@ def with_scan(target: Target, scan: bool | Literal["all"]) -> Target:
     return dataclasses.replace(target, scan_layers=on, **extra)
 
 
+def as_trained(cfg: Config, target: Target, mesh: Any = None, step: bool = True) -> Target:
+    """The target as the train stage runs it, resolved here once for the step, its restore, its
+    evaluation and the fit check: scanned over layers by `[train] scan_layers` ("auto" resolved
+    for `mesh`) and, for the step, rematerialised by `[train] remat` (`step=False`: the
+    evaluation takes no gradient, so nothing is recomputed)."""
+    scan = scan_layers(cfg, target, mesh)
+    return with_scan(with_remat(target, cfg.train.remat) if step else target, scan)
+
+
 def abstract_target(cfg: Config, target: Target) -> Any:
     """The target's parameters as ShapeDtypeStructs: what init-weights creates (and pretrain
     trains, and warmup/train take frozen)."""

@@ -24,14 +24,12 @@ from pdctl.science.arrays import is_traced
 from pdctl.science.spd.components import component_ties
 from pdctl.science.spd.losses import (
     FREQ_STATE,
-    ema_update,
-    frequency_loss,
-    importance_minimality_from_sums,
+    faithfulness_once,
     init_freq_state,
     make_spd_fns,
     penalty_sums,
     sparsity_penalty,
-    weighted,
+    whole_batch_terms,
 )
 from pdctl.science.spd.stacked import Stacking, is_stacked, members, per_site
 from pdctl.science.targets import Target
@@ -40,11 +38,10 @@ from pdctl.stages.env import StageEnv, frozen_target
 from pdctl.stages.inputs import (
     STREAM_TRAIN,
     abstract_target,
+    as_trained,
     decomp_layout,
-    scan_layers,
     stream_key,
     text_batch_spec,
-    with_remat,
     with_scan,
 )
 from pdctl.stages.runner import StageSpec, run_stage
@@ -84,7 +81,6 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
     mesh = batch_sharding.mesh
     use_ppgd = fns.source_coeff > 0
     source_lr = schedule(pcfg, total)
-    ema = lcfg.frequency > 0 and lcfg.frequency_ema_halflife is not None
     imp_on = is_traced(lcfg.importance_minimality) or lcfg.importance_minimality > 0
     freq_on = lcfg.frequency > 0
 
@@ -165,30 +161,17 @@ def make_step(target, fns, tx, cfg, total: int, batch_sharding):
             value, g = jax.value_and_grad(fns.faithfulness_loss)(
                 trainable["components"], target_params
             )
-            loss = loss + lcfg.faithfulness * value
-            m = {**m, "faithfulness": value, "total": loss}
             g_tr, g_src = grads
-            comps = jax.tree.map(lambda a, b: a + lcfg.faithfulness * b, g_tr["components"], g)
+            loss, m, comps = faithfulness_once(
+                lcfg.faithfulness, value, g, loss, m, g_tr["components"]
+            )
             grads = ({**g_tr, "components": comps}, g_src)
         m.pop(FREQ_STATE, None)  # the mean over micro-batches: recomputed below
         new_freq = None
         if imp_totals is not None:  # report the whole batch's values, not the surrogates'
-            n = n_mb * k_accum
-            if imp_on:
-                value = importance_minimality_from_sums(imp_totals[0], n, lcfg.beta)
-                loss = loss + weighted(
-                    lcfg.importance_minimality, value - m["importance_minimality"]
-                )
-                m = {**m, "importance_minimality": value}
-            if freq_on:
-                f = {u: S_u / n for u, S_u in imp_totals[0].items()}
-                a = lcfg.frequency_a if lcfg.frequency_a is not None else float(n)
-                if ema:
-                    new_freq, f = ema_update(freq, f, lcfg.frequency_ema_halflife)
-                value = frequency_loss(f, a)
-                loss = loss + lcfg.frequency * (value - m["frequency"])
-                m = {**m, "frequency": value}
-            m = {**m, "total": loss}
+            loss, m, new_freq = whole_batch_terms(
+                lcfg, loss, m, imp_totals[0], n_mb * k_accum, freq
+            )
         return ((loss, m), grads), new_freq
 
     def step(target_params: Any, state: dict[str, Any], batch: Any):
@@ -285,7 +268,7 @@ def program(cfg: Config, mesh: Mesh, target: Target) -> StepProgram:
     tc = cfg.train
     total = tc.steps
     sharding.check_batch_divides(tc.batch_size, mesh, "train.batch_size", tc.grad_accum_steps)
-    target = with_scan(with_remat(target, tc.remat), scan_layers(cfg, target, mesh))
+    target = as_trained(cfg, target, mesh)
     tx = optimizer(cfg, total)
     dec = abstract_decomposition(cfg, target)
     stacking = stacking_for(cfg, target, dec)
@@ -372,11 +355,10 @@ def restore(env: StageEnv, step: int, prog: StepProgram) -> tuple[Any, dict[str,
     a stacked state and the other way round, bit for bit (`scan_layers` is not part of the
     fingerprint: it changes how the step runs, not what it computes)."""
     cfg = env.cfg
-    scan = scan_layers(cfg, env.target, env.mesh)
-    target = with_scan(with_remat(env.target, cfg.train.remat), scan)
+    target = as_trained(cfg, env.target, env.mesh)
     dec = abstract_decomposition(cfg, target)
     stacking = stacking_for(cfg, target, dec)
-    other = stacking_for(cfg, with_scan(target, not scan), dec)
+    other = stacking_for(cfg, with_scan(target, not getattr(target, "scan_layers", False)), dec)
     stacked = _checkpoint_is_stacked(env, step)
     if stacked is None or stacked == (not stacking.trivial) or other.trivial == stacking.trivial:
         return env.restore_state(step, prog.abstract_state, prog.state_shardings)
@@ -488,7 +470,7 @@ def fresh_inputs(env: StageEnv, prog: StepProgram) -> tuple[Any, ...]:
 
 def evaluation(env: StageEnv, frozen: tuple[Any, ...], prog: StepProgram):
     (target_params,) = frozen
-    target = with_scan(env.target, scan_layers(env.cfg, env.target, env.mesh))
+    target = as_trained(env.cfg, env.target, env.mesh, step=False)
     return make_eval(env, target_params, spd_fns(env.cfg, target), target)
 
 
@@ -506,7 +488,7 @@ def eval_programs(cfg: Config, prog: StepProgram, target: Target, mesh: Mesh) ->
 def _eval_programs(cfg: Config, prog: StepProgram, target: Target, mesh: Mesh) -> dict[str, Any]:
     from pdctl.science.spd import evaluate
 
-    target = with_scan(target, scan_layers(cfg, target, mesh))  # as train evaluates
+    target = as_trained(cfg, target, mesh, step=False)  # as train evaluates
     fns = spd_fns(cfg, target)
     params = sharding.abstract_with_shardings(prog.frozen_abstract[0], prog.frozen_shardings[0])
     # The evaluation takes the decomposition as the train state holds it (a scanned target's

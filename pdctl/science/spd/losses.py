@@ -561,6 +561,49 @@ def frequency_loss(
     return total
 
 
+def faithfulness_once(
+    coeff: float, value: Array, grad: Any, loss: Array, metrics: dict[str, Array], g_comps: Any
+) -> tuple[Array, dict[str, Array], Any]:
+    """With gradient accumulation, the faithfulness term formed once a step (it has no batch in
+    it) rather than in every micro-batch: `value` and its gradient `grad` added, times `coeff`,
+    to the accumulated loss and components' gradients `g_comps`."""
+    loss = loss + coeff * value
+    g_comps = jax.tree.map(lambda a, b: a + coeff * b, g_comps, grad)
+    return loss, {**metrics, "faithfulness": value, "total": loss}, g_comps
+
+
+def whole_batch_terms(
+    loss_cfg: LossConfig,
+    loss: Array,
+    metrics: dict[str, Array],
+    S: Mapping[str, Array],
+    n: int,
+    freq: FreqState | None,
+) -> tuple[Array, dict[str, Array], FreqState | None]:
+    """With gradient accumulation, importance minimality and the frequency term of the whole
+    batch (`S`: the penalty's sums over all `n` examples x positions of the step, before their
+    logs) in place of the mean of the micro-batches' surrogates, which carried the gradient:
+    the loss corrected by each coefficient times the difference, the metrics reporting the
+    whole batch's values, and the frequency EMA's new state (None without one)."""
+    new_freq = None
+    if is_traced(loss_cfg.importance_minimality) or loss_cfg.importance_minimality > 0:
+        value = importance_minimality_from_sums(S, n, loss_cfg.beta)
+        loss = loss + weighted(
+            loss_cfg.importance_minimality, value - metrics["importance_minimality"]
+        )
+        metrics = {**metrics, "importance_minimality": value}
+    if loss_cfg.frequency > 0:
+        f = {u: S_u / n for u, S_u in S.items()}
+        a = loss_cfg.frequency_a if loss_cfg.frequency_a is not None else float(n)
+        if loss_cfg.frequency_ema_halflife is not None:
+            # the state exists whenever a halflife is set (`init_freq_state`)
+            new_freq, f = ema_update(cast(FreqState, freq), f, loss_cfg.frequency_ema_halflife)
+        value = frequency_loss(f, a)
+        loss = loss + loss_cfg.frequency * (value - metrics["frequency"])
+        metrics = {**metrics, "frequency": value}
+    return loss, {**metrics, "total": loss}, new_freq
+
+
 def stochastic_recon_loss(
     recon: Recon,
     ci_lower: Dict,
