@@ -40,7 +40,7 @@ from typing import Any
 
 from pdctl.errors import PdctlError
 from pdctl.project import PROJECT_FILE, Project, find_project_file
-from pdctl.stages.registry import STAGES, command
+from pdctl.registry import STAGES, command
 
 __all__ = ["Harvest", "Model", "Run", "open"]
 

@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from pdctl import registry
 from pdctl.errors import PdctlError
-from pdctl.stages import registry
 
 SCHEMA_VERSION = 1
 

@@ -38,7 +38,7 @@ from pdctl.files import (
     refuse_links,
     refuse_links_between,
 )
-from pdctl.stages.registry import STAGES
+from pdctl.registry import STAGES
 
 PROJECT_FILE = "pdctl.toml"
 LOCK_FILE = ".pdctl.lock"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from pdctl.cli import app
 from pdctl.project import Project
-from pdctl.stages.registry import STAGES
+from pdctl.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = (

@@ -32,7 +32,7 @@ from pdctl.config import (
     parse_config,
 )
 from pdctl.errors import PdctlError
-from pdctl.stages.registry import STAGES
+from pdctl.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "pdctl.toml.example"

@@ -161,8 +161,8 @@ def test_8_a_rerun_of_the_parent_makes_the_child_stale(tmp_path: Path) -> None:
     """The parent's train run id is in the child's upstream, as an upstream stage's is: after
     the parent's `train --fresh` (a new run id) the child is stale and `pdctl run` reruns it;
     before, it stayed `done` and was skipped."""
+    from pdctl.registry import STAGES
     from pdctl.stages import pipeline
-    from pdctl.stages.registry import STAGES
 
     parent = _fake_parent(tmp_path)
     child = _fresh_child(tmp_path, parent)

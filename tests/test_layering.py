@@ -8,7 +8,7 @@ allow. Imports under `if TYPE_CHECKING:` (annotations, never run) are left out o
 check but not of the circle check: a circle of annotations is still a circle a reader has to
 untangle. ARCHITECTURE.md's floor diagram is drawn from the table (`floors`), and a test keeps
 the two equal. Known exceptions, each with its reason, are listed in `KNOWN`: the check skips
-them, and an xfail test per exception says when one is gone (then delete its entry).
+them, and a test fails when one is gone (then delete its entry).
 """
 
 from __future__ import annotations
@@ -29,43 +29,39 @@ ARCHITECTURE = ROOT / "ARCHITECTURE.md"
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "pdctl": set(),
+    # the one table of stages: plain data the schema, `pdctl new` and every floor read
+    "registry": set(),
     "files": {"errors"},
-    "config": {"errors"},
-    "project": {"config", "errors", "files"},
+    "config": {"errors", "registry"},
+    "project": {"config", "errors", "files", "registry"},
     "templates": {"errors", "project"},
     # the maths and the machinery: neither imports the other
     "science": {"config", "errors", "files"},
     "engine": {"config", "errors", "files"},
-    "supervisor": {"pdctl", "engine", "errors", "project"},
-    "stages": {"pdctl", "config", "engine", "errors", "files", "project", "science", "supervisor"},
+    "supervisor": {"engine", "errors", "pdctl", "project"},
+    "stages": {"config", "engine", "errors", "files", "pdctl", "project", "registry", "science",
+               "supervisor"},
     # what reads or drives finished / planned stages: through stages, never through cli
     "harvest": {"config", "engine", "errors", "files", "project", "science", "stages"},
-    "inspect": {"config", "engine", "errors", "project", "science", "stages"},
-    "sweep": {"config", "engine", "errors", "files", "project", "science", "stages", "templates"},
+    "inspect": {"config", "engine", "errors", "project", "registry", "science", "stages"},
+    "sweep": {"config", "engine", "errors", "files", "project", "registry", "science", "stages",
+              "templates"},
     # the report shows what a harvest found (its line, its clusters); never the other way
-    "report": {"pdctl", "engine", "errors", "harvest", "project", "science", "stages"},
+    "report": {"engine", "errors", "harvest", "pdctl", "project", "registry", "science", "stages"},
     "interp": {"errors", "files", "harvest"},
     # the Python API (`pdctl.open`): only `import pdctl` reaches it
-    "api": {"engine", "errors", "harvest", "project", "science", "stages"},
-    "cli": {"pdctl", "engine", "errors", "files", "harvest", "inspect", "interp", "project",
-            "report", "stages", "supervisor", "sweep", "templates"},
+    "api": {"engine", "errors", "harvest", "project", "registry", "science", "stages"},
+    "cli": {"engine", "errors", "files", "harvest", "inspect", "interp", "pdctl", "project",
+            "registry", "report", "stages", "supervisor", "sweep", "templates"},
     "__main__": {"cli", "supervisor"},
 }  # fmt: skip
 
 # The one import that runs up by design: `pdctl.open` imports the API on first use.
 ENTRY = {("pdctl", "pdctl.api")}
 
-# Edges (importer module, imported module) the table does not allow today, owned by other work
-# (issue 54 item 2), each with why it is there.
-KNOWN = {
-    ("pdctl.config", "pdctl.stages.registry"): "the stage names a config section checks "
-    "against live in stages.registry, plain Python that belongs on the ground floor",
-    ("pdctl.project", "pdctl.stages.registry"): "the state table's stage names, as above",
-    ("pdctl.interp.cli", "pdctl.cli.base"): "interp's commands live in interp/, not cli/",
-    ("pdctl.interp.cli", "pdctl.cli.post"): "interp's commands live in interp/, not cli/",
-    ("pdctl.stages.policy", "pdctl.stages.env"): "annotations only, but a circle: env imports "
-    "policy's rules, policy's functions take an env",
-}
+# Edges (importer module, imported module) the table does not allow today, owned by other work,
+# each with why it is there: none left.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:
@@ -237,20 +233,49 @@ def test_the_floor_diagram_is_the_table() -> None:
     assert m.group(1) == diagram(), f"ARCHITECTURE.md's floors should read:\n{diagram()}"
 
 
-@pytest.mark.parametrize(
-    "edge",
-    [pytest.param(e, marks=pytest.mark.xfail(strict=True, reason=why)) for e, why in KNOWN.items()],
-    ids=lambda e: f"{e[0]}->{e[1]}",
-)
-def test_known_exception_is_gone(edge: tuple[str, str]) -> None:
-    a, b = edge
-    assert b not in TYPED[a]
+def private_crossings(modules: dict[str, Path] = MODULES) -> list[str]:
+    """Each private name (`_x`) one area takes from another: `from pdctl.a import _x`, or
+    `m._x` on a pdctl module imported as `m`. A name another package uses is public."""
+    out = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        aliases: dict[str, str] = {}  # local name -> the pdctl module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pdctl"):
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    if sub in modules:
+                        aliases[a.asname or a.name] = sub
+                    elif (a.name.startswith("_") and not a.name.startswith("__")
+                          and area(node.module or "") != area(name)):  # fmt: skip
+                        out.append(f"{name} takes {node.module}.{a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("pdctl.") and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):  # fmt: skip
+                mod = aliases[node.value.id]
+                if area(mod) != area(name):
+                    out.append(f"{name} takes {mod}.{node.attr}")
+    return sorted(set(out))
+
+
+def test_no_private_name_crosses_a_package() -> None:
+    assert private_crossings() == []
+
+
+def test_every_known_exception_is_still_there() -> None:
+    """A `KNOWN` edge whose import is gone is deleted from `KNOWN`."""
+    assert [e for e in KNOWN if e[1] not in TYPED.get(e[0], set())] == []
 
 
 def test_the_checks_see_a_bad_import(tmp_path: Path) -> None:
-    """A lazy upward import inside a function, an area the table does not name, and circles
-    made of lazy imports or of annotations are found; an annotation-only upward import is
-    not a table violation."""
+    """A lazy upward import inside a function, an area the table does not name, circles made
+    of lazy imports or of annotations, and private names taken across packages are found; an
+    annotation-only upward import is not a table violation."""
     files = {
         "pdctl/engine/bad.py": "def f():\n    from pdctl.stages import runner\n",
         "pdctl/stages/a.py": "def f():\n    import pdctl.stages.b\n",
@@ -263,6 +288,10 @@ def test_the_checks_see_a_bad_import(tmp_path: Path) -> None:
         ),
         "pdctl/stages/e.py": "import pdctl.stages.d\n",
         "pdctl/stages/runner.py": "",
+        "pdctl/harvest/priv.py": (
+            "from pdctl.stages.a import _hidden\nfrom pdctl.stages import runner\n"
+            "runner._inner()\nrunner.__name__\n"
+        ),
         "pdctl/newpkg/x.py": "from pdctl import errors\n",
         "pdctl/errors.py": "",
         "pdctl/cli.py": "",
@@ -285,3 +314,7 @@ def test_the_checks_see_a_bad_import(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="circle: a -> b -> a"):
         floors({"a": {"b"}, "b": {"a"}})
     assert diagram({"x": set(), "y": {"x"}, "z": {"x"}}) == "y  z\nx"
+    assert private_crossings(mods) == [
+        "pdctl.harvest.priv takes pdctl.stages.a._hidden",
+        "pdctl.harvest.priv takes pdctl.stages.runner._inner",
+    ]

@@ -88,9 +88,9 @@ def test_masked_forward_from_the_clean_prefix_is_the_whole_forward(tmp_path, nam
         out = {"clean": c, "plain": plain}
         for label, keys in (("all", paths), ("last", paths[-1:])):
             d = {p: data[p] for p in keys}
-            whole, _ = target.apply_sites(prm, x, L._masked_site, d)
+            whole, _ = target.apply_sites(prm, x, L.masked_site, d)
             skip, _ = target.apply_sites(
-                prm, x, L._masked_site, d, start=Residual(first, c.residual)
+                prm, x, L.masked_site, d, start=Residual(first, c.residual)
             )
             out[label] = (whole, skip)
         return out
@@ -110,7 +110,7 @@ def test_masked_forward_from_the_clean_prefix_is_the_whole_forward(tmp_path, nam
         np.testing.assert_array_equal(skip, whole, err_msg=label)
     # ... and a stream that is not the clean one's changes it: the start is really used
     wrong, _ = jax.jit(
-        lambda prm, x, r: target.apply_sites(prm, x, L._masked_site, data, start=Residual(first, r))
+        lambda prm, x, r: target.apply_sites(prm, x, L.masked_site, data, start=Residual(first, r))
     )(params, tokens, c.residual + 1.0)
     assert not np.allclose(np.asarray(wrong), np.asarray(out["all"][0]))
 

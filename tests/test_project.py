@@ -15,7 +15,7 @@ from helpers import edit_config
 import pdctl.files as files_mod
 from pdctl.errors import PdctlError
 from pdctl.project import STATE_MARKER, Project, split_state
-from pdctl.stages.registry import STAGES
+from pdctl.registry import STAGES
 from pdctl.templates import create_run
 
 USER_TOML = (

@@ -46,10 +46,10 @@ from pdctl.engine import checkpoint, donation, sharding
 from pdctl.engine.checkpoint import Checkpointer, join_items, rematerialize
 from pdctl.engine.sharding import path_str
 from pdctl.project import Project
+from pdctl.registry import STAGES
 from pdctl.stages import train
 from pdctl.stages.env import StageEnv, pretrained_target
 from pdctl.stages.inputs import target_from_config
-from pdctl.stages.registry import STAGES
 
 EXIT_INTERRUPTED = 3
 

@@ -80,7 +80,7 @@ def test_scanned_forward_equals_unrolled(tmp_path, name):
         return jax.jit(
             lambda prm, x: (
                 L.clean_forward(t, prm, x, paths),
-                t.apply_sites(prm, x, L._masked_site, data)[0],
+                t.apply_sites(prm, x, L.masked_site, data)[0],
             )
         )(params, tokens)
 
@@ -117,7 +117,7 @@ def test_scanned_siteless_layers_equal_unrolled(tmp_path):
 
             def masked(vu):  # d with its components (V, U) as the variables
                 d2 = {p: (*vu[p], *d[p][2:]) for p in d}
-                return t.apply_sites(prm, x, L._masked_site, d2, start=start)[0]
+                return t.apply_sites(prm, x, L.masked_site, d2, start=start)[0]
 
             out, vjp = jax.vjp(masked, {p: d[p][:2] for p in d})
             return clean, out, vjp(jnp.ones_like(out))[0]
@@ -169,7 +169,7 @@ def test_scanned_forward_takes_stacked_units(tmp_path):
 
     def run(t, data, capture):
         return jax.jit(
-            lambda prm, x: t.apply_sites(prm, x, L._masked_site, data, capture)
+            lambda prm, x: t.apply_sites(prm, x, L.masked_site, data, capture)
         )(params, tokens)  # fmt: skip
 
     out_u, got_u = run(unrolled, per_site, [*members(q), *members(k)])

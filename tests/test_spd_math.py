@@ -428,7 +428,7 @@ def test_resid_mlp_folded_masked_forward_equals_the_plain_one(n_layers, bias):
 
         def out(comps, apply, masked=masked, data=data):
             data = {p: (comps[p]["V"], comps[p]["U"], *data[p][2:]) for p in masked}
-            y, _ = apply(target, params, x, L._masked_site, data)
+            y, _ = apply(target, params, x, L.masked_site, data)
             return jnp.sum(jnp.sin(y)), y
 
         folded = jax.value_and_grad(out, has_aux=True)(comps, ResidMLP.apply_sites)

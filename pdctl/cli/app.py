@@ -10,7 +10,7 @@ every command with the module that holds it:
     analysis  cluster, attributions (over a finished harvest)
     sharding  inspect-sharding (over `pdctl.inspect`)
     sweep     sweep new | run | status | report
-    interp    interp export | import | score (pdctl.interp.cli)
+    interp    interp export | import | score (pdctl.cli.interp)
     render    what they print; process: clean stops and how the process ends
 """
 
@@ -25,8 +25,8 @@ import typer
 
 from pdctl import __version__
 from pdctl.cli import analysis, post, process, render, sharding, stages, sweep
+from pdctl.cli import interp as interp_cli
 from pdctl.cli.base import Globals, console, err_console, guard, project
-from pdctl.interp import cli as interp_cli
 
 app = typer.Typer(
     name="pdctl",

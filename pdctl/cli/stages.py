@@ -1,5 +1,5 @@
 """The commands that run stages: `init-weights`, `pretrain`, `warmup`, `train` (one body,
-`run_stage`, which finds the stage in `pdctl.stages.registry` by its command name), `run` and
+`run_stage`, which finds the stage in `pdctl.registry` by its command name), `run` and
 `resume`. Each runs `supervised`: SIGTERM/SIGINT stop it cleanly with a checkpoint."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run_stage(ctx: typer.Context, **flags: Any) -> tuple[str, Any]:
     """The body of every `pdctl <stage>` command: the stage is the registry's for the command's
     name; its flags are checked before anything starts (a mistake starts no process), and the
     rest go to the stage's `run` as given. Returns (the stage, what its run returned)."""
-    from pdctl.stages import registry
+    from pdctl import registry
 
     if ctx.info_name is None:  # click names every command's context; a bare Context has none
         raise TypeError("run_stage needs the context of a `pdctl <stage>` command")

@@ -86,7 +86,7 @@ def _attr_fn(target: Any, paths: tuple[str, ...], site: str, kind: str):
     import jax.numpy as jnp
 
     from pdctl.science.spd.ci import ci_fn_apply
-    from pdctl.science.spd.losses import _masked_site
+    from pdctl.science.spd.losses import masked_site
     from pdctl.science.targets.base import Residual, apply_sites
 
     def run(params, components, ci_fns, x, t, weight, c):
@@ -100,7 +100,7 @@ def _attr_fn(target: Any, paths: tuple[str, ...], site: str, kind: str):
             start = Residual(0, embedded * scale[..., None].astype(embedded.dtype))
             data = {p: (components[p]["V"], components[p]["U"], masks[p], delta[p], None, None)
                     for p in paths}  # fmt: skip
-            _, got = apply_sites(target, params, x, _masked_site, data, capture=(site,),
+            _, got = apply_sites(target, params, x, masked_site, data, capture=(site,),
                                  start=start)  # fmt: skip
             x_in = got[site]
             V = components[site]["V"]

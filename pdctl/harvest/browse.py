@@ -104,7 +104,7 @@ def _ids(ids: list[int]) -> str:
     return "".join(f"⟨{int(t)}⟩" for t in ids)
 
 
-def _decoder(project: Project) -> Callable[[list[int]], str]:
+def decoder(project: Project) -> Callable[[list[int]], str]:
     """The run's token decoder (ids shown as ⟨id⟩ when its model cannot be read)."""
     return _model(project)[0]
 

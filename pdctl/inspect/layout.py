@@ -24,13 +24,13 @@ from pydantic import ValidationError
 from pdctl.config import Config, MeshConfig
 from pdctl.engine import sharding
 from pdctl.errors import PdctlError
+from pdctl.registry import STAGES
 from pdctl.stages.inputs import (
     abstract_target,
     check_tensor_parallel,
     decomp_layout,
     target_from_config,
 )
-from pdctl.stages.registry import STAGES
 
 KINDS = ("target", "components", "ci_fns", "sources", "optimizer", "loop", "batch", "other")
 KIND_LABEL = {

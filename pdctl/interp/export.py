@@ -31,8 +31,11 @@ import math
 import random
 import sqlite3
 from collections.abc import Callable, Iterator
+from contextlib import closing
+from pathlib import Path
 from typing import Any
 
+from pdctl.errors import PdctlError
 from pdctl.harvest import db
 from pdctl.interp import prompt as P
 
@@ -218,3 +221,49 @@ def _trial(task: str, r: dict[str, Any], t: int, label: str, items: list) -> dic
 def dumps(record: dict[str, Any]) -> str:
     """One JSONL line (UTF-8 kept as is; floats as Python writes them, which read back equal)."""
     return json.dumps(record, ensure_ascii=False, allow_nan=False)
+
+
+def from_harvest(
+    path: Path,
+    decoder: Callable[[], Callable[[list[int]], str]],
+    *,
+    sites: list[str] | None,
+    top: int,
+    sample: int,
+    held_out: int,
+    n_trials: int,
+    seed: int,
+    silent: bool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(records, trials) of the harvest database at `path`: `sites` checked against the
+    harvest's, its threshold read, `decoder()` (the run's token decoder, made only once the
+    database opened) applied to the examples. A database pdctl cannot read is one line
+    naming it (`PdctlError`)."""
+    try:
+        with closing(db.open_readonly(path)) as con:
+            known = [s for (s,) in con.execute("SELECT site FROM sites ORDER BY idx")]
+            for s in sites or []:
+                if s not in known:
+                    raise PdctlError(f"--site: no site {s!r} in the harvest ({', '.join(known)})")
+            threshold = db.read_pairs(con, lenient=True).get("threshold", 0.0)
+            if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                    or not math.isfinite(threshold)):  # fmt: skip
+                raise PdctlError(f"{path}: meta.threshold: not a number ({threshold!r:.80})")
+            records = list(component_records(
+                con, decoder(), top=top, sample=sample, held_out=held_out, sites=sites,
+                silent=silent))  # fmt: skip
+        return records, list(trials(records, threshold, n_trials, seed))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            UnicodeError, RecursionError, sqlite3.Error) as e:  # fmt: skip
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise PdctlError(f"{path}: a harvest database pdctl cannot export ({why})") from None
+
+
+def label_jobs(
+    records: list[dict[str, Any]], done: set[str]
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """(key, prompt, what the answer records) of each unlabelled component whose answer is not
+    in the answers file yet (`done`)."""
+    return [(r["key"], r["prompt"], {"key": r["key"], "site": r["site"],
+                                     "component": r["component"]})
+            for r in records if r["label"] is None and r["key"] not in done]  # fmt: skip

@@ -21,6 +21,7 @@ from pdctl import __version__
 from pdctl.errors import EXIT_INTERRUPTED, PdctlError
 from pdctl.harvest.run import harvest_line
 from pdctl.project import Project, split_state
+from pdctl.registry import STAGES
 from pdctl.report import figures as F
 from pdctl.report import load as L
 from pdctl.report import page as P
@@ -28,7 +29,6 @@ from pdctl.report.status import INDEX, MANIFEST
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import TERMS
 from pdctl.stages import decomposition as D
-from pdctl.stages.registry import STAGES
 
 REPORT_STAGES = ("pretrain", "warmup", "train")
 

@@ -18,11 +18,11 @@ import numpy as np
 from pdctl.engine.tracking import read_metrics as read_metrics  # the report's reader
 from pdctl.errors import PdctlError
 from pdctl.project import Project
+from pdctl.registry import command
 from pdctl.science.spd import evaluate
 from pdctl.science.spd.losses import l0_per_site
 from pdctl.stages.decomposition import Decomposition
 from pdctl.stages.inputs import STREAM_TRAIN, stream_key
-from pdctl.stages.registry import command
 
 HIST_BINS = 50
 HIST_EDGES = np.linspace(0.0, 1.0, HIST_BINS + 1)

@@ -10,7 +10,7 @@ from typing import Any
 
 from pdctl.errors import PdctlError
 from pdctl.project import Project
-from pdctl.stages.registry import STAGES
+from pdctl.registry import STAGES
 
 DEFAULT_DIR = "report"  # <run>/report/ unless --out says otherwise
 MANIFEST = "report.json"  # what a report wrote, and the stage state it was written from

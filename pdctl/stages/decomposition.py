@@ -21,10 +21,10 @@ from pdctl.engine import sharding
 from pdctl.engine.init import grouped_init
 from pdctl.errors import PdctlError
 from pdctl.project import Project
+from pdctl.registry import command
 from pdctl.science.spd import components as comps
 from pdctl.science.targets import Target
 from pdctl.stages.inputs import STREAM_DECOMP, decomp_layout, stream_key, target_from_config
-from pdctl.stages.registry import command
 
 # ---- the decomposition's shape ----------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from pdctl import __version__
+from pdctl import __version__, registry
 from pdctl.config import Config, fingerprint
 from pdctl.engine import runtime, sharding
 from pdctl.engine.checkpoint import (
@@ -23,8 +23,8 @@ from pdctl.engine.checkpoint import (
 from pdctl.engine.tracking import JsonlTracker, Tracker, make_tracker
 from pdctl.errors import PdctlError, notify, one_line
 from pdctl.project import Project, now
+from pdctl.registry import command
 from pdctl.science.targets import Target
-from pdctl.stages import registry
 from pdctl.stages.inputs import (
     abstract_target,
     check_tensor_parallel,
@@ -33,7 +33,6 @@ from pdctl.stages.inputs import (
     target_from_config,
 )
 from pdctl.stages.policy import config_snapshot, how_to_finish, own_steps, stale_reason
-from pdctl.stages.registry import command
 
 
 @dataclass

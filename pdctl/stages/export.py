@@ -10,17 +10,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from pdctl import __version__
+from pdctl import __version__, registry
 from pdctl.engine.checkpoint import complete_steps, has_key, read_host
 from pdctl.engine.sharding import path_str
 from pdctl.errors import PdctlError
 from pdctl.files import atomic_output
 from pdctl.project import Project
+from pdctl.registry import STAGES, command
 from pdctl.science.spd.stacked import per_site_tree
-from pdctl.stages import registry
 from pdctl.stages.decomposition import warmup_components, warmup_kept_init
 from pdctl.stages.policy import how_to_finish
-from pdctl.stages.registry import STAGES, command
 
 EXPORT_FORMATS = ("npz", "safetensors")
 

@@ -6,13 +6,13 @@ import contextlib
 import functools
 from typing import Any
 
+from pdctl import registry
 from pdctl.engine import ahead, runtime
 from pdctl.engine.checkpoint import complete_steps
 from pdctl.errors import PdctlError
 from pdctl.project import Project
-from pdctl.stages import registry
+from pdctl.registry import STAGES, command
 from pdctl.stages.policy import checkpoint_changes, guarded, resumable, stale_reason
-from pdctl.stages.registry import STAGES, command
 
 
 def run_stage(project: Project, stage: str, **kwargs: Any) -> Any:

@@ -15,21 +15,30 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
+from pdctl import registry
 from pdctl.config import Config
 from pdctl.engine import peers, runtime
 from pdctl.engine.checkpoint import complete_steps, drop_unfinished, read_meta
 from pdctl.engine.loop import Interrupted, describe_exception
 from pdctl.errors import PdctlError, StageFailed, notify
 from pdctl.project import WRITE_LOCK, Project, RunDirMoved
-from pdctl.stages import registry
-from pdctl.stages.registry import command
+from pdctl.registry import command
 
-if TYPE_CHECKING:  # for annotations only: env imports this module
-    from pdctl.stages.env import StageEnv
+
+class StageEnv(Protocol):
+    """What these rules read of a stage's environment: `stages.env.StageEnv` is one (env
+    imports this module, so the rules name only what they use)."""
+
+    project: Project
+    stage: str
+
+    def fingerprint(self) -> str: ...
+
+    def config_snapshot(self) -> dict[str, Any]: ...
 
 
 def config_snapshot(cfg: Config, stage: str) -> dict[str, Any]:

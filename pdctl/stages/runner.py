@@ -15,10 +15,10 @@ from pdctl.engine.checkpoint import drop_checkpoints
 from pdctl.engine.loop import Loop, LoopResult
 from pdctl.engine.tracking import JsonlTracker
 from pdctl.project import Project
+from pdctl.registry import STAGES
 from pdctl.stages.env import StageEnv, batches_state, text_batches
 from pdctl.stages.inputs import peak_flops
 from pdctl.stages.policy import resume_point
-from pdctl.stages.registry import STAGES
 
 
 @dataclass(frozen=True)

@@ -28,17 +28,18 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from pdctl import registry
 from pdctl.engine import runtime
 from pdctl.engine.checkpoint import Checkpointer, complete_steps
 from pdctl.engine.loop import Loop, LoopResult, flatten_metrics, non_finite_keys, to_float
 from pdctl.engine.tracking import NoopTracker, Tracker
 from pdctl.errors import PdctlError, StageFailed, notify, one_line
 from pdctl.project import Project
-from pdctl.stages import pipeline, registry
+from pdctl.registry import STAGES
+from pdctl.stages import pipeline
 from pdctl.stages.env import StageEnv
 from pdctl.stages.inputs import peak_flops, target_from_config
 from pdctl.stages.policy import guarded, resume_point
-from pdctl.stages.registry import STAGES
 from pdctl.sweep import hyper
 from pdctl.sweep import stacked as st
 from pdctl.sweep.spec import Member, Sweep

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from pdctl.errors import PdctlError
-from pdctl.stages.registry import STAGES
+from pdctl.registry import STAGES
 from pdctl.sweep.spec import Member, Sweep, _fmt, short_keys
 
 

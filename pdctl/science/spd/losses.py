@@ -154,7 +154,7 @@ def clean_forward(
 SiteData = tuple[Array, Array, Array, Array | None, Array | None, Array | None] | tuple[()]
 
 
-def _masked_site(x_in: Array, W: Array, data: SiteData, tail: Array | None = None) -> Array:
+def masked_site(x_in: Array, W: Array, data: SiteData, tail: Array | None = None) -> Array:
     if not data:  # a site passed through (`masked_forward`'s `plain`): the target's own product
         return x_in @ W if tail is None else (x_in @ W) @ tail
     return masked_site_fn(W, *data, tail=tail)(x_in)
@@ -194,9 +194,9 @@ def masked_forward(
     }
     data.update({path: () for path in plain})
     if start is None:
-        out, _ = apply_sites(target, params, x, _masked_site, data)
+        out, _ = apply_sites(target, params, x, masked_site, data)
     else:
-        out, _ = apply_sites(target, params, x, _masked_site, data, start=start)
+        out, _ = apply_sites(target, params, x, masked_site, data, start=start)
     return out
 
 

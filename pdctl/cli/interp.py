@@ -1,9 +1,9 @@
 """`pdctl interp export / import / score`: the Typer sub-app (wired in pdctl.cli.app with
-`app.add_typer`). Heavy imports stay inside the commands (`pdctl new` imports no JAX)."""
+`app.add_typer`), each command parsing its options, calling `pdctl.interp` and printing what
+it did. Heavy imports stay inside the commands (`pdctl new` imports no JAX)."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -155,12 +155,9 @@ def export(
     PMI, output effects, a ready prompt), and detection / fuzzing trials for the labelled ones.
     With --endpoint, also asks the server for each unlabelled component's label (resumable:
     answers go to labels.jsonl beside the records) and imports them."""
-    import sqlite3
-    from contextlib import closing
-
     from pdctl.errors import PdctlError
     from pdctl.files import atomic_write
-    from pdctl.harvest import db
+    from pdctl.harvest.browse import decoder
     from pdctl.interp import export as ex
 
     top_n = _positive(top, "--top", 0)
@@ -170,28 +167,12 @@ def export(
     seed_n = post.int_flag(seed, "--seed")
     client = _client(endpoint, model, api_key_env, rpm, retries) if endpoint else None
     proj, path, interp_dir = _paths(ctx)
-    try:
-        with closing(db.open_readonly(path)) as con:
-            known = [s for (s,) in con.execute("SELECT site FROM sites ORDER BY idx")]
-            for s in site or []:
-                if s not in known:
-                    raise PdctlError(f"--site: no site {s!r} in the harvest ({', '.join(known)})")
-            threshold = db.read_pairs(con, lenient=True).get("threshold", 0.0)
-            if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                    or not math.isfinite(threshold)):  # fmt: skip
-                raise PdctlError(f"{path}: meta.threshold: not a number ({threshold!r:.80})")
-            from pdctl.harvest.browse import _decoder
-
-            records = list(ex.component_records(
-                con, _decoder(proj), top=top_n, sample=sample_n, held_out=held_n, sites=site,
-                silent=silent))  # fmt: skip
-        trials = list(ex.trials(records, threshold, trials_n, seed_n))
-        text = "".join(ex.dumps(r) + "\n" for r in records).encode("utf-8")
-        trials_text = "".join(ex.dumps(t) + "\n" for t in trials).encode("utf-8")
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
-            UnicodeError, RecursionError, sqlite3.Error) as e:  # fmt: skip
-        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise PdctlError(f"{path}: a harvest database pdctl cannot export ({why})") from None
+    records, trials = ex.from_harvest(
+        path, lambda: decoder(proj), sites=site, top=top_n, sample=sample_n, held_out=held_n,
+        n_trials=trials_n, seed=seed_n, silent=silent,
+    )  # fmt: skip
+    text = "".join(ex.dumps(r) + "\n" for r in records).encode("utf-8")
+    trials_text = "".join(ex.dumps(t) + "\n" for t in trials).encode("utf-8")
     out = _out_path(out, interp_dir / "components.jsonl")
     trials_path = out.with_name("trials.jsonl")
     answers = out.with_name("labels.jsonl")
@@ -215,9 +196,7 @@ def export(
     if notice:
         _say(notice)
     done = ep.done_keys(answers, "label")
-    jobs = [(r["key"], r["prompt"], {"key": r["key"], "site": r["site"],
-                                     "component": r["component"]})
-            for r in records if r["label"] is None and r["key"] not in done]  # fmt: skip
+    jobs = ex.label_jobs(records, done)
     progress, task = _progress(len(jobs), "labelling")
     try:
         with progress:
