@@ -83,7 +83,8 @@ TOYS = {
     "tms": ("tms/tms_5-2_config.yaml", "tms", "TMS 5-2"),
     "resid_mlp": ("resid_mlp/resid_mlp1_config.yaml", "resid-mlp", "ResidMLP-1"),
 }
-# pdctl's defaults (pdctl/config.py) for [train.loss] / [train.optim] keys a template leaves out
+# pdctl's defaults (pdctl/config/schema.py) for [train.loss] / [train.optim] keys a template
+# leaves out
 PDCTL_LOSS_DEFAULTS: dict[str, Any] = {
     "faithfulness": 0.0,
     "importance_minimality": 3e-3,

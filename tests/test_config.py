@@ -1,4 +1,4 @@
-"""The schema in pdctl/config.py, the templates and pdctl.toml.example stay in step."""
+"""The schema in pdctl/config/, the templates and pdctl.toml.example stay in step."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def test_wheel_contains_the_templates(wheel: Path) -> None:
             member = f"pdctl/templates/{t}/{f}"
             assert member in names
             assert zipfile.ZipFile(wheel).read(member) == (ROOT / "templates" / t / f).read_bytes()
-    assert "pdctl/cli/app.py" in names and "pdctl/config.py" in names
+    assert "pdctl/cli/app.py" in names and "pdctl/config/schema.py" in names
     [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "pdctl = pdctl.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     assert not [n for n in names if n.startswith("tests/") or "__pycache__" in n]

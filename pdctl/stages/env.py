@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh
 
 from pdctl import __version__, registry
-from pdctl.config import Config, fingerprint
+from pdctl.config import Config, config_snapshot, fingerprint
 from pdctl.engine import runtime, sharding
 from pdctl.engine.checkpoint import (
     Checkpointer,
@@ -32,7 +32,7 @@ from pdctl.stages.inputs import (
     resolve,
     target_from_config,
 )
-from pdctl.stages.policy import config_snapshot, how_to_finish, own_steps, stale_reason
+from pdctl.stages.policy import how_to_finish, own_steps, stale_reason
 
 
 @dataclass

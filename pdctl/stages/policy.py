@@ -19,8 +19,7 @@ from typing import Any, Protocol
 
 import jax
 
-from pdctl import registry
-from pdctl.config import Config
+from pdctl.config import config_snapshot
 from pdctl.engine import peers, runtime
 from pdctl.engine.checkpoint import complete_steps, drop_unfinished, read_meta
 from pdctl.engine.loop import Interrupted, describe_exception
@@ -39,24 +38,6 @@ class StageEnv(Protocol):
     def fingerprint(self) -> str: ...
 
     def config_snapshot(self) -> dict[str, Any]: ...
-
-
-def config_snapshot(cfg: Config, stage: str) -> dict[str, Any]:
-    """{dotted key: value} of every config key `stage`'s result depends on: what its checkpoints
-    record, so that a refusal can name the keys that changed (`changed_keys`)."""
-    dumped = cfg.model_dump(mode="json", by_alias=True)
-    out: dict[str, Any] = {}
-
-    def walk(prefix: str, v: Any) -> None:
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(f"{prefix}.{k}", x)
-        else:
-            out[prefix] = v
-
-    for table in registry.dependencies(stage):
-        walk(table, dumped[table])
-    return out
 
 
 def how_to_finish(project: Project, stage: str) -> str:
