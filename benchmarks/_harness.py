@@ -77,7 +77,7 @@ def tiny_llama(root: Path, **kw: Any) -> dict[str, Path]:
 
 
 def rendezvous_llama(root: Path) -> dict[str, Path]:
-    """tests/fixtures.py's d-64 Llama that tests/test_rendezvous.py runs, built in `root`."""
+    """tests/fixtures.py's d-64 Llama that tests/engine/test_rendezvous.py runs, built in `root`."""
     return _fixtures().rendezvous_llama(root)
 
 

@@ -1,9 +1,9 @@
-"""What the rendezvous fix (tests/test_rendezvous.py) costs: train step and evaluation, before
-and after.
+"""What the rendezvous fix (tests/engine/test_rendezvous.py) costs: train step and evaluation,
+before and after.
 
 On a multi-device XLA:CPU mesh the evaluation now works on a replicated batch, so none of its
-programs has a collective (`runtime.collective_free_eval`; see tests/test_rendezvous.py for the
-deadlock it avoids). The train step is the same program as before. This measures, on pdctl's
+programs has a collective (`runtime.collective_free_eval`; see tests/engine/test_rendezvous.py
+for the deadlock it avoids). The train step is the same program as before. This measures, on pdctl's
 default devices (one CPU device per core), for the llama-mlp template's LM and (with
 transformers installed) a tiny imported Llama:
   - the train step (the train stage's program, best of `--windows` windows of `--steps` steps);
@@ -29,7 +29,7 @@ from _harness import rendezvous_llama
 
 def hf_model(root: Path) -> Path:
     """A tiny random Llama (2 layers, d 64) with a byte-level BPE tokenizer and a corpus
-    (tests/fixtures.py's, the one tests/test_rendezvous.py runs)."""
+    (tests/fixtures.py's, the one tests/engine/test_rendezvous.py runs)."""
     return rendezvous_llama(root)["model"]
 
 

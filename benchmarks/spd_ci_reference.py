@@ -1,6 +1,6 @@
-"""Numbers from goodfire-ai/spd's torch code for tests/test_recipe_ci.py and
-tests/test_ci_global.py (run by hand, never a test: it needs a copy of that repository and its
-deps, einops and jaxtyping).
+"""Numbers from goodfire-ai/spd's torch code for tests/science/test_recipe_ci.py and
+tests/science/test_ci_global.py (run by hand, never a test: it needs a copy of that repository
+and its deps, einops and jaxtyping).
 
     git --git-dir=<spd mirror> archive feature/misc-improvements spd | tar -x -C /tmp/spd
     pip install --target /tmp/refdeps einops jaxtyping

@@ -161,7 +161,7 @@ def _direct(step, state, batch, n):
     """`n` calls of the compiled `step` back to back, the host at most MAX_AHEAD steps ahead of
     the devices as in the Loop (each call waits on the metrics of the step MAX_AHEAD behind):
     unbounded, a multi-device CPU mesh deadlocks XLA:CPU's collective rendezvous
-    (tests/test_rendezvous.py). Returns (state, metrics) of the last step, ready."""
+    (tests/engine/test_rendezvous.py). Returns (state, metrics) of the last step, ready."""
     import collections
 
     import jax

@@ -4,15 +4,19 @@ compilation cache for the session.
 Tests that need one device build their mesh over ``jax.devices()[:1]``; tests that need a
 fresh JAX with another device count run a subprocess.
 
+Layout: the tests by floor (`science/`, `engine/`, `stages/`, `commands/`, `faults/`), the
+import-layering test and the shared helpers (`helpers.py`, `fixtures.py`, `real_model.py`,
+`synthetic_harvest.py`) here; pyproject's `pythonpath` puts tests/ and the floors on sys.path.
+
 Tiers: `python -m pytest -q` runs the fast tier (pyproject's `addopts` deselects tests marked
-`slow`); `-m slow` runs the rest and `-m ""` everything. The fast tier must finish within ~4
-minutes on a 2-core machine, so a test over ~2.5 s there (`pytest --durations`) is marked
-`@pytest.mark.slow` where it is defined (`pytest.param(..., marks=pytest.mark.slow)` for one
-case of a parametrized test).
+`slow`); `-m slow` runs the rest and `-m ""` everything. The one rule: a test over ~2.5 s on 2
+CPU cores, set-up included (`pytest --durations`), is marked `@pytest.mark.slow` where it is
+defined (`pytest.param(..., marks=pytest.mark.slow)` for one case of a parametrized test), so
+that the fast tier stays within ~4 minutes on a 2-core machine.
 
 Workers: pyproject's `addopts` runs the tests in pytest-xdist workers (`-n auto`, capped below
 at 4: each worker is a JAX process with 4 simulated devices), one test file per worker at a
-time; CI runs the slow tier with `-n 0` (the README has both tiers' timings).
+time; CI runs the slow tier with `-n 2` (the README has both tiers' timings).
 """
 
 import os

@@ -89,7 +89,7 @@ def tiny_llama(
 
 def rendezvous_llama(root: Path) -> dict[str, Path]:
     """tiny_llama at d 64 (MLP 128), in one file, with a 400-document corpus: the model
-    tests/test_rendezvous.py and benchmarks/rendezvous.py time under load."""
+    tests/engine/test_rendezvous.py and benchmarks/rendezvous.py time under load."""
     return tiny_llama(root, name="model", hidden=64, intermediate=128, max_shard_size=None,
                       docs=400)  # fmt: skip
 

@@ -1,7 +1,7 @@
 """Shared test utilities: tiny run directories, the CLI in-process, and the pretrain step built
 the way `pdctl.stages.pretrain.run` builds it, on any hand-made mesh.
 
-Import with `from helpers import ...` (pytest puts `tests/` on sys.path).
+Import with `from helpers import ...` (pyproject's `pythonpath` puts `tests/` on sys.path).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ pdctl.toml.example: every key pdctl reads, in schema order, each set to its defa
 Generated from the schema in pdctl/config/schema.py (its field descriptions and docstrings);
 after changing the schema, regenerate it with
   {EXAMPLE_COMMAND}
-(tests/test_config.py fails while this file and the schema differ).
+(tests/stages/test_config.py fails while this file and the schema differ).
 
 A run directory holds one pdctl.toml (`pdctl new NAME -t TEMPLATE` writes one from a template).
 Every table and key is optional except `schema`; a key left out takes the default shown here.

@@ -206,7 +206,7 @@ def configure_devices() -> None:
 # pdctl never dispatches many programs behind a collective one: the loop runs at most
 # `MAX_AHEAD` steps ahead, and on such a mesh the evaluation, which dispatches dozens of small
 # per-site ops, works on replicated arrays and has no collective at all
-# (`collective_free_eval`). tests/test_rendezvous.py pins the condition and the fix.
+# (`collective_free_eval`). tests/engine/test_rendezvous.py pins the condition and the fix.
 CPU_INFLIGHT_LIMIT = 32
 
 

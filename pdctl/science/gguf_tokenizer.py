@@ -3,8 +3,8 @@
 A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, merges, scores, token types
 and special token ids as metadata. This module turns them into the tokenizer that transformers
 builds for `AutoTokenizer.from_pretrained(folder, gguf_file=name)`, and the ids are meant to be
-the same as transformers' on every text (tests/test_gguf_tokenizer.py checks them on the real
-SmolLM2 file). Where transformers and llama.cpp disagree we follow transformers, and say so:
+the same as transformers' on every text (tests/science/test_gguf_tokenizer.py checks them on the
+real SmolLM2 file). Where transformers and llama.cpp disagree we follow transformers, and say so:
 
 - byte-level BPE (`tokenizer.ggml.model = "gpt2"`): `tokenizer.ggml.pre` picks the split regex
   only for the names transformers maps (`_SPLITS`); every other known name gets GPT-2's regex,

@@ -391,7 +391,7 @@ def masked_site_fn(
     matrix per site and per masked forward, and its backward (two more C x d_in x d_out
     products) - weight-space work that grew the step with every decomposed site. Only the
     faithfulness term forms `V @ U`, once per step. Equal to the direct formula up to float
-    reassociation (tests/test_spd_math.py); at m = m_delta = 1 it gives `x @ W` exactly.
+    reassociation (tests/science/test_spd_math.py); at m = m_delta = 1 it gives `x @ W` exactly.
 
     `inner`: `x @ V` already computed for this very input (the clean site input, which the
     CI function also multiplies by V): the forward reuses it, so the backward sums the

@@ -434,7 +434,7 @@ class HFCausalLM(LMTarget):
         the program holds one block per run instead of one per layer and nothing per site,
         whatever the depth. Other layers (alone, or without sites unless `scan_siteless`)
         stay unrolled. The values are those of the unrolled forward up to float reassociation
-        inside the loop body (tests/test_scan.py)."""
+        inside the loop body (tests/science/test_scan.py)."""
         params = self.computed(params)
         site_data = dict(site_data or {})
         capture = tuple(capture)

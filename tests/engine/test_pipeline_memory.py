@@ -56,7 +56,7 @@ def test_pdctl_run_leaves_nothing_of_a_stage_on_the_devices(tmp_path: Path, monk
 def test_a_stage_with_no_steps_compiles_no_step(tmp_path: Path, monkeypatch) -> None:
     """warmup at `steps = 0` (the aligned init's templates) is done without compiling its step
     (52.7 s and 6.4 GiB for every MLP of SmolLM2 on a v5e), and saves nothing: train builds
-    its components from init-weights' (tests/test_warmup_idle.py)."""
+    its components from init-weights' (tests/stages/test_warmup_idle.py)."""
     run = make_run(tmp_path, "tms", warmup={"steps": 0}, **SHORT)
     compiled: list[str] = []
     original = Loop.compile

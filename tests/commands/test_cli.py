@@ -14,7 +14,7 @@ from pdctl.cli import app
 from pdctl.project import Project
 from pdctl.registry import STAGES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = (
     "hf-lm",
     "llama-mlp",

@@ -11,7 +11,7 @@ import pytest
 
 from pdctl.errors import PdctlError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- 6: [train.ppgd] pool_size is bounded by validation, not by XLA --------------------------

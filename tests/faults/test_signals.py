@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from helpers import cli, edit_config, make_run, pdctl_argv, pdctl_env, state
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: helpers, fixtures
 SLOW_CALL_S = 60  # how long an injected slow phase sleeps (the old code waited all of it)
 LATENCY_S = 8.0  # signal to exit: the grace (2 s) plus writing the state, with a loaded machine
 

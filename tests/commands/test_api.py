@@ -25,7 +25,7 @@ import pdctl
 from pdctl.errors import PdctlError
 from pdctl.project import Project
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "api.md"
 
 

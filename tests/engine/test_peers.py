@@ -1,6 +1,7 @@
 """engine.peers, process 0's side, in this process: the connections of the other processes, as
 they would open them, to its listener (the end-to-end case, `kill -9` of a process of a real
-2-process run, is tests/test_signals.py::test_7_two_processes_one_killed_the_other_ends_failed).
+2-process run, is tests/faults/test_signals.py::
+test_7_two_processes_one_killed_the_other_ends_failed).
 """
 
 from __future__ import annotations

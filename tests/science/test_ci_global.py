@@ -258,8 +258,8 @@ def test_global_matches_the_torch_reference_live(n_blocks):
 
 def test_one_site_is_the_per_site_transformer():
     """With one site the global function is the per-site `transformer` with the same weights
-    (the existing type, whose torch parity is tests/test_recipe_ci.py's): the same operations
-    in the same order."""
+    (the existing type, whose torch parity is tests/science/test_recipe_ci.py's): the same
+    operations in the same order."""
     ci_fns, x = global_case()
     p = "a.down"
     shared = ci_fns[SHARED]

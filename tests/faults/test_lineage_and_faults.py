@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import cli_ok, make_run, pdctl_argv, pdctl_env, state
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = {
     "checkpoint": {"every": 5},
     "pretrain": {"steps": 20, "batch_size": 64, "log_every": 5},

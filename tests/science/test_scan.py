@@ -221,7 +221,7 @@ def _cfg(sites=None, **train):
 @pytest.mark.slow
 def test_spd_loss_and_grads_scan_equal_unrolled(tmp_path):
     """Every loss term (layerwise and PPGD included), its metrics and all gradients, one
-    device; tests/test_hf_pipeline.py compares whole runs on the test session's 4 devices."""
+    device; tests/stages/test_hf_pipeline.py compares whole runs on the test session's 4 devices."""
     from pdctl.config import match_sites
     from pdctl.science.spd.components import init_decomposition_reference
 

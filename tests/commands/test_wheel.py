@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Every template in the repository, so a new one is checked without editing this file.
 TEMPLATES = tuple(sorted(p.parent.name for p in (ROOT / "templates").glob("*/pdctl.toml")))
 LIGHT_DEPS = ["typer", "rich", "pydantic", "tomli-w"]

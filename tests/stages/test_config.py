@@ -34,7 +34,7 @@ from pdctl.config import (
 from pdctl.errors import PdctlError
 from pdctl.registry import STAGES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "pdctl.toml.example"
 TEMPLATES = {
     "tms": "tms",

@@ -58,7 +58,7 @@ def test_an_empty_cache_dir_turns_it_off(tmp_path: Path, default_cache) -> None:
 def test_a_foreign_default_cache_is_left_alone(tmp_path: Path, default_cache) -> None:
     """A cache directory pdctl did not make for this user (files, no valid mark) where the
     default cache goes: the run goes on without a cache, says so, and touches nothing there.
-    (A cache_dir the config names is refused instead: tests/test_trust.py.)"""
+    (A cache_dir the config names is refused instead: tests/faults/test_trust.py.)"""
     run = make_run(tmp_path, "tms", **SHORT)
     cache = run / compile_cache.DEFAULT
     cache.mkdir(parents=True, mode=0o700)

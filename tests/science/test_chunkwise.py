@@ -6,10 +6,10 @@ is the mean over those forwards.
 
 Numerics: a forward started from the clean stream at block L runs the same operations on the
 same inputs as the whole forward from block L on, and the blocks below are the clean forward's,
-so on CPU the unrolled values are the same bits (as tests/test_prefix_skip.py finds for the
+so on CPU the unrolled values are the same bits (as tests/science/test_prefix_skip.py finds for the
 prefix). The scanned layout runs its blocks inside a loop and its grouped per-site work as
 batched matmuls, where XLA may sum in another order: there values agree to float32
-reassociation (relative 1e-5), as in tests/test_scan.py.
+reassociation (relative 1e-5), as in tests/science/test_scan.py.
 """
 
 from __future__ import annotations
