@@ -167,12 +167,10 @@ def export(
     seed_n = post.int_flag(seed, "--seed")
     client = _client(endpoint, model, api_key_env, rpm, retries) if endpoint else None
     proj, path, interp_dir = _paths(ctx)
-    records, trials = ex.from_harvest(
+    records, trials, text, trials_text = ex.from_harvest(
         path, lambda: decoder(proj), sites=site, top=top_n, sample=sample_n, held_out=held_n,
         n_trials=trials_n, seed=seed_n, silent=silent,
     )  # fmt: skip
-    text = "".join(ex.dumps(r) + "\n" for r in records).encode("utf-8")
-    trials_text = "".join(ex.dumps(t) + "\n" for t in trials).encode("utf-8")
     out = _out_path(out, interp_dir / "components.jsonl")
     trials_path = out.with_name("trials.jsonl")
     answers = out.with_name("labels.jsonl")

@@ -33,7 +33,7 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdctl.errors import PdctlError
 from pdctl.harvest import db
@@ -223,6 +223,13 @@ def dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, ensure_ascii=False, allow_nan=False)
 
 
+class Exported(NamedTuple):
+    records: list[dict[str, Any]]
+    trials: list[dict[str, Any]]
+    text: bytes  # the records as JSONL
+    trials_text: bytes
+
+
 def from_harvest(
     path: Path,
     decoder: Callable[[], Callable[[list[int]], str]],
@@ -234,11 +241,11 @@ def from_harvest(
     n_trials: int,
     seed: int,
     silent: bool,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(records, trials) of the harvest database at `path`: `sites` checked against the
-    harvest's, its threshold read, `decoder()` (the run's token decoder, made only once the
-    database opened) applied to the examples. A database pdctl cannot read is one line
-    naming it (`PdctlError`)."""
+) -> Exported:
+    """The records and trials of the harvest database at `path`, and their JSONL: `sites`
+    checked against the harvest's, its threshold read, `decoder()` (the run's token decoder,
+    made only once the database opened) applied to the examples. A database pdctl cannot read
+    or write out is one line naming it (`PdctlError`)."""
     try:
         with closing(db.open_readonly(path)) as con:
             known = [s for (s,) in con.execute("SELECT site FROM sites ORDER BY idx")]
@@ -252,7 +259,9 @@ def from_harvest(
             records = list(component_records(
                 con, decoder(), top=top, sample=sample, held_out=held_out, sites=sites,
                 silent=silent))  # fmt: skip
-        return records, list(trials(records, threshold, n_trials, seed))
+        tr = list(trials(records, threshold, n_trials, seed))
+        return Exported(records, tr, "".join(dumps(r) + "\n" for r in records).encode("utf-8"),
+                        "".join(dumps(t) + "\n" for t in tr).encode("utf-8"))  # fmt: skip
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
             UnicodeError, RecursionError, sqlite3.Error) as e:  # fmt: skip
         why = (str(e).splitlines() or [type(e).__name__])[0][:200]
