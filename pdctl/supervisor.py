@@ -115,6 +115,11 @@ def active() -> bool:
     return _active
 
 
+def is_child() -> bool:
+    """This process is the supervised child of a stage command (`enable` found the parent)."""
+    return _sock is not None
+
+
 def _die_with(parent: int) -> None:
     """SIGKILL this process when its parent dies (Linux), as if both were one process."""
     with contextlib.suppress(Exception):

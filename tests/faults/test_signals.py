@@ -594,6 +594,35 @@ def test_7_sigterm_to_pdctl_reaches_the_stage_process(initialized: Path, tmp_pat
     ], err[-3000:]
 
 
+
+@pytest.mark.slow  # a subprocess run of several seconds: the slow tier
+def test_the_stage_process_ends_once_its_command_is_over(warmed: Path, tmp_path: Path) -> None:
+    """The supervised child of a stage command ends as soon as its state and last line are
+    written (os._exit), not when the interpreter's exit is done: a non-daemon thread planted
+    in it (a `sitecustomize` that only the child, with PDCTL_SUPERVISED set, acts on) sleeps
+    SLOW_CALL_S and would hold a normal exit that long. A v5e run's process once outlived its
+    last line by 150 s (docs/performance.md, "The seventh chip session")."""
+    run = _copy(warmed, tmp_path)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, threading, time\n"
+        "if os.environ.get('PDCTL_SUPERVISED'):\n"
+        f"    threading.Thread(target=time.sleep, args=({SLOW_CALL_S},), daemon=False).start()\n"
+    )
+    env = pdctl_env(1)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        pdctl_argv("train", project=run), env=env, capture_output=True, text=True, timeout=240
+    )
+    dt = time.monotonic() - t0
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert "train: done at step 10" in proc.stdout, proc.stdout
+    assert state(run, "train")["status"] == "done"
+    assert dt < SLOW_CALL_S, f"{dt:.1f} s: the child waited for its thread"
+
+
 # ---- items 4 and 7: two processes ------------------------------------------------------------
 
 DIST = {
