@@ -52,6 +52,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,7 @@ from pdctl.project import Project, now
 
 SAVE_EVERY = 8  # batches between saves of the partial state
 EFFECTS_SAVE_EVERY = 16  # output effects measured between saves of those done
+SLOW_PART_S = 10.0  # a part of the harvest that takes this long says so (`_slow`)
 # the layout of partial.npz (1: the host accumulator's; 2: without a checksum; neither read now)
 PARTIAL_FORMAT = 3
 TOY_INPUTS = 8192  # toys: inputs harvested by default
@@ -457,12 +459,14 @@ def _harvest(
         return Result(path, int(done_before.get("n_positions") or 0), 0, 0, nproc, already=(
             f"harvest: already complete for {stage} checkpoint {step} with the same options: "
             f"{path}; nothing to do (`pdctl harvest --fresh` harvests again)"))  # fmt: skip
+    t0 = time.monotonic()
     try:
         dec = runtime.interruptible(
             decomposition.load_decomposition, project, stage, what="restoring the decomposition"
         )
     except LookupError as e:
         raise PdctlError(f"harvest: {e}") from None
+    _slow(f"{stage} checkpoint {dec.step} restored", t0)
     line = stage_line(project.stage(stage), stage, dec.step)
     if line:
         log.warning(line)
@@ -559,9 +563,11 @@ def _harvest(
         h.add(ci_lower, x, start=lo * T, valid=hi - lo)  # dispatched, not waited for
 
     of = f" of {n_batches}" if nproc == 1 else f" (batches {first}..{last - 1} of {n_batches})"
+    phase = _Phase(f"{sum(site_sizes.values())} components of {len(site_sizes)} sites")
     for i in range(start_batch, last):
         if i == start_batch:  # the first batch compiles: a stop must not wait for it
             runtime.interruptible(one_batch, i, what="compiling the harvest")
+            phase.first()
         else:
             one_batch(i)
         signum = runtime.stop_requested()
@@ -573,6 +579,7 @@ def _harvest(
         if on_batch is not None:
             on_batch(i + 1 - first, last - first)
     h.sync()
+    phase.end("the pass", last - start_batch)
     if start_batch < last or got is None:  # the pass is done: a stop from here on keeps it
         _save_partial(mine, h, key, last)
     if nproc > 1:  # hand the part over; take everyone's
@@ -601,9 +608,11 @@ def _harvest(
             got_c = None if fresh else _load_cooc(mine_c, key, counter, first, last,
                                                   lambda nxt: positions(first, nxt))  # fmt: skip
             start_c = first if got_c is None else got_c
+            phase = _Phase(f"the {index.size} most often firing components")
             for i in range(start_c, last):
                 if i == start_c:  # its first batch compiles the counter's step
                     runtime.interruptible(one_cooc, i, what="compiling the co-occurrence pass")
+                    phase.first()
                 else:
                     one_cooc(i)
                 signum = runtime.stop_requested()
@@ -618,6 +627,7 @@ def _harvest(
             if start_c < last or got_c is None:  # done: a stop from here on keeps it
                 save_cooc(last)
             counts = counter.counts
+            phase.end("the co-occurrence pass", last - start_c)
             if nproc > 1:
                 runtime.barrier("pdctl-harvest-cooc", PEER_TIMEOUT_S)
                 parts_c = [_cooc_part(out_dir, key, p, nproc, n_batches) for p in range(nproc)]
@@ -673,8 +683,10 @@ def _harvest(
                 saved[0] = len(measured)
 
         todo = [(s, c, pos) for s, c, pos in ours if (s, c) not in before]
+        t_e = time.monotonic()
         effect.output_effects(target, params, comps, ci_fns, cfg, windows, todo, top_k,
                               check=stop, out=measured)  # fmt: skip
+        _slow(f"output effects of {len(todo)} components", t_e)
         changes = so_far()
         if todo or nproc > 1:  # all measured: a stop from here on keeps them
             _save_effects(mine_e, key, changes)
@@ -704,7 +716,9 @@ def _harvest(
         if s in site_sizes
     }  # fmt: skip
     kept = keep.keep(path, meta, site_sizes)  # labels to carry; those it does not are saved now
+    t_w = time.monotonic()
     db.write(path, h, meta, toy_features=toy, norms=norms, effects=changes, labels=kept.labels)
+    _slow(f"{path.name} written", t_w)
     for p in range(nproc):
         (out_dir / partial_name(p, nproc)).unlink(missing_ok=True)
         (out_dir / f"effects-{p}of{nproc}.json").unlink(missing_ok=True)
@@ -712,6 +726,31 @@ def _harvest(
     if nproc > 1:
         runtime.barrier("pdctl-harvest-written", PEER_TIMEOUT_S)
     return Result(path, h.n_positions, start_batch - first, n_batches, nproc, kept.lines)
+
+
+def _slow(what: str, t0: float) -> None:
+    """One INFO line (pdctl's log, stderr) for a part of the harvest that took `SLOW_PART_S`
+    or more: where a long harvest's time goes, also in a log file or a piped output, where the
+    progress bar draws nothing (a whole-model harvest on a v5e once ran 250 s without a
+    line). Quick parts say nothing."""
+    dt = time.monotonic() - t0
+    if dt >= SLOW_PART_S:
+        log.info("harvest: %s in %.1f s", what, dt)
+
+
+class _Phase:
+    """`_slow` lines for a pass: its first batch (which compiles the pass's program) and the
+    whole pass."""
+
+    def __init__(self, what: str):
+        self.what, self.t0 = what, time.monotonic()
+
+    def first(self) -> None:
+        _slow(f"first batch over {self.what} (compiling)", self.t0)
+
+    def end(self, name: str, batches: int) -> None:
+        if batches > 0:
+            _slow(f"{name}, {batches} batches,", self.t0)
 
 
 def _cooc_part(d: Path, key: str, p: int, nproc: int, n_batches: int) -> np.ndarray:

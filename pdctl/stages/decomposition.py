@@ -24,7 +24,13 @@ from pdctl.project import Project
 from pdctl.registry import command
 from pdctl.science.spd import components as comps
 from pdctl.science.targets import Target
-from pdctl.stages.inputs import STREAM_DECOMP, decomp_layout, stream_key, target_from_config
+from pdctl.stages.inputs import (
+    STREAM_DECOMP,
+    as_trained,
+    decomp_layout,
+    stream_key,
+    target_from_config,
+)
 
 # ---- the decomposition's shape ----------------------------------------------------------------
 
@@ -212,7 +218,12 @@ def warmup_components(
 @dataclass
 class Decomposition:
     """A decomposition on the host: the target and its trained parameters, every site's
-    components (tied sites expanded) and the CI functions, from checkpoint `step` of `stage`."""
+    components (tied sites expanded) and the CI functions, from checkpoint `step` of `stage`.
+    The target runs as the train stage's evaluation ran it (`inputs.as_trained`: scanned over
+    layers by `[train] scan_layers`), so what reads it (harvest, report, attributions)
+    compiles the program the run was sized and timed with, not the unrolled one (on a v5e the
+    unrolled all-MLP train step had not compiled after 518 s; a harvest of that run, read
+    unrolled, had not finished after 250 s)."""
 
     target: Any
     params: Any
@@ -302,7 +313,8 @@ def load_decomposition(project: Project, stage: str, step: int | None = None) ->
         raise ValueError(f"no decomposition in stage {stage!r}")
     ties = comps.component_ties(target.tied_sites(), site_C)
     expanded = comps.expand_tied(free, ties, paths)
-    return Decomposition(target, params, expanded, ci_fns, stage, step, dict(site_C))
+    trained = as_trained(cfg, target, step=False)
+    return Decomposition(trained, params, expanded, ci_fns, stage, step, dict(site_C))
 
 
 def token_decoder(project: Project, target: Any) -> tuple[Callable[[list[int]], str], str]:
