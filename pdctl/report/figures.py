@@ -9,6 +9,7 @@ n_sites)` says what it is, and the tests pin it.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,9 @@ def plot_l0(
             site = k[len("eval/l0/") :] if k.startswith("eval/l0/") else site
             if site and site not in sites:
                 sites.append(site)
+    by_layer = _by_layer(sites) if len(sites) > MAX_L0_LINES else None
+    if by_layer is not None:
+        return _plot_l0_by_layer(path, by_layer, rows, eval_rows)
     fig = _figure(WIDTH_IN, 4.5)
     ax = fig.subplots()
     ax.set_title("L0 per site (components with CI > threshold, mean per input)")
@@ -201,6 +205,65 @@ def plot_l0(
     ax.set_ylabel("L0")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncols=2 if len(sites) > 4 else 1)
+    return _save(fig, path)
+
+
+MAX_L0_LINES = 12  # more sites than this, in layers: L0 against the layer instead (`_by_layer`)
+_LAYER = re.compile(r"^(.*?\blayers?)\.(\d+)\.(.+)$")
+
+
+def _by_layer(sites: Sequence[str]) -> dict[str, dict[int, str]] | None:
+    """{kind: {layer: site}} when every site is a layer's (`model.layers.3.mlp.down_proj`:
+    kind `mlp.down_proj`) and there are at most 7 kinds (a Llama block's matrices); else
+    None."""
+    kinds: dict[str, dict[int, str]] = {}
+    for site in sites:
+        m = _LAYER.match(site)
+        if m is None:
+            return None
+        kinds.setdefault(m.group(3), {})[int(m.group(2))] = site
+    return kinds if len(kinds) <= 7 else None
+
+
+def _plot_l0_by_layer(
+    path: Path,
+    kinds: Mapping[str, Mapping[int, str]],
+    rows: Sequence[Mapping[str, Any]],
+    eval_rows: Sequence[Mapping[str, Any]],
+) -> Path:
+    """A whole model's L0: one panel per matrix kind, L0 against the layer, one line per
+    evaluation (the eval batch; without evaluations, up to 6 logged training steps), darker
+    the later: a legend of 90 sites would cover the plot."""
+    src, prefix = (eval_rows, "eval/l0/") if eval_rows else (rows, "l0/")
+    steps = [r for r in src if any(k.startswith(prefix) for k in r)]
+    if not eval_rows and len(steps) > 6:
+        steps = [steps[round(i * (len(steps) - 1) / 5)] for i in range(6)]
+    fig = _figure(WIDTH_IN, 4.5)
+    axes = fig.subplots(1, len(kinds), sharey=True, squeeze=False).ravel()
+    what = "evaluation batch" if eval_rows else "training batch"
+    fig.suptitle(f"L0 per site against the layer ({what}; darker: later step)")
+    everything: list[float] = []
+    for ax, (kind, layers) in zip(axes, sorted(kinds.items()), strict=True):
+        ax.set_title(kind, fontsize="medium")
+        for j, r in enumerate(steps):
+            pts = [(i, r.get(prefix + site)) for i, site in sorted(layers.items())]
+            pts = [(i, float(v)) for i, v in pts if isinstance(v, int | float)]
+            if not pts:
+                continue
+            x, y = zip(*pts, strict=True)
+            shade = 0.25 + 0.75 * (j + 1) / len(steps)
+            ax.plot(x, y, marker=".", lw=1.2, color=(0.1, 0.2, 0.6, shade),
+                    label=f"step {r.get('step')}")  # fmt: skip
+            everything.extend(y)
+        ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("L0")
+    if everything:
+        _log_if_useful(axes[0], everything)
+        axes[-1].legend(fontsize="x-small")
+    else:
+        _empty(axes[0], "no L0 logged")
     return _save(fig, path)
 
 

@@ -656,3 +656,40 @@ def test_the_config_table_names_the_chunkwise_term(tmp_path: Path) -> None:
     toml.write_text(text.replace("[train.loss]\n", "[train.loss]\nchunkwise_recon = 2.0\n", 1))
     loss = dict(report_build.config_rows(Project.load(toml)))["loss"]
     assert "chunkwise_recon 2 (one chunk)" in loss, loss
+
+
+def test_a_whole_models_l0_is_drawn_against_the_layer(tmp_path: Path, monkeypatch) -> None:
+    """90 sites (3 matrices x 30 layers, as smollm2-all-mlps): one panel per matrix with L0
+    against the layer, one line per evaluation, instead of 180 legend entries over the plot;
+    the figure keeps its size. A few sites, or sites in no layer, keep the lines over steps."""
+    from PIL import Image
+
+    from pdctl.report import figures as F
+
+    kinds = ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj")
+    sites = [f"model.layers.{i}.{k}" for i in range(30) for k in kinds]
+    by = F._by_layer(sites)
+    assert by is not None and sorted(by) == list(kinds)
+    assert by["mlp.up_proj"][7] == "model.layers.7.mlp.up_proj" and len(by["mlp.up_proj"]) == 30
+    assert F._by_layer(["linear1", "linear2"]) is None
+    assert F._by_layer([f"model.layers.0.m{j}" for j in range(8)]) is None  # 8 kinds
+
+    rows = [{"step": s, **{f"l0/{x}": 100.0 + s for x in sites}} for s in (10, 20)]
+    evals = [{"step": s, **{f"eval/l0/{x}": 90.0 + s for x in sites}} for s in (10, 20)]
+    out = F.plot_l0(tmp_path / "l0.png", rows, evals)
+    assert Image.open(out).size == F.size_of("l0")
+
+    drawn: list = []
+    save = F._save
+    monkeypatch.setattr(F, "_save", lambda fig, path: drawn.append(fig) or save(fig, path))
+    F.plot_l0(tmp_path / "l0b.png", rows, evals)
+    axes = drawn[0].axes
+    assert [ax.get_title() for ax in axes] == list(kinds)
+    for ax in axes:  # one line per evaluation, over the 30 layers, at the eval batch's L0
+        assert [list(line.get_ydata()) for line in ax.get_lines()] == [[100.0] * 30, [110.0] * 30]
+        assert list(axes[0].get_lines()[0].get_xdata()) == list(range(30))
+    F.plot_l0(tmp_path / "l0c.png", rows[:1], [])  # no evaluations: the training rows
+    assert [list(x.get_ydata()) for x in drawn[1].axes[0].get_lines()] == [[110.0] * 30]
+    few = [{"step": 1, "l0/model.layers.0.mlp.up_proj": 3.0}]
+    F.plot_l0(tmp_path / "l0d.png", few, [])  # one site: L0 over steps, as before
+    assert len(drawn[2].axes) == 1 and drawn[2].axes[0].get_xlabel() == "step"
