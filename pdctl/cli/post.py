@@ -23,8 +23,13 @@ def report(
 ) -> None:
     """Figures of a stage (training curves, CI matrices, densities, ...) and an index.html."""
     from pdctl import report as rep
+    from pdctl.engine import runtime
 
     proj = project(ctx)
+    # JAX as the stages start it: the CPU alone where libtpu is installed without TPU chips (the
+    # tpu-aot extra), which otherwise loads it and prints its initialization errors
+    runtime.setup_logging()
+    runtime.initialize(proj.config, None, root=proj.root)
     with rep.progress_bar(err_console) as progress:
         result = rep.build_report(proj, stage=stage, out=out, progress=progress)
     for line in result.missing:

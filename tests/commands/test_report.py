@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import gc
 import html.parser
+import importlib.util
 import json
 import os
 import queue
@@ -22,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cli, error_lines, make_run
+from helpers import cli, error_lines, make_run, pdctl_argv, pdctl_env
 from PIL import Image
 
 import pdctl.cli
@@ -693,3 +694,23 @@ def test_a_whole_models_l0_is_drawn_against_the_layer(tmp_path: Path, monkeypatc
     few = [{"step": 1, "l0/model.layers.0.mlp.up_proj": 3.0}]
     F.plot_l0(tmp_path / "l0d.png", few, [])  # one site: L0 over steps, as before
     assert len(drawn[2].axes) == 1 and drawn[2].axes[0].get_xlabel() == "step"
+
+
+@needs_run
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason='libtpu not installed (".[tpu-aot]")'
+)
+def test_report_with_libtpu_but_no_tpu_says_nothing_of_libtpu(runs, tmp_path: Path) -> None:
+    """`pdctl report` starts JAX as the stages do: where libtpu is installed without TPU chips
+    (the tpu-aot extra on a CPU machine, as in CI), the CPU alone, so libtpu's initialization
+    errors (TPU_WORKER_HOSTNAMES, InitGoogle) are not printed."""
+    run = Path(shutil.copytree(runs["done"], tmp_path / "r"))
+    env = pdctl_env(1)
+    env.pop("JAX_PLATFORMS", None)  # as a user's shell has it
+    proc = subprocess.run(
+        pdctl_argv("report", project=run), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote " in proc.stdout
+    for noise in ("TPU_WORKER", "InitGoogle", "libtpu", "E0000"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
