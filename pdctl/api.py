@@ -167,9 +167,11 @@ class Run:
         `components` {site: {"V": (d_in, C), "U": (C, d_out)}} (tied sites expanded),
         `ci_fns` {site: the CI function's params}, `params` (the target's), `target`, `step`
         and `site_C`. As `pdctl report` and `pdctl harvest` read it; kept for later calls."""
+        from pdctl.engine import runtime
         from pdctl.stages import decomposition as D
 
         _check_stage(stage, DECOMPOSED)
+        runtime.cpu_without_tpu_chips()  # before JAX starts, as the commands do
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
             raise PdctlError(f"step: must be an integer checkpoint step, got {step!r}")
         asked = step

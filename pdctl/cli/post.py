@@ -197,7 +197,11 @@ def export(
     """Write a stage's final arrays (target, V/U per site, CI functions, sources) to an .npz
     file, or to a .safetensors file with V/U under each site's own name and the config
     fingerprints in its metadata."""
+    from pdctl.engine import runtime
     from pdctl.stages import export as exporting
 
-    shapes = exporting.export(project(ctx), stage, out, fmt)
+    proj = project(ctx)
+    runtime.setup_logging()
+    runtime.initialize(proj.config, None, root=proj.root)  # JAX as the stages start it
+    shapes = exporting.export(proj, stage, out, fmt)
     console.print(f"wrote {len(shapes)} arrays to {out}")

@@ -172,21 +172,32 @@ def _tpu_chips() -> int:
         return 1
 
 
+def cpu_without_tpu_chips() -> None:
+    """libtpu without TPU chips (the tpu-aot extra on a CPU machine) would make JAX load it for
+    nothing, print its initialization errors and take the chips' lockfile: JAX's backend is
+    then the CPU alone. Not where JAX_PLATFORMS is set, nor once JAX has started its backends
+    (an in-process caller's choice stands). Every entry point that starts JAX calls it: the
+    commands through `configure_devices`, the Python API (`pdctl.open`) itself."""
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return
+    if _tpu_chips() == 0:
+        import jax
+
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_platforms", "cpu")
+
+
 def configure_devices() -> None:
     """One JAX CPU device per core, unless XLA_FLAGS already sets a device count (the user's
     choice, e.g. `--xla_force_host_platform_device_count=1`) or JAX has started its backends.
     On a host with an accelerator (JAX_PLATFORMS naming another platform first, or a TPU / GPU
     plugin installed) nothing changes: the CPU devices would only hold threads and memory.
-    libtpu without TPU chips (the tpu-aot extra on a CPU machine) would make JAX load it for
-    nothing, warn, and take the chips' lockfile: the backend is then the CPU alone."""
-    import importlib.util
-
+    Where libtpu is installed without TPU chips, the CPU alone (`cpu_without_tpu_chips`)."""
     import jax
 
-    unset = not os.environ.get("JAX_PLATFORMS")
-    if unset and importlib.util.find_spec("libtpu") is not None and _tpu_chips() == 0:
-        with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_platforms", "cpu")
+    cpu_without_tpu_chips()
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     if accelerator_host():

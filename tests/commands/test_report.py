@@ -700,17 +700,22 @@ def test_a_whole_models_l0_is_drawn_against_the_layer(tmp_path: Path, monkeypatc
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason='libtpu not installed (".[tpu-aot]")'
 )
-def test_report_with_libtpu_but_no_tpu_says_nothing_of_libtpu(runs, tmp_path: Path) -> None:
-    """`pdctl report` starts JAX as the stages do: where libtpu is installed without TPU chips
-    (the tpu-aot extra on a CPU machine, as in CI), the CPU alone, so libtpu's initialization
-    errors (TPU_WORKER_HOSTNAMES, InitGoogle) are not printed."""
+def test_with_libtpu_but_no_tpu_nothing_says_anything_of_libtpu(runs, tmp_path: Path) -> None:
+    """`pdctl report`, `pdctl export` and `pdctl.open(run).decomposition()` start JAX as the
+    stages do: where libtpu is installed without TPU chips (the tpu-aot extra on a CPU
+    machine, as in CI), on the CPU alone, so libtpu's initialization errors
+    (TPU_WORKER_HOSTNAMES, InitGoogle) are not printed."""
     run = Path(shutil.copytree(runs["done"], tmp_path / "r"))
     env = pdctl_env(1)
     env.pop("JAX_PLATFORMS", None)  # as a user's shell has it
-    proc = subprocess.run(
-        pdctl_argv("report", project=run), env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "wrote " in proc.stdout
-    for noise in ("TPU_WORKER", "InitGoogle", "libtpu", "E0000"):
-        assert noise not in proc.stderr, proc.stderr[-3000:]
+    api = f"import pdctl; print(pdctl.open({str(run)!r}).decomposition().step)"
+    for argv, said in (
+        (pdctl_argv("report", project=run), "wrote "),
+        (pdctl_argv("export", "-o", tmp_path / "x.npz", project=run), "arrays to"),
+        ([sys.executable, "-c", api], "20"),
+    ):
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+        assert said in proc.stdout, (argv, proc.stdout)
+        for noise in ("TPU_WORKER", "InitGoogle", "libtpu", "E0000"):
+            assert noise not in proc.stderr, (argv, proc.stderr[-3000:])
