@@ -428,6 +428,7 @@ def _harvest(
 ) -> Result:
     from pdctl.engine import runtime, sharding
     from pdctl.science.spd import evaluate
+    from pdctl.science.spd.components import GLOBAL_CI
     from pdctl.stages import decomposition
     from pdctl.stages.env import StageEnv, corpus_tokens
     from pdctl.stages.inputs import STREAM_TRAIN, stream_key, target_from_config
@@ -539,6 +540,13 @@ def _harvest(
     params = jax.device_put(dec.params, rep)
     comps = jax.device_put(dec.components, rep)
     ci_fns = jax.device_put(dec.ci_fns, rep)
+    # The passes need the CI of the harvested sites alone. With a CI function per site, those
+    # sites' functions on their inputs give it (`--sites` of 3 layers of 30: a tenth of the
+    # captured inputs and CI); a global CI function reads every site's inputs.
+    pass_comps, pass_fns = comps, ci_fns
+    if cfg.decomp.ci_fn.type != GLOBAL_CI and len(site_sizes) < len(every):
+        pass_comps = {s: comps[s] for s in site_sizes}
+        pass_fns = {s: ci_fns[s] for s in site_sizes}
     in_sh = sharding.batch_sharding(mesh, 2)
     toy_key = jax.random.fold_in(stream_key(cfg, STREAM_TRAIN), 2**20)
     make = None if lm else jax.jit(lambda k: target.inputs(target.make_batch(k, B)))
@@ -555,7 +563,7 @@ def _harvest(
             assert make is not None  # built whenever not lm
             x_dev = jax.device_put(make(jax.random.fold_in(toy_key, i)), in_sh)
             x = None
-        ci_lower, _ = evaluate.compute_ci_jit(target, params, comps, ci_fns, cfg, x_dev)
+        ci_lower, _ = evaluate.compute_ci_jit(target, params, pass_comps, pass_fns, cfg, x_dev)
         return ci_lower, x, lo, hi
 
     def one_batch(i: int) -> None:
