@@ -594,7 +594,6 @@ def test_7_sigterm_to_pdctl_reaches_the_stage_process(initialized: Path, tmp_pat
     ], err[-3000:]
 
 
-
 @pytest.mark.slow  # a subprocess run of several seconds: the slow tier
 def test_the_stage_process_ends_once_its_command_is_over(warmed: Path, tmp_path: Path) -> None:
     """The supervised child of a stage command ends as soon as its state and last line are
