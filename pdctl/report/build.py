@@ -410,7 +410,7 @@ def _component_sections(
     cfg = project.config
     thr = cfg.decomp.ci_threshold
     is_lm = dec.target.output_kind == "logits"
-    n_sites = len(dec.components)
+    site_kind, n_sites = F.site_figure(list(dec.components))  # a panel per site, or per matrix
     sections: list[Section] = []
 
     steps("evaluation batch")
@@ -441,7 +441,7 @@ def _component_sections(
         for s, c in dec.components.items()
     }
     path = F.plot_component_norms(o.dir / "component_norms.png", norms, alive)
-    figs.append(o.fig(path, "per_site", "component norms per site", n_sites))
+    figs.append(o.fig(path, site_kind, "component norms per site", n_sites))
     sections.append((f"Components ({dec.stage} checkpoint {dec.step})", figs, ""))
     if stats is None:
         return sections
@@ -462,8 +462,8 @@ def _component_sections(
     )  # fmt: skip
     unit = "token positions" if is_lm else "inputs"
     figs = [
-        o.fig(hist, "per_site", "CI values on the evaluation batch", n_sites),
-        o.fig(dens, "per_site", "component activation density", n_sites),
+        o.fig(hist, site_kind, "CI values on the evaluation batch", n_sites),
+        o.fig(dens, site_kind, "component activation density", n_sites),
     ]
     sections.append((f"CI on the evaluation batch ({stats.n_inputs} {unit})", figs, ""))
     if is_lm and tokens is not None:

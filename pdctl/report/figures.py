@@ -63,7 +63,7 @@ def size_of(kind: str, n_panels: int = 1) -> tuple[int, int]:
     """(width, height) in pixels of a figure of `kind` with `n_panels` sites or components."""
     if kind == "curves":
         return round(WIDTH_IN * DPI), round(8.0 * DPI)
-    if kind in ("l0", "eval_curves", "mmcs_ml2r"):
+    if kind in ("l0", "eval_curves", "mmcs_ml2r", "by_layer"):
         return round(WIDTH_IN * DPI), round(4.5 * DPI)
     if kind == "ci_matrix":
         return round(CI_MATRIX_IN[0] * DPI), round(CI_MATRIX_IN[1] * DPI)
@@ -75,6 +75,41 @@ def size_of(kind: str, n_panels: int = 1) -> tuple[int, int]:
     if kind == "tms_2d":
         return round(WIDTH_IN * DPI), round(_grid_rows(n_panels, TMS_COLS) * TMS_ROW_IN * DPI)
     raise ValueError(f"unknown figure kind {kind!r}")
+
+
+def site_figure(sites: Sequence[str]) -> tuple[str, int]:
+    """(kind, n) of `size_of` for a per-site figure of `sites`: a panel per site, or for a whole
+    model (more than `MAX_L0_LINES` sites, all in layers) a panel per matrix kind with a line
+    per layer (`_layer_axes`)."""
+    kinds = _by_layer(sites) if len(sites) > MAX_L0_LINES else None
+    return ("per_site", len(sites)) if kinds is None else ("by_layer", len(kinds))
+
+
+def _layer_axes(sites: Sequence[str], title: str) -> tuple[Figure, list[tuple[Any, list]]] | None:
+    """For a whole model (`site_figure` says "by_layer"): the figure and, per panel (matrix
+    kind), its axes and [(layer, site, colour)] in layer order, the colour going with the
+    layer (a colour bar says which); None for a figure with a panel per site."""
+    if site_figure(sites)[0] != "by_layer":
+        return None
+    import matplotlib
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    kinds = _by_layer(sites)
+    assert kinds is not None
+    fig = _figure(*(v / DPI for v in size_of("by_layer", len(kinds))))
+    fig.suptitle(title)
+    axes = fig.subplots(1, len(kinds), sharey=True, squeeze=False).ravel()
+    top = max(max(layers) for layers in kinds.values()) or 1
+    cmap = matplotlib.colormaps["viridis"]
+    panels = []
+    for ax, (kind, layers) in zip(axes, sorted(kinds.items()), strict=True):
+        ax.set_title(kind, fontsize="medium")
+        ax.grid(alpha=0.3)
+        panels.append((ax, [(i, site, cmap(i / top)) for i, site in sorted(layers.items())]))
+    bar = ScalarMappable(Normalize(0, top), cmap)
+    fig.colorbar(bar, ax=list(axes), label="layer", fraction=0.025, pad=0.01)
+    return fig, panels
 
 
 def _site_axes(fig: Figure, n: int) -> list[Any]:
@@ -427,7 +462,20 @@ def plot_component_norms(
     path: Path, norms: Mapping[str, np.ndarray], alive: Mapping[str, np.ndarray] | None
 ) -> Path:
     """Per site: ||V[:, c]|| * ||U[c, :]|| (the Frobenius norm of the rank-one component),
-    sorted, alive components in colour."""
+    sorted, alive components in colour. A whole model: a line per layer (`_layer_axes`)."""
+    layered = _layer_axes(list(norms), "component norms ||V_c|| ||U_c||, sorted; a line per layer")
+    if layered is not None:
+        fig, panels = layered
+        values: list[float] = []
+        for ax, lines in panels:
+            for _, site, color in lines:
+                n = np.sort(np.asarray(norms[site], np.float64))[::-1]
+                ax.plot(np.arange(n.size), n, color=color, lw=0.8)
+                values.extend(n.tolist())
+            ax.set_xlabel("component (sorted by norm)")
+        panels[0][0].set_ylabel("||V_c|| ||U_c||")
+        _log_if_useful(panels[0][0], values)
+        return _save(fig, path)
     fig = _figure(*(v / DPI for v in size_of("per_site", len(norms))))
     for ax, (site, n) in zip(_site_axes(fig, len(norms)), norms.items(), strict=True):
         n = np.asarray(n, np.float64)
@@ -448,7 +496,18 @@ def plot_ci_histograms(
     path: Path, hist: Mapping[str, np.ndarray], edges: np.ndarray, threshold: float
 ) -> Path:
     """Per site: the distribution of CI values over every (input, position, component) of the
-    evaluation batch, log counts."""
+    evaluation batch, log counts. A whole model: a line per layer (`_layer_axes`)."""
+    layered = _layer_axes(list(hist), f"CI values (threshold {threshold:g}); a line per layer")
+    if layered is not None:
+        fig, panels = layered
+        for ax, lines in panels:
+            for _, site, color in lines:
+                ax.stairs(np.asarray(hist[site], np.float64), edges, color=color, lw=0.8)
+            ax.axvline(threshold, color="tab:red", lw=1, ls="--")
+            ax.set_yscale("log")
+            ax.set_xlabel("CI (lower-leaky)")
+        panels[0][0].set_ylabel("count")
+        return _save(fig, path)
     fig = _figure(*(v / DPI for v in size_of("per_site", len(hist))))
     for ax, (site, counts) in zip(_site_axes(fig, len(hist)), hist.items(), strict=True):
         counts = np.asarray(counts, np.float64)
@@ -466,7 +525,21 @@ def plot_activation_density(
     path: Path, density: Mapping[str, np.ndarray], threshold: float, n_inputs: int
 ) -> Path:
     """Per site: for each component, the fraction of evaluation inputs (positions, for LMs)
-    with CI > threshold, sorted."""
+    with CI > threshold, sorted. A whole model: a line per layer (`_layer_axes`)."""
+    layered = _layer_axes(
+        list(density), f"activation density (CI > {threshold:g}), sorted; a line per layer"
+    )
+    if layered is not None:
+        fig, panels = layered
+        for ax, lines in panels:
+            for _, site, color in lines:
+                d = np.sort(np.asarray(density[site], np.float64))[::-1]
+                ax.plot(np.arange(d.size)[d > 0], d[d > 0], color=color, lw=0.8)
+            ax.set_yscale("log")
+            ax.set_ylim(1.0 / max(n_inputs, 1) / 2, 1.5)
+            ax.set_xlabel("component (sorted)")
+        panels[0][0].set_ylabel(f"fraction of {n_inputs} inputs")
+        return _save(fig, path)
     fig = _figure(*(v / DPI for v in size_of("per_site", len(density))))
     for ax, (site, d) in zip(_site_axes(fig, len(density)), density.items(), strict=True):
         d = np.sort(np.asarray(d, np.float64))[::-1]

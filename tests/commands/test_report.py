@@ -719,3 +719,36 @@ def test_with_libtpu_but_no_tpu_nothing_says_anything_of_libtpu(runs, tmp_path: 
         assert said in proc.stdout, (argv, proc.stdout)
         for noise in ("TPU_WORKER", "InitGoogle", "libtpu", "E0000"):
             assert noise not in proc.stderr, (argv, proc.stderr[-3000:])
+
+
+def test_a_whole_models_per_site_figures_have_a_panel_per_matrix(tmp_path: Path, monkeypatch):
+    """Component norms, CI histograms and activation density of 90 sites: one panel per matrix
+    kind with one line per layer (a colour bar for the layer) at the size `site_figure` says,
+    which the page states, where a panel per site made 1200 x 13500 pixels; two sites keep a
+    panel each."""
+    from pdctl.report import figures as F
+
+    kinds = ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj")
+    sites = [f"model.layers.{i}.{k}" for i in range(30) for k in kinds]
+    assert F.site_figure(sites) == ("by_layer", 3) and F.site_figure(sites[:2]) == ("per_site", 2)
+    rng = np.random.default_rng(0)
+    values = {s: rng.random(16) for s in sites}
+    drawn: list = []
+    save = F._save
+    monkeypatch.setattr(F, "_save", lambda fig, path: drawn.append(fig) or save(fig, path))
+    outs = [
+        F.plot_component_norms(tmp_path / "n.png", values, None),
+        F.plot_ci_histograms(
+            tmp_path / "h.png", {s: np.arange(1, 5) for s in sites}, np.linspace(0, 1, 5), 0.1
+        ),
+        F.plot_activation_density(tmp_path / "d.png", values, 0.0, 64),
+    ]
+    for out, fig in zip(outs, drawn, strict=True):
+        assert Image.open(out).size == F.size_of(*F.site_figure(sites)) == (1200, 450)
+        panels = [ax for ax in fig.axes if ax.get_title() in kinds]
+        assert [ax.get_title() for ax in panels] == list(kinds), out
+        for ax in panels:  # a line (or stairs) per layer
+            assert len(ax.get_lines()) + len(ax.patches) >= 30, out
+        assert any(ax.get_ylabel() == "layer" for ax in fig.axes), out  # the colour bar
+    F.plot_component_norms(tmp_path / "two.png", {s: values[s] for s in sites[:2]}, None)
+    assert Image.open(tmp_path / "two.png").size == F.size_of("per_site", 2)
