@@ -80,7 +80,8 @@ def run(app: Any) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-        if supervisor.is_child() and not _distributed():
+        if supervisor.is_child() and runtime.distributed_client() is None:
+            # one process (under jax.distributed, the exit is a meeting of all of them)
             _end_child(code)
         raise
     except BaseException:
@@ -99,15 +100,6 @@ def run(app: Any) -> None:
         os._exit(1)
 
 
-def _distributed() -> bool:
-    """jax.distributed started in this process: its shutdown at exit is a meeting of all the
-    run's processes, which an early os._exit of process 0 (the service's host) would break."""
-    import sys
-
-    mod = sys.modules.get("jax._src.distributed")
-    return getattr(getattr(mod, "global_state", None), "client", None) is not None
-
-
 def _end_child(code: int) -> None:
     """End the supervised child of a stage command at once, its command over: the stage's
     state, checkpoints, metrics and last line are written and closed by then, and the parent
@@ -115,7 +107,7 @@ def _end_child(code: int) -> None:
     still join every non-daemon thread and tear the accelerator's runtime down: after a stop
     in the final evaluation, a v5e run's process had not ended 150 s after its last line
     (docs/performance.md "The seventh chip session"; where it waited was not seen), where this
-    CPU's ends in 2-3.5 s. Not under jax.distributed (`_distributed`)."""
+    CPU's ends in 2-3.5 s."""
     import logging
     import sys
 

@@ -397,6 +397,13 @@ class StopNow(BaseException):
         return signal.Signals(self.signum).name
 
 
+def distributed_client():
+    """jax.distributed's coordination client when it started in this process, else None
+    (looked up without importing JAX)."""
+    mod = sys.modules.get("jax._src.distributed")
+    return getattr(getattr(mod, "global_state", None), "client", None)
+
+
 def _preemption_manager():
     """JAX's preemption sync manager when jax.distributed started one (it then owns SIGTERM)."""
     mod = sys.modules.get("jax._src.distributed")
@@ -431,8 +438,7 @@ def _notice_posted() -> bool:
     if now - _notice_checked < 0.25:
         return False
     _notice_checked = now
-    mod = sys.modules.get("jax._src.distributed")
-    client = getattr(getattr(mod, "global_state", None), "client", None)
+    client = distributed_client()
     if client is None:
         return False
     try:
@@ -509,8 +515,7 @@ def barrier(name: str, timeout_s: float) -> None:
     """Under jax.distributed, wait until every process has reached `name` (each name once per
     job); a no-op in one process. Waits on a worker thread (`interruptible`), so a stop is
     acted on; a process that does not come within `timeout_s` is an error line."""
-    mod = sys.modules.get("jax._src.distributed")
-    client = getattr(getattr(mod, "global_state", None), "client", None)
+    client = distributed_client()
     if client is None:
         return
     try:

@@ -81,35 +81,46 @@ def site_figure(sites: Sequence[str]) -> tuple[str, int]:
     """(kind, n) of `size_of` for a per-site figure of `sites`: a panel per site, or for a whole
     model (more than `MAX_L0_LINES` sites, all in layers) a panel per matrix kind with a line
     per layer (`_layer_axes`)."""
-    kinds = _by_layer(sites) if len(sites) > MAX_L0_LINES else None
+    kinds = _whole_model(sites)
     return ("per_site", len(sites)) if kinds is None else ("by_layer", len(kinds))
+
+
+def _kind_panels(
+    kinds: Mapping[str, Mapping[int, str]], title: str
+) -> tuple[Figure, list[tuple[Any, Mapping[int, str]]]]:
+    """A whole model's figure: one panel per matrix kind side by side (a shared y axis), each
+    titled with its kind; [(axes, {layer: site})] in the kinds' order."""
+    fig = _figure(*(v / DPI for v in size_of("by_layer", len(kinds))))
+    fig.suptitle(title)
+    axes = fig.subplots(1, len(kinds), sharey=True, squeeze=False).ravel()
+    panels = []
+    for ax, (kind, layers) in zip(axes, sorted(kinds.items()), strict=True):
+        ax.set_title(kind, fontsize="medium")
+        ax.grid(alpha=0.3)
+        panels.append((ax, layers))
+    return fig, panels
 
 
 def _layer_axes(sites: Sequence[str], title: str) -> tuple[Figure, list[tuple[Any, list]]] | None:
     """For a whole model (`site_figure` says "by_layer"): the figure and, per panel (matrix
     kind), its axes and [(layer, site, colour)] in layer order, the colour going with the
     layer (a colour bar says which); None for a figure with a panel per site."""
-    if site_figure(sites)[0] != "by_layer":
+    kinds = _whole_model(sites)
+    if kinds is None:
         return None
     import matplotlib
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
-    kinds = _by_layer(sites)
-    assert kinds is not None
-    fig = _figure(*(v / DPI for v in size_of("by_layer", len(kinds))))
-    fig.suptitle(title)
-    axes = fig.subplots(1, len(kinds), sharey=True, squeeze=False).ravel()
+    fig, panels = _kind_panels(kinds, title)
     top = max(max(layers) for layers in kinds.values()) or 1
     cmap = matplotlib.colormaps["viridis"]
-    panels = []
-    for ax, (kind, layers) in zip(axes, sorted(kinds.items()), strict=True):
-        ax.set_title(kind, fontsize="medium")
-        ax.grid(alpha=0.3)
-        panels.append((ax, [(i, site, cmap(i / top)) for i, site in sorted(layers.items())]))
     bar = ScalarMappable(Normalize(0, top), cmap)
-    fig.colorbar(bar, ax=list(axes), label="layer", fraction=0.025, pad=0.01)
-    return fig, panels
+    fig.colorbar(bar, ax=[ax for ax, _ in panels], label="layer", fraction=0.025, pad=0.01)
+    return fig, [
+        (ax, [(i, site, cmap(i / top)) for i, site in sorted(layers.items())])
+        for ax, layers in panels
+    ]
 
 
 def _site_axes(fig: Figure, n: int) -> list[Any]:
@@ -215,7 +226,7 @@ def plot_l0(
             site = k[len("eval/l0/") :] if k.startswith("eval/l0/") else site
             if site and site not in sites:
                 sites.append(site)
-    by_layer = _by_layer(sites) if len(sites) > MAX_L0_LINES else None
+    by_layer = _whole_model(sites)
     if by_layer is not None:
         return _plot_l0_by_layer(path, by_layer, rows, eval_rows)
     fig = _figure(WIDTH_IN, 4.5)
@@ -247,6 +258,12 @@ MAX_L0_LINES = 12  # more sites than this, in layers: L0 against the layer inste
 _LAYER = re.compile(r"^(.*?\blayers?)\.(\d+)\.(.+)$")
 
 
+def _whole_model(sites: Sequence[str]) -> dict[str, dict[int, str]] | None:
+    """`_by_layer` of a whole model's sites (more than `MAX_L0_LINES`), else None: the
+    figures draw those against the layer instead of a line or panel per site."""
+    return _by_layer(sites) if len(sites) > MAX_L0_LINES else None
+
+
 def _by_layer(sites: Sequence[str]) -> dict[str, dict[int, str]] | None:
     """{kind: {layer: site}} when every site is a layer's (`model.layers.3.mlp.down_proj`:
     kind `mlp.down_proj`) and there are at most 7 kinds (a Llama block's matrices); else
@@ -273,13 +290,11 @@ def _plot_l0_by_layer(
     steps = [r for r in src if any(k.startswith(prefix) for k in r)]
     if not eval_rows and len(steps) > 6:
         steps = [steps[round(i * (len(steps) - 1) / 5)] for i in range(6)]
-    fig = _figure(WIDTH_IN, 4.5)
-    axes = fig.subplots(1, len(kinds), sharey=True, squeeze=False).ravel()
     what = "evaluation batch" if eval_rows else "training batch"
-    fig.suptitle(f"L0 per site against the layer ({what}; darker: later step)")
+    fig, panels = _kind_panels(kinds, f"L0 per site against the layer ({what}; darker: later step)")
+    axes = [ax for ax, _ in panels]
     everything: list[float] = []
-    for ax, (kind, layers) in zip(axes, sorted(kinds.items()), strict=True):
-        ax.set_title(kind, fontsize="medium")
+    for ax, layers in panels:
         for j, r in enumerate(steps):
             pts = [(i, r.get(prefix + site)) for i, site in sorted(layers.items())]
             pts = [(i, float(v)) for i, v in pts if isinstance(v, int | float)]
@@ -292,7 +307,6 @@ def _plot_l0_by_layer(
             everything.extend(y)
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("L0")
     if everything:
         _log_if_useful(axes[0], everything)
