@@ -1,9 +1,11 @@
-"""What the benchmarks share: the line that says where a measurement was taken, a measurement
-run in a fresh child process on this checkout's code, and the tiny imported Llama.
+"""What the benchmarks share: the line that says where a measurement was taken, and a
+measurement run in a fresh child process on this checkout's code.
 
-A benchmark runs as `python benchmarks/NAME.py`, so this directory is on its path:
-`from _harness import machine_line, run_child`. Importing this module imports nothing heavy
-(no JAX, no torch): the parent of a child run must not start a device.
+A benchmark runs as a module from the checkout's root, `python -m benchmarks.QUESTION.NAME`, so
+`benchmarks` and `pdctl` import from there with no path set by hand: `from benchmarks._harness
+import machine_line, run_child`. What the tests build on too (tiny runs, tiny Hugging Face
+models, a synthetic harvest, a headless browser) is in `pdctl.testing`. Importing this module
+imports nothing heavy (no JAX, no torch): the parent of a child run must not start a device.
 """
 
 from __future__ import annotations
@@ -35,16 +37,27 @@ def machine_line() -> str:
     )
 
 
-def child_env(root: Path = ROOT, **extra: str) -> dict[str, str]:
-    """This environment for a child process that imports pdctl from `root` (this checkout,
-    or another revision's worktree): `root` first on PYTHONPATH, then the parent's path (a
+def child_env(root: Path = ROOT, *, path: tuple[Path, ...] = (), **extra: str) -> dict[str, str]:
+    """This environment for a child process that imports pdctl (and the benchmarks) from `root`
+    (this checkout, or another revision's worktree): `path` (another code base the child
+    imports, such as the torch reference's checkout) and `root` first on PYTHONPATH, then this
+    checkout (the benchmarks, where `root` has none of its own), then the parent's path (a
     machine image's JAX may come through it); then `extra`."""
-    path = [str(root), os.environ.get("PYTHONPATH", "")]
+    here = [str(ROOT)] if root != ROOT else []
+    path_ = [*(str(p) for p in path), str(root), *here, os.environ.get("PYTHONPATH", "")]
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in path if p),
+        "PYTHONPATH": os.pathsep.join(p for p in path_ if p),
         **extra,
     }
+
+
+def module_argv(module: str, *args: object) -> list[str]:
+    """`-m MODULE ARGS` (str each): a benchmark's child, itself (`__spec__.name`) or another, for
+    `run_child` or `[sys.executable, *module_argv(...)]` with `child_env()` (this checkout on
+    PYTHONPATH). A child that measures another revision's pdctl runs this file by its path
+    instead, with `child_env(that_root)`: `-m` would put the working directory first."""
+    return ["-m", module, *(str(a) for a in args)]
 
 
 def run_child(
@@ -68,22 +81,3 @@ def run_child(
     if r.returncode:
         sys.exit(f"{what} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def tiny_llama(root: Path, **kw: Any) -> dict[str, Path]:
-    """tests/fixtures.py's tiny random Llama (tokenizer and corpus with it), built in `root`;
-    see there for the keywords. Needs transformers, torch and tokenizers."""
-    return _fixtures().tiny_llama(root, **kw)
-
-
-def rendezvous_llama(root: Path) -> dict[str, Path]:
-    """tests/fixtures.py's d-64 Llama that tests/engine/test_rendezvous.py runs, built in `root`."""
-    return _fixtures().rendezvous_llama(root)
-
-
-def _fixtures():
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    import fixtures
-
-    return fixtures

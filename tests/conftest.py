@@ -5,8 +5,9 @@ Tests that need one device build their mesh over ``jax.devices()[:1]``; tests th
 fresh JAX with another device count run a subprocess.
 
 Layout: the tests by floor (`science/`, `engine/`, `stages/`, `commands/`, `faults/`), the
-import-layering test and the shared helpers (`helpers.py`, `fixtures.py`, `real_model.py`,
-`synthetic_harvest.py`) here; pyproject's `pythonpath` puts tests/ and the floors on sys.path.
+import-layering test and the shared helpers (`helpers.py`, `fixtures.py`, `real_model.py`) here;
+pyproject's `pythonpath` puts tests/ and the floors on sys.path. What the benchmarks build on too
+(tiny runs, models, a synthetic harvest, a browser) is in pdctl/testing/.
 
 Tiers: `python -m pytest -q` runs the fast tier (pyproject's `addopts` deselects tests marked
 `slow`); `-m slow` runs the rest and `-m ""` everything. The one rule: a test over ~2.5 s on 2

@@ -718,7 +718,7 @@ class EvalPgdConfig(Section):
 
 # `[train] scan_layers = "auto"` turns the scan on when the decomposed sites sit in at least this
 # many layers: where the scanned step compiled faster than the unrolled one
-# (benchmarks/scan_compile.py, docs/performance.md "scan_layers = auto").
+# (benchmarks/startup/scan_compile.py, docs/performance.md "scan_layers = auto").
 AUTO_SCAN_LAYERS = 4
 
 

@@ -95,7 +95,7 @@ def guard_update(
     them (the optimizer update): that function runs inside `lax.cond(finite, ...)`, so a bad
     step computes nothing and a good one writes the donated buffers in place. (A select,
     `where(finite, new, old)`, needs old and new alive together: XLA then keeps copies of the
-    donated state, measured in benchmarks/donation_memory.py.)
+    donated state, measured in benchmarks/memory/donation.py.)
 
     Runs on the device: no host sync. `bad_steps` counts consecutive bad steps and
     `max_bad_run` remembers the longest run, so the host can check it every step."""

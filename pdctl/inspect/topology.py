@@ -43,7 +43,7 @@ ACCELERATOR_TYPE = {"v5e": "v5litepod-{n}", "v6e": "v6e-{n}", "v5p": "v5p-{c}", 
 
 # XLA:CPU's peaks scaled by this stand in for XLA:TPU's where libtpu is missing: the largest
 # ratio XLA:TPU / XLA:CPU of a program's peak measured, over the programs of >= 0.1 GiB
-# (benchmarks/fit_margin.py, 2026-12-06: 1.02-1.57 for SmolLM2's, the toys' far below 1;
+# (benchmarks/memory/fit_margin.py, 2026-12-06: 1.02-1.57 for SmolLM2's, the toys' far below 1;
 # docs/performance.md), rounded up. Temporaries alone vary more (0.1x-4x: a TPU pads and tiles)
 CPU_PEAK_MARGIN = 1.6
 

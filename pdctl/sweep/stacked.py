@@ -5,8 +5,8 @@ The member axis is a mesh axis of its own, `members`, ahead of the usual ('data'
 'tp'), which are 1 here: a member's step is the program `pdctl run` compiles for it, with its
 batch whole on one device. Under `shard_map` (manual over `members` only) each device runs its
 members either one after another (`lax.map`: the working set stays that of one run, which is
-what XLA:CPU's caches want; benchmarks/sweep.py measures it) or batched (`vmap`: one wide program,
-what an accelerator wants). No collective crosses members: there is nothing to all-reduce.
+what XLA:CPU's caches want; benchmarks/toys/sweep.py measures it) or batched (`vmap`: one wide
+program, what an accelerator wants). No collective crosses members: there is nothing to all-reduce.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def member_mesh(n_members: int, devices: list[Any] | None = None, pad: bool | No
       up (`member_slots`): 3 members on 2 devices run as 2 + 2, 11 on 8 as 6 x 2;
     - without (the default on CPU): the most devices that divide the member count, no padding.
       XLA:CPU runs every host device on one thread pool over the same cores, so a padding slot
-      costs a member's step while a second device adds little (benchmarks/sweep_step.py
+      costs a member's step while a second device adds little (benchmarks/toys/sweep_step.py
       --compare-padding measures it)."""
     devices = list(jax.devices() if devices is None else devices)
     if pad is None:

@@ -1,4 +1,4 @@
-"""benchmarks/accel_check.sh: its flags are checked before anything is written, and its summary
+"""benchmarks/tpu/accel_check.sh: its flags are checked before anything is written, and its summary
 shows what the benchmarks printed (the benchmarks themselves need an accelerator:
 docs/performance.md)."""
 
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks"
+BENCH = ROOT / "benchmarks" / "tpu"
+# the Python half, as accel_check.sh runs it (a module, from the checkout's root)
+TOOL = [sys.executable, "-m", "benchmarks.tpu.accel_check"]
 
 
 @pytest.mark.parametrize(
@@ -41,14 +43,14 @@ def _meta(tool, work):
         [*tool, "meta", str(work / "meta.json"), "commit=abc123", "budget_s=540", "sizes=full",
          "gguf=g.gguf", "text=/t", "peak_tflops=200", "peak_from=table",
          "lm_shape=4 x 64 tokens, C 256", "precision_shape=layer 15"],
-        check=True,
+        check=True, cwd=ROOT,
     )  # fmt: skip
 
 
 def test_summary_tables(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
-    tool = [sys.executable, str(BENCH / "accel_check.py")]
+    tool = TOOL
     _meta(tool, work)
     (work / "probe.out").write_text(
         json.dumps({"platform": "tpu", "device_kind": "TPU v5 lite", "devices": 1,
@@ -67,7 +69,7 @@ def test_summary_tables(tmp_path):
     new = {"step_ms": 50.0, "tokens_per_s": 163840.0, "mfu": 0.4, "gflop": 4000.0,
            "train_compile_s": 80.0}  # fmt: skip
     (work / "precision.json").write_text(json.dumps({"new": new}))
-    subprocess.run([*tool, "summary", str(work), str(out)], check=True)
+    subprocess.run([*tool, "summary", str(work), str(out)], check=True, cwd=ROOT)
     md = (out / "summary.md").read_text().splitlines()
     assert "- commit: abc123" in md
     assert any(x.startswith("- device: 1 x TPU v5 lite (tpu, 15.8 GiB)") for x in md)
@@ -83,8 +85,7 @@ def test_summary_tables(tmp_path):
 
 
 def test_item_limits_and_plan():
-    sys.path.insert(0, str(BENCH))
-    import accel_check as ac
+    from benchmarks.tpu import accel_check as ac
 
     names = [n for n, _ in ac.plan("full")]
     assert names[:4] == ["lm_step:3", "lm_step:90", "spd_step:tms", "spd_step:resid-mlp"]
@@ -111,12 +112,11 @@ def test_driver_stops_an_item_at_its_limit_and_skips_what_does_not_fit(tmp_path,
     is stopped there (SIGALRM), the next one has no time left and is skipped; both recorded."""
     import time
 
-    sys.path.insert(0, str(BENCH))
-    import accel_check as ac
+    from benchmarks.tpu import accel_check as ac
 
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
-    _meta([sys.executable, str(BENCH / "accel_check.py")], work)
+    _meta(TOOL, work)
     calls = []
 
     def item(self, name):
@@ -144,8 +144,8 @@ def test_stopped_records_the_running_item_and_the_rest(tmp_path):
     (work / "steps.tsv").write_text("driver: start, open the device\tok\t20\t-\n"
                                     "lm_step:3\tok\t60\t91\n")  # fmt: skip
     (work / "driver.current").write_text("lm_step:90\t0\t64\n")
-    tool = [sys.executable, str(BENCH / "accel_check.py")]
-    subprocess.run([*tool, "stopped", str(work), "full", "", "124"], check=True)
+    tool = TOOL
+    subprocess.run([*tool, "stopped", str(work), "full", "", "124"], check=True, cwd=ROOT)
     rows = [ln.split("\t")[:2] for ln in (work / "steps.tsv").read_text().splitlines()]
     assert rows[2] == ["lm_step:90", "stopped at the budget"]
     assert rows[3:] == [[n, "skipped: budget"] for n in (

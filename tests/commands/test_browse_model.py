@@ -3,7 +3,7 @@ matrix, the clusters page (top tokens, a representative example, labels), a comp
 siblings at the other sites of its layer, and a harvest.db written before the summary tables
 (`site_summary`, `cluster_summary`) still opening and showing the same.
 
-Over tests/synthetic_harvest.py's run: 3 layers x 7 matrices of 8 components, clustered and
+Over pdctl/testing/harvest.py's run: 3 layers x 7 matrices of 8 components, clustered and
 labelled (~10 s, built once for this file)."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from helpers import edit_config
-from synthetic_harvest import KINDS, whole_model_run
 from test_harvest import _get, _serving
 
 from pdctl.harvest import db
 from pdctl.harvest.browse import site_grid, site_place
+from pdctl.testing.harvest import KINDS, whole_model_run
 
 LAYERS, C = 3, 8
 
@@ -189,10 +189,12 @@ def test_an_older_harvest_db_still_opens_and_shows_the_same(model_run: Path, tmp
 def test_whole_model_pages_in_headless_chromium(model_run: Path, tmp_path: Path):
     import time
 
-    from test_report import _Browser, need_chromium
+    from test_report import need_chromium
+
+    from pdctl.testing.browser import Browser
 
     need_chromium()
-    browser = _Browser(tmp_path / "profile")
+    browser = Browser(tmp_path / "profile")
 
     js = browser.js
 
@@ -245,7 +247,9 @@ def test_a_page_still_loading_is_not_drawn_over_the_next(model_run: Path, tmp_pa
     import asyncio
     import time
 
-    from test_report import _Browser, need_chromium
+    from test_report import need_chromium
+
+    from pdctl.testing.browser import Browser
 
     need_chromium()
 
@@ -257,7 +261,7 @@ def test_a_page_still_loading_is_not_drawn_over_the_next(model_run: Path, tmp_pa
 
         return held
 
-    browser = _Browser(tmp_path / "profile")
+    browser = Browser(tmp_path / "profile")
 
     js = browser.js
 

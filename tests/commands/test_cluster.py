@@ -194,13 +194,15 @@ def test_browse_shows_clusters_and_attributions_in_headless_chromium(tmp_path: P
     import time
 
     from test_harvest import _serving
-    from test_report import _Browser, need_chromium
+    from test_report import need_chromium
+
+    from pdctl.testing.browser import Browser
 
     need_chromium()
     run = _synthetic_run(tmp_path)
     assert cli("--project", run, "cluster").exit_code == 0
     _with_attributions(run)
-    browser = _Browser(tmp_path / "profile")
+    browser = Browser(tmp_path / "profile")
 
     def js(expr: str):
         return browser.js(expr, await_promise=True)

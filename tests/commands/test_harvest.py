@@ -579,13 +579,15 @@ def test_browse_api_is_read_only_over_the_run(served):
 @pytest.mark.slow
 def test_browse_in_headless_chromium(served, tmp_path: Path):
 
-    from test_report import _Browser, need_chromium
+    from test_report import need_chromium
+
+    from pdctl.testing.browser import Browser
 
     need_chromium()
     base, _ = served
     broken = tmp_path / "broken.html"  # the control: the check sees what it is there to catch
     broken.write_text("<!DOCTYPE html><html><body><script>undefined_fn();</script></body></html>")
-    browser = _Browser(tmp_path / "profile")
+    browser = Browser(tmp_path / "profile")
 
     def js(expr: str):
         return browser.js(expr, await_promise=True)
@@ -1119,12 +1121,14 @@ def test_browse_escapes_a_hostile_database_in_headless_chromium(tmp_path: Path):
     # item 4: an <img onerror> in sites.C, meta.step or components.count ran on #/
     import time
 
-    from test_report import _Browser, need_chromium
+    from test_report import need_chromium
+
+    from pdctl.testing.browser import Browser
 
     need_chromium()
     run = _closed_form_run(tmp_path)
     _hostile(run)
-    browser = _Browser(tmp_path / "profile")
+    browser = Browser(tmp_path / "profile")
 
     js = browser.js
 

@@ -415,7 +415,9 @@ def test_browse_api_gives_the_labels(run: Path, tmp_path: Path):
 def test_browse_shows_labels_in_headless_chromium(run: Path, tmp_path: Path):
     import time
 
-    from test_report import _Browser, need_chromium
+    from test_report import need_chromium
+
+    from pdctl.testing.browser import Browser
 
     need_chromium()
     hostile = "<img src=x onerror=\"document.title='pwned'\">"
@@ -423,7 +425,7 @@ def test_browse_shows_labels_in_headless_chromium(run: Path, tmp_path: Path):
              "reasoning": hostile},
             {"site": "a", "component": 2, "label": hostile}]  # fmt: skip
     cli_ok("--project", run, "interp", "import", _write_jsonl(tmp_path / "l.jsonl", rows))
-    browser = _Browser(tmp_path / "profile")
+    browser = Browser(tmp_path / "profile")
 
     js = browser.js
 

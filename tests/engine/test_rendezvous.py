@@ -173,7 +173,7 @@ def _hf_model(root: Path) -> tuple[Path, Path]:
     and a 400-document jsonl corpus (tests/fixtures.py's `rendezvous_llama`)."""
     pytest.importorskip("transformers", reason="needs the parity extra")
     pytest.importorskip("tokenizers")
-    from fixtures import rendezvous_llama
+    from pdctl.testing.models import rendezvous_llama
 
     built = rendezvous_llama(root)
     return built["model"], built["corpus"]

@@ -1,11 +1,9 @@
-"""benchmarks/tpu_step.py's arms: what each name means as configuration and patches (no model,
+"""benchmarks/tpu/step.py's arms: what each name means as configuration and patches (no model,
 no compile: the benchmark itself is smoke-run by hand, see its docstring)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tpu_step():
-    spec = importlib.util.spec_from_file_location("tpu_step", ROOT / "benchmarks" / "tpu_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["tpu_step"] = mod  # (dataclasses resolves the module by name)
-    spec.loader.exec_module(mod)
-    yield mod
-    del sys.modules["tpu_step"]
+    from benchmarks.tpu import step
+
+    return step
 
 
 def _args(**kw):

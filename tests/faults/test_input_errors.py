@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from fixtures import bpe_tokenizer, write_corpus
 from helpers import cli_fails, cli_ok, edit_config
 from safetensors.numpy import save_file
 
@@ -29,6 +28,7 @@ from pdctl.errors import PdctlError
 from pdctl.project import Project
 from pdctl.science.targets.hf import HFCausalLM, read_hf_config
 from pdctl.templates import create_run
+from pdctl.testing.models import bpe_tokenizer, write_corpus
 
 # ---- helpers ---------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ feature/misc-improvements, `GlobalSharedTransformerCiFn` in spd/models/component
 
 - its forward against the torch reference on the same weights: a port of that module here
   (`_TorchGlobal`, run live when torch is installed) and numbers from the reference module
-  itself (`SPD_GLOBAL`, printed by benchmarks/spd_ci_reference.py, which runs the real code and
+  itself (`SPD_GLOBAL`, printed by tests/science/reference_numbers.py, which runs the real code and
   checks the port against it);
 - its layout: a stacked unit (`scan_layers`) gives what its sites give one by one, the
   squashing noise is each site's own draw, a missing site is refused;
@@ -103,7 +103,7 @@ def torch_reference(site_dims: dict[str, tuple[int, int]], d_model: int, n_block
     23a13bf2, spd/models/components.py: `Linear`, `RoPEEmbedding`, `SelfAttention`,
     `TransformerBlock`, `GlobalSharedTransformerCiFn`) to plain torch (the reference's einops /
     jaxtyping left out; every operation as there, in its order). Its parameter names are the
-    reference's, so `reference_state_dict` loads into either; benchmarks/spd_ci_reference.py
+    reference's, so `reference_state_dict` loads into either; tests/science/reference_numbers.py
     checks it against the real module."""
     import torch
     import torch.nn.functional as F
@@ -205,7 +205,7 @@ def run_torch_reference(module, ci_fns: dict, x: dict) -> dict[str, np.ndarray]:
 
 # The real reference module (goodfire-ai/spd feature/misc-improvements 23a13bf2,
 # `GlobalSharedTransformerCiFn` with mlp_hidden_dims [FFN]) on `global_case()`: its logits at
-# positions (0, 0), (0, 4), (1, 2) of each site (benchmarks/spd_ci_reference.py).
+# positions (0, 0), (0, 4), (1, 2) of each site (tests/science/reference_numbers.py).
 SPD_GLOBAL = {
     "b.up": [
         [4.038903, -3.820479, -5.136601],

@@ -1,7 +1,7 @@
 """The CI-function / init half of the LM recipe: the lower-leaky clamp for both
 squashings, the transformer CI function, the nonlinearity-aligned init, and the CI functions'
 own gradient clip. Closed forms first; then numbers from goodfire-ai/spd's torch code, produced
-by `benchmarks/spd_ci_reference.py` (which runs that code on the cases built here)."""
+by `tests/science/reference_numbers.py` (which runs that code on the cases built here)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_leaky_hard_keeps_its_upper_leaky_importance_squashing():
 
 
 # goodfire-ai/spd `spd/models/sigmoids.py` (`SIGMOID_TYPES["lower_leaky_hard"]`) on Z, its
-# gradient for the cotangents G and -G (benchmarks/spd_ci_reference.py, spd commit 3f0bb61e).
+# gradient for the cotangents G and -G (tests/science/reference_numbers.py, spd commit 3f0bb61e).
 SPD_LOWER_LEAKY = {
     "out": [0.0, 0.0, 0.0, 0.25, 1.0, 1.0, 1.0],
     1.0: [0.0, -0.007, -0.013, 0.4, -0.9, 0.0, 0.0],
@@ -126,7 +126,7 @@ def test_transformer_attends_both_ways_and_per_sequence():
 
 # goodfire-ai/spd (branch dev, 2ab728c0) `GlobalSharedTransformerCiFn` with one site, n_layers
 # 1, n_heads 2, mlp_hidden_dims [12], loaded with `transformer_case()`'s weights, on its x
-# (benchmarks/spd_ci_reference.py). One site makes the reference's "global" CI function the
+# (tests/science/reference_numbers.py). One site makes the reference's "global" CI function the
 # per-site one pdctl builds; positions (0, 0), (0, 4), (1, 2).
 SPD_TRANSFORMER = [
     [-5.827786, -2.152784, 2.301609],

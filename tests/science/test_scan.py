@@ -301,7 +301,7 @@ def test_train_step_program_does_not_grow_with_depth(tmp_path):
     the stacked groups as they are; before that 11,564 -> 19,310, and unrolled 12,452 ->
     45,856: one block per layer and every per-site array's optimizer, clip and guard ops).
     What still grows, ~9 operations per site, is stacking the frozen layers' weights for the
-    scan and the per-site L0 metrics. Compile times are in benchmarks/scan_compile.py."""
+    scan and the per-site L0 metrics. Compile times are in benchmarks/startup/scan_compile.py."""
     small, deep = _hlo_ops(2, tmp_path), _hlo_ops(8, tmp_path)
     assert deep < 1.1 * small, (small, deep)
 

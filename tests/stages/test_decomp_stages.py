@@ -335,7 +335,7 @@ def test_cli_new_to_train_on_tiny_tms(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def _pdctl(cwd: Path, *args: str, devices: int = 2) -> subprocess.CompletedProcess:
     """The installed CLI in a fresh process on `devices` simulated CPU devices (mesh data = all:
-    the configuration benchmarks/recovery.py measured, see docs/results.md)."""
+    the configuration benchmarks/toys/recovery.py measured, see docs/results.md)."""
     return pdctl_process(*args, cwd=cwd, devices=devices, timeout=2400)
 
 

@@ -17,9 +17,10 @@ from helpers import cli, edit_config, error_lines, state
 from pdctl.science import data
 
 pytest.importorskip("transformers")
-from fixtures import write_corpus
 from test_gguf import tiny_model, write_gguf
 from test_hf_pipeline import _run
+
+from pdctl.testing.models import write_corpus
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 - `train --until` + `pdctl resume` ends bit-identical to a straight run (arrays, optimizer and
   source state, step, logged losses); the same for `pretrain` on text data stopped mid-epoch.
 - The restored state is donatable once re-materialised (fed in straight from orbax it is not
-  reliably so, jax#18617: `benchmarks/restore_donation.py` prints by how much).
+  reliably so, jax#18617: `benchmarks/memory/restore_donation.py` prints by how much).
 - A checkpoint written on 4 devices continues on 2 and on 1, and one written on 1 on 4.
 - SIGTERM (once, or twice in a row) stops a real `pdctl train` cleanly: exit 3, `interrupted`, a
   checkpoint at the stopped step; `pdctl resume` then ends bit-identical to a straight run.
@@ -499,7 +499,7 @@ def test_rematerialized_restore_is_donated(pieces: TrainPieces) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
         assert x.sharding == y.sharding
     # All of it, not just the 95% that the loop's DONATION FAILED check asks for: fed straight
-    # from orbax, a state this small often clears 95% too (benchmarks/restore_donation.py).
+    # from orbax, a state this small often clears 95% too (benchmarks/memory/restore_donation.py).
     assert pieces.donated_fraction(state) == 1.0
     assert all(x.is_deleted() for x in jax.tree.leaves(state))  # consumed by the step
 
@@ -507,7 +507,7 @@ def test_rematerialized_restore_is_donated(pieces: TrainPieces) -> None:
 def test_rematerialize_makes_large_restored_leaves_donatable(tmp_path: Path) -> None:
     """The same check with MiB-sized leaves (replicated and fsdp-sharded over 4 devices), where
     jax#18617 costs the most (fed straight from orbax, most of their bytes are not donated:
-    `benchmarks/restore_donation.py`): re-materialised, every restore is donated in full."""
+    `benchmarks/memory/restore_donation.py`): re-materialised, every restore is donated in full."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

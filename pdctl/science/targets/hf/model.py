@@ -481,7 +481,7 @@ class HFCausalLM(LMTarget):
                 # iteration of every forward and backward, which cost a 30-layer SmolLM2 step
                 # with 3 sites 1.45x its unrolled time; layers without sites compile cheaply
                 # there. XLA:TPU compiles them at a cost: `scan_siteless` scans them too
-                # (benchmarks/scan_suffix.py measures both sides, docs/performance.md).
+                # (benchmarks/lm/scan_suffix.py measures both sides, docs/performance.md).
                 for i in ids:
 
                     def site(name, x_in, proj, i=i):

@@ -1,0 +1,243 @@
+"""`pdctl browse` page load time on a whole model's harvest: a synthetic harvest.db of
+`--layers` layers x 7 matrices (attention q / k / v / o, GLU MLP gate / up / down; `--per-site`
+components each: 30 x 7 x 48 = 10,080 components, ~95 MB with the default 20 top and 20
+sampled examples of 17 tokens per component that fired; pdctl/testing/harvest.py makes the
+CI up over the built-in synthetic corpus, 8,192 positions), clustered by `pdctl cluster`'s code
+and a third of the components that fired labelled, served by uvicorn in this process.
+
+Per page: the API requests it makes, timed one by one over HTTP (server side: best of 5 each,
+summed over the page's requests), and the page loaded in headless Chromium (the tests'
+DevTools-pipe driver): milliseconds from navigation to the page's `data-ready` mark, best of
+5 (with a baseline: a page whose one API call fails at once, what navigation and the page's
+own script cost). Pages: the overview (the grid of sites, then the table), the first page of
+clusters (50, each with its top tokens, a representative example and its labels), a component
+page (a mid-layer MLP up component, the most often firing: its siblings at the layer's other
+sites, its cluster), one site's component table, and the whole run's component table through
+the API (5,000 rows). Then the overview and the clusters over the same database without its
+`site_summary` and `cluster_summary` tables (a harvest.db harvested and clustered before
+them): the first request, which computes the summary (of the whole run; of the page's
+clusters), and the best of 5 after.
+
+    python -m benchmarks.harvest.browse_load [--layers 30] [--per-site 48] [--top-k 20]
+        [--batches 8] [--screenshots docs/] [--keep]
+
+`--screenshots DIR`: also save the overview and the clusters page as PNGs in DIR
+(browse_overview.png, browse_clusters.png; 256-colour, to keep them small). `--keep`: leave
+the run directory (~190 MB, under the system's temporary directory) to browse afterwards.
+(Until 2026-12-06 this script measured 15 sites x 100 components, one site kind: see
+docs/performance.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import shutil
+import socket
+import sqlite3
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve(run: Path):
+    """(uvicorn server, base url) of the browse app over `run`, started in a thread."""
+    import uvicorn
+
+    from pdctl.harvest.browse import make_app
+    from pdctl.project import Project
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = make_app(Project.load(run / "pdctl.toml"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def get_ms(url: str) -> float:
+    t = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=60) as r:
+        r.read()
+        assert r.status == 200, (url, r.status)
+    return (time.perf_counter() - t) * 1e3
+
+
+def server_ms(base: str, paths: list[str]) -> float:
+    """The page's API requests, each the best of 5, summed (the page makes them in turn)."""
+    return sum(min(get_ms(base + p) for _ in range(5)) for p in paths)
+
+
+def main() -> None:
+    from benchmarks._harness import machine_line
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--per-site", type=int, default=48)
+    ap.add_argument("--top-k", type=int, default=20, help="top and sampled examples each")
+    ap.add_argument("--batches", type=int, default=8, help="of 16 x 64 tokens")
+    ap.add_argument("--screenshots", type=Path, default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the run directory (its path)")
+    args = ap.parse_args()
+    print(machine_line())
+
+    from pdctl.harvest import cluster as cl
+    from pdctl.project import Project
+    from pdctl.testing import harvest as sh
+    from pdctl.testing.browser import Browser
+    from pdctl.testing.runs import make_run
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdctl-browse-"))
+    L, C = args.layers, args.per_site
+    run = make_run(
+        tmp,
+        "llama-mlp",
+        "whole-model-synthetic",
+        target={"n_layers": L, "d_model": 32, "n_heads": 4, "d_mlp": C, "glu": True},
+        decomp={"init": "nonlinearity_aligned",
+                "sites": [{"pattern": "layers.*.attn.*", "C": C},
+                          {"pattern": "layers.*.mlp.*", "C": C}]},
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    sh.build(run, L, C, batches=args.batches, batch=16, top_k=args.top_k, window=8)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = cl.cluster(Project.load(run / "pdctl.toml"))
+    cluster_s = time.perf_counter() - t0
+    n_labels = sh.label(run)
+    path = run / "harvest" / "harvest.db"
+    size = path.stat().st_size / 2**20
+
+    # the same database as one harvested and clustered before the summary tables existed
+    old = make_run(tmp, "llama-mlp", "old")
+    shutil.copy(run / "pdctl.toml", old / "pdctl.toml")
+    (old / "harvest").mkdir()
+    shutil.copy(path, old / "harvest" / "harvest.db")
+    con = sqlite3.connect(old / "harvest" / "harvest.db")
+    con.execute("DROP TABLE site_summary")
+    con.execute("DROP TABLE cluster_summary")
+    con.execute("DELETE FROM cluster_meta WHERE key = 'summary'")
+    con.commit()
+    con.close()
+
+    con = sqlite3.connect(path)
+    mid = L // 2
+    site = f"layers.{mid}.mlp.up"
+    (comp,) = con.execute(
+        "SELECT component FROM components WHERE site = ? ORDER BY count DESC, component LIMIT 1",
+        (site,),
+    ).fetchone()
+    con.close()
+    q = urllib.parse.quote
+    s, c = q(site, safe=""), comp
+    pages = [
+        ("overview", "#/", ["/api/overview"]),
+        ("clusters (first 50)", "#/clusters", ["/api/clusters?offset=0&limit=50"]),
+        (f"component ({site} #{comp})", f"#/c/{s}/{c}",
+         [f"/api/component/{s}/{c}", f"/api/like/{s}/{c}", f"/api/cluster_of/{s}/{c}",
+          f"/api/attributions/{s}/{c}", f"/api/labels?site={s}&component={c}"]),
+        (f"site table ({C} rows)", f"#/site/{s}",
+         [f"/api/components?site={s}&sort=frequency&desc=1&min_frequency=0&limit=5000",
+          f"/api/labels?site={s}"]),
+    ]  # fmt: skip
+
+    server, base = serve(run)
+    old_server, old_base = serve(old)
+    browser = Browser(tmp / "profile")
+
+    def js(expr: str):
+        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
+                           browser.session)  # fmt: skip
+        return out["result"].get("value")
+
+    def load(url: str, ready: str) -> float:
+        browser.call("Page.navigate", {"url": "about:blank"}, browser.session)
+        t = time.perf_counter()
+        browser.call("Page.navigate", {"url": url}, browser.session)
+        deadline = t + 60
+        while js("document.body && document.body.dataset.ready") != ready:
+            assert time.perf_counter() < deadline, (url, js("document.body.innerHTML"))
+            time.sleep(0.005)
+        return (time.perf_counter() - t) * 1e3
+
+    rows = []
+    for name, route, paths in pages:
+        ms = server_ms(base, paths)
+        chrome = min(load(f"{base}/{route}", route) for _ in range(5))
+        rows.append((name, len(paths), ms, chrome))
+    # what any page costs: navigation, the page and its script, one API call (a 404)
+    chrome = min(load(f"{base}/#/cluster/999999", "#/cluster/999999") for _ in range(5))
+    rows.append(("baseline: a page whose one API call fails (#/cluster/999999)", 1, None, chrome))
+    ms = server_ms(base, ["/api/components?limit=5000"])
+    rows.append(("API: 5,000 of all components", 1, ms, None))
+    older = [
+        ("overview", "#/", "/api/overview"),
+        ("clusters", "#/clusters", "/api/clusters?offset=0&limit=50"),
+    ]
+    for name, route, api in older:
+        first = get_ms(old_base + api)
+        after = server_ms(old_base, [api])
+        chrome = min(load(f"{old_base}/{route}", route) for _ in range(5))
+        rows.append((f"{name}, older db: first request (computes the summary)", 1, first, None))
+        rows.append((f"{name}, older db: after it", 1, after, chrome))
+
+    if args.screenshots is not None:
+        shots(browser, js, load, base, args.screenshots)
+    browser.close()
+    server.should_exit = old_server.should_exit = True
+
+    print(f"{L} layers x 7 matrices = {L * 7} sites x {C} components = {L * 7 * C:,} components; "
+          f"{args.top_k} top + {args.top_k} sampled examples each; harvest.db {size:.1f} MiB "
+          f"(built in {build_s:.0f} s; clustered in {cluster_s:.0f} s: {got.n_clusters} clusters "
+          f"of two or more, {got.n_singletons} alone; {n_labels:,} labels)")  # fmt: skip
+    print("| page | API requests | server ms (best of 5 each, summed) | Chromium ms (best of 5) |")
+    print("|---|---|---|---|")
+    for name, n, ms, chrome in rows:
+        server = "" if ms is None else f"{ms:.0f}"
+        print(f"| {name} | {n} | {server} | {'' if chrome is None else f'{chrome:.0f}'} |")
+    if args.keep:
+        print(f"kept {run} (`pdctl --project {run} browse`)")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shots(browser, js, load, base: str, out: Path) -> None:
+    """The overview's grid and the first clusters as PNGs in `out` (256 colours)."""
+    import io
+
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    browser.call("Emulation.setDeviceMetricsOverride",
+                 {"width": 1280, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+                 browser.session)  # fmt: skip
+    for name, route, until in (
+        ("browse_overview.png", "#/", "document.getElementById('sites')"),
+        ("browse_clusters.png", "#/clusters", "document.querySelectorAll('tr.cluster')[9]"),
+    ):
+        load(f"{base}/{route}", route)
+        bottom = js(f"({until}).getBoundingClientRect().top + window.scrollY")
+        width = js("document.documentElement.scrollWidth")
+        png = browser.call("Page.captureScreenshot", {
+            "format": "png", "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": min(width, 1280), "height": bottom, "scale": 1}},
+            browser.session)["data"]  # fmt: skip
+        img = Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB")
+        img = img.quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+        img.save(out / name, optimize=True)
+        print(
+            f"saved {out / name}: {img.width} x {img.height}, "
+            f"{(out / name).stat().st_size / 1024:.0f} KiB"
+        )
+
+
+if __name__ == "__main__":
+    main()
