@@ -34,6 +34,7 @@ def _entries(d: Path) -> set[str]:
     return {p.name for p in d.iterdir() if p.name.endswith(compile_cache.SUFFIX)}
 
 
+@pytest.mark.slow  # ~21 s: a whole `pdctl run` in a fresh process
 def test_a_run_caches_its_programs_in_its_directory(tmp_path: Path, default_cache) -> None:
     """`pdctl run` writes its compiled programs to <run>/cache/compile (private, marked); the
     train stage run again compiles nothing new: every program is read from there."""

@@ -25,6 +25,7 @@ def _live() -> tuple[int, int]:
     return len(arrays), sum(x.nbytes for x in arrays)
 
 
+@pytest.mark.slow  # ~16 s: a whole `pdctl run` in process
 def test_pdctl_run_leaves_nothing_of_a_stage_on_the_devices(tmp_path: Path, monkeypatch) -> None:
     """The live device buffers as each stage of `pdctl run` starts, and after the run, are
     what they were before the first stage: init-weights' arrays and warmup's final state
@@ -53,6 +54,7 @@ def test_pdctl_run_leaves_nothing_of_a_stage_on_the_devices(tmp_path: Path, monk
     assert after == before, (after, before)
 
 
+@pytest.mark.slow  # ~9 s: three stages in process
 def test_a_stage_with_no_steps_compiles_no_step(tmp_path: Path, monkeypatch) -> None:
     """warmup at `steps = 0` (the aligned init's templates) is done without compiling its step
     (52.7 s and 6.4 GiB for every MLP of SmolLM2 on a v5e), and saves nothing: train builds
@@ -75,6 +77,7 @@ def test_a_stage_with_no_steps_compiles_no_step(tmp_path: Path, monkeypatch) -> 
     assert state(run, "train")["status"] == "done"
 
 
+@pytest.mark.slow  # ~22 s: a whole `pdctl run` in process
 def test_pdctl_run_compiles_the_later_steps_ahead(tmp_path: Path, monkeypatch) -> None:
     """`[compile] ahead = true`: while init-weights runs, a host thread compiles pretrain's,
     warmup's and train's steps into the compile cache (a fresh one), so each of those stages
