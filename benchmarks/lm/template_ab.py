@@ -41,13 +41,14 @@ EVAL_KEYS = ("kl_stoch_masked", "kl_ci_masked", "kl_pgd", "ce_unrecovered_stoch_
 
 def set_key(text: str, dotted: str, value: str) -> str:
     """`text` (a pdctl.toml) with `section.key = value` set in place (its comment kept), or
-    inserted under `[section]` when the key is not there."""
+    inserted under `[section]` when the key is not there. ValueError where the text has no
+    `[section]` table or the result is not TOML."""
     section, key = dotted.rsplit(".", 1)
     lines = text.split("\n")
     try:
         start = next(i for i, x in enumerate(lines) if x.strip() == f"[{section}]")
     except StopIteration:
-        sys.exit(f"--arm: no [{section}] table in the template")
+        raise ValueError(f"no [{section}] table in the template") from None
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
     pattern = re.compile(rf'^{re.escape(key)}\s*=\s*("[^"]*"|[^#\s]+)(.*)$')
     for i in range(start + 1, end):
@@ -58,7 +59,10 @@ def set_key(text: str, dotted: str, value: str) -> str:
     else:
         lines.insert(start + 1, f"{key} = {value}")
     out = "\n".join(lines)
-    tomllib.loads(out)  # still TOML
+    try:
+        tomllib.loads(out)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{dotted} = {value} is not TOML ({e})") from None
     return out
 
 
@@ -77,7 +81,10 @@ def make_arm(root: Path, name: str, template: str, edits: list[str], gguf: str, 
         s = set_key(s, "data.path", json.dumps(str(Path(text).resolve())))
     for e in edits:
         k, v = e.split("=", 1)
-        s = set_key(s, k, v)
+        try:
+            s = set_key(s, k, v)
+        except ValueError as err:
+            sys.exit(f"--arm: {err}")
     toml.write_text(s)
     return run
 

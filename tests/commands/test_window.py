@@ -1,0 +1,89 @@
+"""benchmarks/tpu/window.py, the decomposition in time-limited calls: its arguments are checked
+before anything is written, the harvest's database comes back in xz parts that join to the same
+bytes, and two calls on a toy (the first stopped by SIGTERM at its limit) end with everything
+done and packed."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import subprocess
+import sys
+import tarfile
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.tpu import window
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--seconds", "30"], "--seconds must be above --stop-margin"),
+        (["--seconds", "300", "--set", "train.steps"], "not TABLE.KEY=VALUE"),
+        (["--seconds", "300", "--gguf", "/no/such.gguf"], "--gguf: no such file"),
+        (["--seconds", "300", "--wheels", "/no/such/dir"], "--wheels: no folder"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2_nothing_written(tmp_path, capsys, args, says):
+    with pytest.raises(SystemExit) as e:
+        window.main(["--run", str(tmp_path / "r"), "--pack", str(tmp_path / "out"), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("window: ") and says in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_xz_parts_join_to_the_same_bytes(tmp_path):
+    src = tmp_path / "harvest.db"
+    rng = np.random.default_rng(0)  # half noise (stays big), half zeros (compresses)
+    src.write_bytes(rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes() + bytes(300_000))
+    n = window.split_xz(src, tmp_path / "harvest.db.xz", 64 << 10)
+    parts = sorted(tmp_path.glob("harvest.db.xz.*"))
+    assert n == len(parts) >= 4 and [p.name[-2:] for p in parts] == [f"{i:02d}" for i in range(n)]
+    assert all(p.stat().st_size == 64 << 10 for p in parts[:-1])
+    assert lzma.decompress(b"".join(p.read_bytes() for p in parts)) == src.read_bytes()
+
+
+@pytest.mark.slow  # two calls of a TMS run through pdctl (~2 minutes)
+def test_two_calls_stop_resume_harvest_and_pack(tmp_path):
+    run = tmp_path / "S"
+
+    def call(seconds: int, out: Path) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "benchmarks.tpu.window", "--run", str(run), "--template",
+             "tms", "--seconds", str(seconds), "--stop-margin", "15", "--set",
+             "train.steps=100000", "--until", "6000", "--harvest", "--tokens 1024",
+             "--pack", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=seconds + 60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout
+
+    # the first call's 60 s end inside train (6,000 steps of ~10 ms after ~20 s of stages)
+    first = call(60, tmp_path / "out1")
+    assert "run: SIGTERM" in first and "run: exit 3" in first
+    state = tomllib.loads((run / "pdctl.toml").read_text())["state"]["train"]
+    assert state["status"] != "done" and 0 < state["step"] < 6000
+    assert sorted(p.name for p in (tmp_path / "out1").iterdir()) == ["run.tgz"]
+    # the second goes on: train to 6,000 (--until), then harvest, cluster and report
+    second = call(400, tmp_path / "out2")
+    assert "train: resuming from its latest checkpoint" in second
+    out = tmp_path / "out2"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["harvest.db.xz.00", "report.tgz", "run.tgz"], names
+    db = lzma.decompress(b"".join(p.read_bytes() for p in sorted(out.glob("harvest.db.xz.*"))))
+    assert db == (run / "harvest" / "harvest.db").read_bytes()
+    with tarfile.open(out / "run.tgz") as tar:
+        got = set(tar.getnames())
+    assert {"S/pdctl.toml", "S/metrics/train.jsonl", "S/.window/run.log"} <= got
+    assert {"harvest.done", "cluster.done", "report.done"} <= {
+        p.name for p in (run / ".window").iterdir()
+    }
+    rows = [json.loads(x) for x in (run / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert max(r.get("step", 0) for r in rows) == 6000
