@@ -170,7 +170,7 @@ def test_the_evaluation_has_no_collective_on_a_cpu_mesh(tmp_path):
 
 def _hf_model(root: Path) -> tuple[Path, Path]:
     """A tiny random Llama (2 layers, d 64, grouped-query attention) with a BPE tokenizer,
-    and a 400-document jsonl corpus (tests/fixtures.py's `rendezvous_llama`)."""
+    and a 400-document jsonl corpus (pdctl.testing.models' `rendezvous_llama`)."""
     pytest.importorskip("transformers", reason="needs the parity extra")
     pytest.importorskip("tokenizers")
     from pdctl.testing.models import rendezvous_llama

@@ -4,8 +4,9 @@ gives the one-device trajectory.
 
 Tolerance of the parity gate: splitting a projection over tp devices turns one matmul into
 partial products summed by an all-reduce (row-parallel o / down, the faithfulness term's
-sums), a float32 reassociation; benchmarks/tp_parity.py measured the metrics of 5 steps to
-differ by at most 5.7e-6 relative (tests use 3e-5), the L0 counts not at all.
+sums), a float32 reassociation; benchmarks/tp_parity.py (docs/performance.md) measured the
+metrics of 5 steps to differ by at most 5.7e-6 relative (tests use 3e-5), the L0 counts not at
+all.
 """
 
 from __future__ import annotations

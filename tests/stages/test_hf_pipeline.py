@@ -1,7 +1,7 @@
 """An imported Hugging Face model through the CLI: `pdctl new x --template hf-lm`, a tiny
 random Llama (grouped-query attention) saved locally with transformers, its BPE tokenizer
-and a small jsonl corpus (tests/fixtures.py's `hf_llama`); then `pdctl run`, resume, export
-and the bad inputs. No network anywhere.
+and a small jsonl corpus (tests/fixtures.py's `hf_llama`, built by pdctl.testing.models); then
+`pdctl run`, resume, export and the bad inputs. No network anywhere.
 """
 
 from __future__ import annotations

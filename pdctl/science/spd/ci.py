@@ -240,8 +240,9 @@ def _per_component(a: Array, W: Array) -> Array:
     """`einsum("...ci,cio->...co", a, W)`: each component's own layer. A width-1 side is
     written as a broadcast product (in = 1) or a product summed over the last axis (out = 1),
     not a batched dot: XLA:CPU then fuses the (..., C, hidden) work into a few loops instead
-    of materialising broadcasts of W for a dot with a contraction of 1 (benchmarks/ci_mlp.py:
-    the TMS CI function's forward + backward about 2x faster with `runtime.cpu_xla_flags`)."""
+    of materialising broadcasts of W for a dot with a contraction of 1 (docs/performance.md,
+    measured by the since removed benchmarks/ci_mlp.py: the TMS CI function's forward +
+    backward about 2x faster with `runtime.cpu_xla_flags`)."""
     if W.shape[-2] == 1:
         return a[..., :1] * W[:, 0, :]
     if W.shape[-1] == 1:
