@@ -11,7 +11,7 @@ Each call does, in order, what is not done yet and what its time still allows:
 1. install: the wheels in `--wheels` (a machine without network: `accel_check.sh
    --fetch-wheels`), into `--site`, which goes after the machine's own JAX on PYTHONPATH;
 2. new: `pdctl new` from `--template`, with `[target] path` = `--gguf`, `[data] path` = `--text`
-   and each `--set TABLE.KEY=VALUE` (comments kept);
+   and each `--set TABLE.KEY=VALUE` (comments kept) and `--unset TABLE.KEY`;
 3. run: `pdctl run` (every stage; `--until` N stops train at step N), sent SIGTERM
    `--stop-margin` seconds before the call's end (pdctl saves a checkpoint and exits 3: the next
    call's `pdctl run` resumes from it);
@@ -65,6 +65,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gguf", type=Path, help="[target] path of a new run")
     ap.add_argument("--text", type=Path, help="[data] path of a new run")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    ap.add_argument("--unset", dest="unsets", action="append", default=[], metavar="TABLE.KEY",
+                    help="a template's key to remove (back to pdctl's default)")  # fmt: skip
     ap.add_argument("--until", type=int, help="stop train at this step (pdctl run --until)")
     ap.add_argument("--harvest", help="pdctl harvest's arguments, in one string ('' for none)")
     ap.add_argument("--no-report", action="store_true")
@@ -79,6 +81,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         key, eq, value = s.partition("=")
         if not eq or "." not in key or not value:
             die(f"--set {s!r}: not TABLE.KEY=VALUE (e.g. train.steps=1500)")
+    for s in a.unsets:
+        if "." not in s or "=" in s:
+            die(f"--unset {s!r}: not TABLE.KEY (e.g. train.loss.gamma_final)")
     if not (a.run / "pdctl.toml").is_file():
         for flag, path in (("--gguf", a.gguf), ("--text", a.text)):
             if path is not None and not path.exists():
@@ -186,9 +191,11 @@ class Window:
             for e in edits:
                 key, _, value = e.partition("=")
                 text = set_key(text, key.strip(), value.strip())
+            for key in self.a.unsets:
+                text = unset_key(text, key.strip())
         except ValueError as err:
             shutil.rmtree(draft)
-            die(f"--set: {err}")
+            die(f"--set / --unset: {err}")
         (draft / "pdctl.toml").write_text(text, encoding="utf-8")
         argv = [sys.executable, "-m", "pdctl", "--project", str(draft), "status"]
         r = subprocess.run(argv, env=self.env, capture_output=True, text=True)
@@ -248,6 +255,22 @@ class Window:
             f"{p.name} {p.stat().st_size / 2**20:.1f} MiB" for p in sorted(out.iterdir())
         )
         say(f"pack: {out}: {sizes}")
+
+
+def unset_key(text: str, dotted: str) -> str:
+    """`text` (a pdctl.toml) without the line of `section.key` (ValueError where it has none)."""
+    section, key = dotted.rsplit(".", 1)
+    lines, table, hit = text.split("\n"), None, None
+    for i, line in enumerate(lines):
+        s = line.strip()
+        if s.startswith("[") and not s.startswith("[["):
+            table = s.strip("[]").strip()
+        elif table == section and s.split("=", 1)[0].strip() == key and "=" in s:
+            hit = i
+            break
+    if hit is None:
+        raise ValueError(f"no {key} in [{section}] to unset")
+    return "\n".join(lines[:hit] + lines[hit + 1 :])
 
 
 def _last_line(text: str, default: str) -> str:

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         (["--seconds", "30"], "--seconds must be above --stop-margin"),
         (["--seconds", "300", "--set", "train.steps"], "not TABLE.KEY=VALUE"),
+        (["--seconds", "300", "--unset", "steps"], "not TABLE.KEY"),
         (["--seconds", "300", "--gguf", "/no/such.gguf"], "--gguf: no such file"),
         (["--seconds", "300", "--wheels", "/no/such/dir"], "--wheels: no folder"),
     ],
@@ -37,6 +38,14 @@ def test_bad_arguments_are_one_line_exit_2_nothing_written(tmp_path, capsys, arg
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("window: ") and says in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unset_removes_one_key_of_its_table():
+    text = "[a]\nx = 1  # one\ny = 2\n\n[b]\nx = 3\n"
+    assert window.unset_key(text, "b.x") == "[a]\nx = 1  # one\ny = 2\n\n[b]\n"
+    assert window.unset_key(text, "a.x") == "[a]\ny = 2\n\n[b]\nx = 3\n"
+    with pytest.raises(ValueError, match="no z in"):
+        window.unset_key(text, "a.z")
 
 
 def test_xz_parts_join_to_the_same_bytes(tmp_path):
