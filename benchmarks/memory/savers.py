@@ -118,8 +118,8 @@ def child_numerics(side: str, steps: int) -> dict:
 
     runtime.configure_devices()
     import jax
-    import scan_compile
 
+    from benchmarks.startup import scan_compile
     from pdctl.config import parse_config
 
     raw = scan_compile.tiny_raw(2, scan=True)

@@ -173,8 +173,7 @@ def diff(first: list[dict], other: list[dict], top: int) -> str:
 def compile_text(name: str, args) -> tuple[str, float]:
     """The optimized program of `tpu/fit.py`'s configuration `name`, compiled for v5e:1x1,
     and the fit check's predicted peak (GiB)."""
-    import tpu_fit
-
+    from benchmarks.tpu import fit as tpu_fit
     from pdctl.inspect import topology
 
     topo, _ = topology.target(None, "tpu-v5e", None)

@@ -53,8 +53,8 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
-    from tpu_cost import costed_ops, ms
 
+    from benchmarks.tpu.cost import costed_ops, ms
     from pdctl.config import parse_config
     from pdctl.engine import sharding
     from pdctl.harvest import effect
