@@ -18,6 +18,7 @@ ratios, and confirm on a chip.
         [--hlo-dir DIR]          # also write each optimized program's text there
         [--diff]                 # and the ops that changed most from the first configuration
     python -m benchmarks.tpu.cost --hlo FILE ...  # a program already dumped
+    python -m benchmarks.tpu.cost --runs DIR ...  # also each run directory's train step
 
 Needs libtpu (`pip install -e ".[tpu-aot]"`); a configuration compiles in ~70 s on 2 cores.
 A benchmark, never a test.
@@ -186,12 +187,34 @@ def compile_text(name: str, args) -> tuple[str, float]:
     return compiled.as_text(), f.peak / 2**30
 
 
+def compile_run(run: Path) -> tuple[str, float]:
+    """The optimized train step of the run directory `run` (its pdctl.toml as it stands, on one
+    device), compiled for v5e:1x1, and its peak as XLA states it (GiB)."""
+    from pdctl.engine import sharding
+    from pdctl.inspect import plan, topology
+    from pdctl.project import Project
+
+    topo, _ = topology.target(None, "tpu-v5e", None)
+    if topo is None:
+        sys.exit('no libtpu to compile for a TPU: pip install -e ".[tpu-aot]"')
+    cfg = Project.load(run / "pdctl.toml").config
+    mesh = sharding.mesh_from_config(cfg.mesh, topology.devices(topo)[:1])
+    compiled = plan(cfg, "train", mesh).program.lower().compile()
+    m = compiled.memory_analysis()
+    peak = (
+        m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )  # fmt: skip
+    return compiled.as_text(), peak / 2**30
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default=os.environ.get("PDCTL_SMOLLM2_GGUF"))
     ap.add_argument("--text", default=os.environ.get("PDCTL_TEXT", "/usr/share/games/fortunes"))
     ap.add_argument("--configs", nargs="+", default=["b16 k8 full src-bf16"])
     ap.add_argument("--hlo", nargs="+", help="analyse these dumped programs instead")
+    ap.add_argument("--runs", nargs="+", type=Path, default=[], help="run directories to add")
     ap.add_argument("--hlo-dir", help="write each compiled program's text here")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--diff", action="store_true", help="each program's changes from the first")
@@ -207,9 +230,11 @@ def main() -> None:
         from pdctl.engine import runtime
 
         runtime.configure_devices()
-        for name in args.configs:
+        jobs = [(name, lambda n=name: compile_text(n, args)) for name in args.configs]
+        jobs += [(str(run), lambda r=run: compile_run(r)) for run in args.runs]
+        for name, make in jobs:
             t = time.perf_counter()
-            text, peak = compile_text(name, args)
+            text, peak = make()
             print(
                 f"# {name}: compiled for v5e:1x1 in {time.perf_counter() - t:.0f} s; "
                 f"predicted peak {peak:.2f} GiB",
