@@ -234,8 +234,8 @@ class Window:
 
     def pack(self) -> None:
         out = self.a.pack
-        if out is None:
-            return
+        if out is None or not (self.run / "pdctl.toml").is_file():
+            return  # (no run: nothing to pack, nothing written)
         out.mkdir(parents=True, exist_ok=True)
         with tarfile.open(out / "run.tgz", "w:gz") as tar:
             for name in ("pdctl.toml", "metrics", ".window"):

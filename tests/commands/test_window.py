@@ -40,6 +40,18 @@ def test_bad_arguments_are_one_line_exit_2_nothing_written(tmp_path, capsys, arg
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_key_pdctl_refuses_is_one_line_and_no_run(tmp_path, capsys):
+    """`pdctl new` and pdctl's own check of the keys happen in a draft folder: a bad key leaves
+    neither a run directory nor a pack."""
+    with pytest.raises(SystemExit) as e:
+        window.main(["--run", str(tmp_path / "r"), "--seconds", "300", "--template", "tms",
+                     "--set", "train.stepz=5", "--pack", str(tmp_path / "out")])  # fmt: skip
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["window: train.stepz: unknown key"], err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unset_removes_one_key_of_its_table():
     text = "[a]\nx = 1  # one\ny = 2\n\n[b]\nx = 3\n"
     assert window.unset_key(text, "b.x") == "[a]\nx = 1  # one\ny = 2\n\n[b]\n"
