@@ -66,6 +66,7 @@ def test_train_with_stdout_a_pipe_says_what_it_does(warmed: Path) -> None:
     assert order == sorted(order), lines
 
 
+@pytest.mark.slow  # ~7 s: stages in fresh processes
 def test_json_lines_parse_one_by_one(warmed: Path, tmp_path: Path, no_format) -> None:
     """`--log-format json`: every record the loop prints is one JSON object a line (the
     command's own end line stays text)."""

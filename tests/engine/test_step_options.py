@@ -121,6 +121,7 @@ def test_unrolled_ppgd_warmup_is_the_same_step(tmp_path):
     assert np.isfinite(out[True][1]["merged_recon"])
 
 
+@pytest.mark.slow  # ~7 s: two train steps compiled
 def test_bfloat16_target_computes_in_the_compute_dtype(tmp_path):
     """Every forward of a target stored apart (`compute_dtype` set, as target_from_config sets
     it with `target_dtype`) casts its weights on entry: the evaluation's, harvest's and

@@ -731,6 +731,7 @@ def test_13_a_command_named_for_an_unfinished_stage_works(done: Path, tmp_path: 
     _ok("--project", run, "train", "--fresh")
 
 
+@pytest.mark.slow  # ~6 s: a run and an export on other device counts
 def test_export_reads_checkpoints_written_on_another_device_count(
     done: Path, tmp_path: Path
 ) -> None:

@@ -95,6 +95,7 @@ def test_scanned_forward_equals_unrolled(tmp_path, name):
     )
 
 
+@pytest.mark.slow  # ~7 s: two LM steps compiled, scanned and unrolled
 def test_scanned_siteless_layers_equal_unrolled(tmp_path):
     """`scan_siteless`: the layers without sites before and after one decomposed layer (here
     layers 0-1 and 3-4 of 5, the MLP of layer 2 decomposed) run as two scans; the clean
