@@ -192,6 +192,7 @@ def compile_run(run: Path) -> tuple[str, float]:
     device), compiled for v5e:1x1, and its peak as XLA states it (GiB)."""
     from pdctl.engine import sharding
     from pdctl.inspect import plan, topology
+    from pdctl.inspect.memory import memory_report
     from pdctl.project import Project
 
     topo, _ = topology.target(None, "tpu-v5e", None)
@@ -200,11 +201,7 @@ def compile_run(run: Path) -> tuple[str, float]:
     cfg = Project.load(run / "pdctl.toml").config
     mesh = sharding.mesh_from_config(cfg.mesh, topology.devices(topo)[:1])
     compiled = plan(cfg, "train", mesh).program.lower().compile()
-    m = compiled.memory_analysis()
-    peak = (
-        m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )  # fmt: skip
+    peak = memory_report(compiled, 0)["peak_bytes_estimate"]
     return compiled.as_text(), peak / 2**30
 
 

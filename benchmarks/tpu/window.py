@@ -41,7 +41,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from benchmarks._harness import ROOT, machine_line
+from benchmarks._harness import child_env, machine_line
 from benchmarks.lm.template_ab import set_key
 
 START = time.monotonic()
@@ -100,9 +100,9 @@ class Window:
         self.a, self.run = a, a.run.resolve()
         self.end = START + a.seconds
         self.marks = self.run / ".window"
-        path = [str(ROOT), os.environ.get("PYTHONPATH", ""), str(a.site)]
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p),
-                    "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        # this checkout first, then the machine's own path (its JAX), then the installed wheels
+        self.env = child_env(PYTHONUNBUFFERED="1")
+        self.env["PYTHONPATH"] += os.pathsep + str(a.site)
 
     def left(self) -> float:
         return self.end - time.monotonic()
