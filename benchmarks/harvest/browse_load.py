@@ -20,9 +20,17 @@ clusters), and the best of 5 after.
 
     python -m benchmarks.harvest.browse_load [--layers 30] [--per-site 48] [--top-k 20]
         [--batches 8] [--screenshots docs/] [--keep]
+    python -m benchmarks.harvest.browse_load --run RUN [--component SITE:N]
+        [--screenshots docs/ --prefix whole_model_browse_]
 
-`--screenshots DIR`: also save the overview and the clusters page as PNGs in DIR
-(browse_overview.png, browse_clusters.png; 256-colour, to keep them small). `--keep`: leave
+`--run RUN`: the same pages over a run's own harvest (harvested and clustered: one brought back
+from a device, say) instead of the synthetic one; the older-database rows are left out. The
+component page is `--component` (a site and a component index), else the middle harvested
+site's most often firing component among those that do not fire at every position.
+
+`--screenshots DIR`: also save the overview, the clusters page and the component page as PNGs in
+DIR (`--prefix` + overview.png, clusters.png, component.png; prefix `browse_`; 256-colour, to
+keep them small). `--keep`: leave
 the run directory (~190 MB, under the system's temporary directory) to browse afterwards.
 (Until 2026-12-06 this script measured 15 sites x 100 components, one site kind: see
 docs/performance.md.)
@@ -76,6 +84,35 @@ def server_ms(base: str, paths: list[str]) -> float:
     return sum(min(get_ms(base + p) for _ in range(5)) for p in paths)
 
 
+def _drivers(browser):
+    """(js, load): a JS expression's value in the page; a route loaded, ms to its ready mark."""
+
+    def js(expr: str):
+        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
+                           browser.session)  # fmt: skip
+        return out["result"].get("value")
+
+    def load(url: str, ready: str) -> float:
+        browser.call("Page.navigate", {"url": "about:blank"}, browser.session)
+        t = time.perf_counter()
+        browser.call("Page.navigate", {"url": url}, browser.session)
+        deadline = t + 60
+        while js("document.body && document.body.dataset.ready") != ready:
+            assert time.perf_counter() < deadline, (url, js("document.body.innerHTML"))
+            time.sleep(0.005)
+        return (time.perf_counter() - t) * 1e3
+
+    return js, load
+
+
+def _table(rows) -> None:
+    print("| page | API requests | server ms (best of 5 each, summed) | Chromium ms (best of 5) |")
+    print("|---|---|---|---|")
+    for name, n, ms, chrome in rows:
+        server = "" if ms is None else f"{ms:.0f}"
+        print(f"| {name} | {n} | {server} | {'' if chrome is None else f'{chrome:.0f}'} |")
+
+
 def main() -> None:
     from benchmarks._harness import machine_line
 
@@ -85,9 +122,14 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=20, help="top and sampled examples each")
     ap.add_argument("--batches", type=int, default=8, help="of 16 x 64 tokens")
     ap.add_argument("--screenshots", type=Path, default=None)
+    ap.add_argument("--prefix", default="browse_", help="of the screenshots' file names")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (its path)")
+    ap.add_argument("--run", type=Path, help="a harvested and clustered run instead")
+    ap.add_argument("--component", metavar="SITE:N", help="the component page's component")
     args = ap.parse_args()
     print(machine_line())
+    if args.run is not None:
+        return real(args)
 
     from pdctl.harvest import cluster as cl
     from pdctl.project import Project
@@ -153,21 +195,7 @@ def main() -> None:
     old_server, old_base = serve(old)
     browser = Browser(tmp / "profile")
 
-    def js(expr: str):
-        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                           browser.session)  # fmt: skip
-        return out["result"].get("value")
-
-    def load(url: str, ready: str) -> float:
-        browser.call("Page.navigate", {"url": "about:blank"}, browser.session)
-        t = time.perf_counter()
-        browser.call("Page.navigate", {"url": url}, browser.session)
-        deadline = t + 60
-        while js("document.body && document.body.dataset.ready") != ready:
-            assert time.perf_counter() < deadline, (url, js("document.body.innerHTML"))
-            time.sleep(0.005)
-        return (time.perf_counter() - t) * 1e3
-
+    js, load = _drivers(browser)
     rows = []
     for name, route, paths in pages:
         ms = server_ms(base, paths)
@@ -190,7 +218,7 @@ def main() -> None:
         rows.append((f"{name}, older db: after it", 1, after, chrome))
 
     if args.screenshots is not None:
-        shots(browser, js, load, base, args.screenshots)
+        shots(browser, js, load, base, args.screenshots, args.prefix)
     browser.close()
     server.should_exit = old_server.should_exit = True
 
@@ -198,19 +226,70 @@ def main() -> None:
           f"{args.top_k} top + {args.top_k} sampled examples each; harvest.db {size:.1f} MiB "
           f"(built in {build_s:.0f} s; clustered in {cluster_s:.0f} s: {got.n_clusters} clusters "
           f"of two or more, {got.n_singletons} alone; {n_labels:,} labels)")  # fmt: skip
-    print("| page | API requests | server ms (best of 5 each, summed) | Chromium ms (best of 5) |")
-    print("|---|---|---|---|")
-    for name, n, ms, chrome in rows:
-        server = "" if ms is None else f"{ms:.0f}"
-        print(f"| {name} | {n} | {server} | {'' if chrome is None else f'{chrome:.0f}'} |")
+    _table(rows)
     if args.keep:
         print(f"kept {run} (`pdctl --project {run} browse`)")
     else:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def shots(browser, js, load, base: str, out: Path) -> None:
-    """The overview's grid and the first clusters as PNGs in `out` (256 colours)."""
+def real(args: argparse.Namespace) -> None:
+    """The pages of `args.run`'s own harvest, timed as main() times the synthetic one's."""
+    from pdctl.testing.browser import Browser
+
+    path = args.run / "harvest" / "harvest.db"
+    if not path.is_file():
+        raise SystemExit(f"browse_load: no {path} (pdctl harvest, then pdctl cluster, first)")
+    con = sqlite3.connect(path)
+    sites = [r[0] for r in con.execute("SELECT site FROM sites ORDER BY idx")]
+    (n_comp,) = con.execute("SELECT count(*) FROM components").fetchone()
+    if args.component:
+        site, _, c = args.component.rpartition(":")
+        comp = int(c)
+    else:
+        site = sites[len(sites) // 2]
+        (comp,) = con.execute(
+            "SELECT component FROM components WHERE site = ? AND frequency < 1 "
+            "ORDER BY count DESC, component LIMIT 1",
+            (site,),
+        ).fetchone()
+    (C,) = con.execute("SELECT C FROM sites WHERE site = ?", (site,)).fetchone()
+    con.close()
+    q = urllib.parse.quote
+    s = q(site, safe="")
+    pages = [
+        ("overview", "#/", ["/api/overview"]),
+        ("clusters (first 50)", "#/clusters", ["/api/clusters?offset=0&limit=50"]),
+        (f"component ({site} #{comp})", f"#/c/{s}/{comp}",
+         [f"/api/component/{s}/{comp}", f"/api/like/{s}/{comp}", f"/api/cluster_of/{s}/{comp}",
+          f"/api/attributions/{s}/{comp}", f"/api/labels?site={s}&component={comp}"]),
+        (f"site table ({C} rows)", f"#/site/{s}",
+         [f"/api/components?site={s}&sort=frequency&desc=1&min_frequency=0&limit=5000",
+          f"/api/labels?site={s}"]),
+    ]  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="pdctl-browse-"))
+    server, base = serve(args.run)
+    browser = Browser(tmp / "profile")
+    js, load = _drivers(browser)
+    rows = []
+    for name, route, paths in pages:
+        ms = server_ms(base, paths)
+        chrome = min(load(f"{base}/{route}", route) for _ in range(5))
+        rows.append((name, len(paths), ms, chrome))
+    if args.screenshots is not None:
+        shots(browser, js, load, base, args.screenshots, args.prefix, f"#/c/{s}/{comp}")
+    browser.close()
+    server.should_exit = True
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{args.run}: {len(sites)} sites, {n_comp:,} components; harvest.db "
+          f"{path.stat().st_size / 2**20:.1f} MiB")  # fmt: skip
+    _table(rows)
+
+
+def shots(browser, js, load, base: str, out: Path, prefix: str = "browse_",
+          component: str | None = None) -> None:  # fmt: skip
+    """The overview's grid, the first clusters and (a route given) a component page as PNGs in
+    `out` (256 colours)."""
     import io
 
     from PIL import Image
@@ -219,12 +298,18 @@ def shots(browser, js, load, base: str, out: Path) -> None:
     browser.call("Emulation.setDeviceMetricsOverride",
                  {"width": 1280, "height": 900, "deviceScaleFactor": 1, "mobile": False},
                  browser.session)  # fmt: skip
-    for name, route, until in (
-        ("browse_overview.png", "#/", "document.getElementById('sites')"),
-        ("browse_clusters.png", "#/clusters", "document.querySelectorAll('tr.cluster')[9]"),
-    ):
+    top = "({}).getBoundingClientRect().top + window.scrollY"
+    pages = [  # (file, route, how far down the shot goes: a JS expression, pixels)
+        (f"{prefix}overview.png", "#/", top.format("document.getElementById('sites')")),
+        (f"{prefix}clusters.png", "#/clusters",
+         top.format("document.querySelectorAll('tr.cluster')[9]")),
+    ]  # fmt: skip
+    if component is not None:  # the page's first 1,600 pixels at most
+        main = "document.getElementById('main').getBoundingClientRect().bottom + window.scrollY"
+        pages.append((f"{prefix}component.png", component, f"Math.min({main}, 1600)"))
+    for name, route, until in pages:
         load(f"{base}/{route}", route)
-        bottom = js(f"({until}).getBoundingClientRect().top + window.scrollY")
+        bottom = js(until)
         width = js("document.documentElement.scrollWidth")
         png = browser.call("Page.captureScreenshot", {
             "format": "png", "captureBeyondViewport": True,

@@ -231,6 +231,12 @@ def test_whole_model_pages_in_headless_chromium(model_run: Path, tmp_path: Path)
                        ".map(a => a.textContent)")  # fmt: skip
             assert links == [f"layers.1.{k} #2" for k in KINDS if k != "mlp.up"], links
             assert js("document.querySelectorAll('#siblings-table .badge').length") == 2
+            # a component whose input tokens include " ": shown as ␣, as the clusters page
+            # does, not as an empty box (a real LM's newline and tab tokens were invisible)
+            go("#/c/layers.1.mlp.up/7")
+            codes = js("Array.from(document.querySelectorAll('#main p code'))"
+                       ".map(c => c.textContent)")  # fmt: skip
+            assert "␣" in codes and all(c.strip() for c in codes), codes
             page_errors = [m for m in browser.seen if m.get("method") == "Runtime.exceptionThrown"]
             assert page_errors == []
     finally:

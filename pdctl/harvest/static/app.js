@@ -147,11 +147,11 @@ async function component(site, c) {
   h += "<h2>sampled firing examples</h2>" + (list(d.sample).map(example).join("") || '<p class="muted">none</p>');
   for (const k of ["count", "pmi"]) {
     const t = list(d["tokens_" + k]);
-    if (t.length) h += `<h2>input tokens by ${k}</h2><p>` + t.map(x => `<code>${esc(x.token)}</code> ${esc(x.count)} (PMI ${fmt(x.pmi)})`).join(", ") + "</p>";
+    if (t.length) h += `<h2>input tokens by ${k}</h2><p>` + t.map(x => `<code>${esc(vis(x.token))}</code> ${esc(x.count)} (PMI ${fmt(x.pmi)})`).join(", ") + "</p>";
   }
   for (const k of ["raised", "lowered"]) {
     const t = list((d.effects || {})[k]);
-    if (t.length) h += `<h2>next tokens it ${k} (ablated where it fires, nats)</h2><p>` + t.map(x => `<code>${esc(x.token)}</code> ${fmt(x.nats)}`).join(", ") + "</p>";
+    if (t.length) h += `<h2>next tokens it ${k} (ablated where it fires, nats)</h2><p>` + t.map(x => `<code>${esc(vis(x.token))}</code> ${fmt(x.nats)}`).join(", ") + "</p>";
   }
   h += "<h2>fires together with</h2><table><tr><th>component</th><th>count</th><th>precision</th><th>recall</th><th>Jaccard</th><th>PMI</th></tr>";
   h += list(d.cooc).map(r => `<tr><td>${compLink(r.other_site, r.other_component)}</td><td>${esc(r.count)}</td><td>${fmt(r.precision)}</td><td>${fmt(r.recall)}</td><td>${fmt(r.jaccard)}</td><td>${fmt(r.pmi)}</td></tr>`).join("") + "</table>";
@@ -297,7 +297,7 @@ async function search(q) {
   const my = navGen;
   const d = await api(`/api/search?q=${encodeURIComponent(q)}`);
   let h = `<h1>components firing on <code>${esc(q)}</code></h1><p>token ids: ${esc(list(d.ids).join(", ")) || "none"}</p><table id="results"><tr><th>component</th><th>token</th><th>count</th><th>PMI</th></tr>`;
-  h += list(d.rows).map(r => `<tr><td>${compLink(r.site, r.component)}</td><td><code>${esc(r.token)}</code></td><td>${esc(r.count)}</td><td>${fmt(r.pmi)}</td></tr>`).join("");
+  h += list(d.rows).map(r => `<tr><td>${compLink(r.site, r.component)}</td><td><code>${esc(vis(r.token))}</code></td><td>${esc(r.count)}</td><td>${fmt(r.pmi)}</td></tr>`).join("");
   if (my !== navGen) return;
   main.innerHTML = h + "</table>";
 }
