@@ -1,8 +1,9 @@
 """The Python half of `benchmarks/tpu/accel_check.sh` (run it through that script):
 
-accel_check.py deps             pdctl's requirements that the benchmarks import and this
-                                Python lacks (or has at a version pdctl does not accept),
-                                one requirement a line; JAX itself must come from the machine
+accel_check.py deps [DIST ...]  pdctl's requirements that the benchmarks import (or those
+                                named) and this Python lacks (or has at a version pdctl does
+                                not accept), one requirement a line; JAX itself must come from
+                                the machine
 accel_check.py imports          import what the benchmarks import; one line naming the first
                                 module that is missing, exit 2
 accel_check.py platform         what JAX will run on, told without opening the device (JSON)
@@ -53,12 +54,12 @@ def _requirement(spec: str):
     return Requirement(spec)
 
 
-def deps() -> None:
+def deps(names: tuple[str, ...] | list[str] = BENCH_DISTS) -> None:
     from importlib import metadata
 
     specs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     wanted = {_requirement(s).name: s for s in specs}
-    for name in BENCH_DISTS:
+    for name in names:
         req = _requirement(wanted.get(name, name))
         try:
             have = metadata.version(req.name)
@@ -617,7 +618,7 @@ def summary(work: Path, out: Path) -> None:
 def main() -> None:
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "deps":
-        deps()
+        deps(rest or BENCH_DISTS)
     elif cmd == "imports":
         imports()
     elif cmd == "platform":

@@ -8,8 +8,13 @@ same command, call after call, goes on from where the last call stopped, ends wi
         [--wheels .whl-tpu] [--harvest "--tokens 32768 --top-k 5 --sites ..."] [--pack $OUT]
 
 Each call does, in order, what is not done yet and what its time still allows:
-1. install: the wheels in `--wheels` (a machine without network: `accel_check.sh
-   --fetch-wheels`), into `--site`, which goes after the machine's own JAX on PYTHONPATH;
+1. install: what pdctl's parts need and the machine lacks, into `--site`, which goes after the
+   machine's own JAX on PYTHONPATH: from `--index-url` (a machine image's own package index,
+   such as file:///opt/pypi/simple) with `--wheels` beside it, or else every wheel in
+   `--wheels` as it is (a machine without network: `accel_check.sh --fetch-wheels`); then every
+   module the parts import is imported once, so that a missing one is one line (exit 2) before
+   the run starts, not a traceback after the training (the eighth session's harvest: no
+   matplotlib);
 2. new: `pdctl new` from `--template`, with `[target] path` = `--gguf`, `[data] path` = `--text`
    and each `--set TABLE.KEY=VALUE` (comments kept) and `--unset TABLE.KEY`;
 3. run: `pdctl run` (every stage; `--until` N stops train at step N), sent SIGTERM
@@ -45,6 +50,12 @@ from benchmarks._harness import child_env, machine_line
 from benchmarks.lm.template_ab import set_key
 
 START = time.monotonic()
+# What pdctl's parts (new, run, harvest, cluster, report) import beyond the machine's JAX, its
+# numpy and scipy: pdctl's requirements by distribution, and the modules imported once first.
+NEEDS = ("optax", "orbax-checkpoint", "grain", "typer", "tomli-w", "rich", "pydantic",
+         "tokenizers", "safetensors", "gguf", "matplotlib")  # fmt: skip
+MODULES = ("pdctl.cli.app", "pdctl.stages.train", "pdctl.science.targets.imported",
+           "pdctl.harvest.run", "pdctl.harvest.cluster", "pdctl.report.build")  # fmt: skip
 
 
 def say(msg: str) -> None:
@@ -71,6 +82,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--harvest", help="pdctl harvest's arguments, in one string ('' for none)")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--wheels", type=Path, help="a folder of wheels to install once")
+    ap.add_argument("--index-url", help="a package index for what the machine lacks")
     ap.add_argument("--site", type=Path, default=Path("/tmp/pdctl-window-site"))
     ap.add_argument("--pack", type=Path, help="the folder to leave the call's small files in")
     ap.add_argument("--part-mib", type=int, default=15)
@@ -160,15 +172,44 @@ class Window:
     def install(self) -> None:
         wheels = sorted(self.a.wheels.glob("*.whl")) if self.a.wheels else []
         stamp = self.a.site / ".pdctl-window"
-        names = "\n".join(w.name for w in wheels)
-        if not wheels or (stamp.is_file() and stamp.read_text() == names):
+        pip = [sys.executable, "-m", "pip", "install", "--isolated", "-q", "--no-compile",
+               "--no-cache-dir", "--upgrade", "--target", str(self.a.site)]  # fmt: skip
+        if self.a.index_url:  # what is missing, with what it needs, from the index
+            missing = self.missing()
+            what = "\n".join([self.a.index_url, *missing, *(w.name for w in wheels)])
+            links = ["--find-links", str(self.a.wheels)] if self.a.wheels else []
+            cmd = [*pip, "--only-binary=:all:", "--index-url", self.a.index_url, *links, *missing]
+        else:  # every wheel of the folder as it is
+            missing = [w.name for w in wheels]
+            what = "\n".join(missing)
+            cmd = [*pip, "--no-index", "--no-deps", *map(str, wheels)]
+        if not missing or (stamp.is_file() and stamp.read_text() == what):
             return
-        say(f"install: {len(wheels)} wheels into {self.a.site}")
-        cmd = [sys.executable, "-m", "pip", "install", "--isolated", "-q", "--no-index",
-               "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade", "--target",
-               str(self.a.site), *map(str, wheels)]  # fmt: skip
-        subprocess.run(cmd, env={**os.environ, "PIP_CONFIG_FILE": os.devnull}, check=True)
-        stamp.write_text(names)
+        say(f"install: {' '.join(missing) if self.a.index_url else f'{len(wheels)} wheels'} "
+            f"into {self.a.site}")  # fmt: skip
+        self.a.site.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(cmd, env={**os.environ, "PIP_CONFIG_FILE": os.devnull})
+        if r.returncode != 0:
+            die(f"pip could not install {' '.join(missing)} into {self.a.site} (see above)")
+        stamp.write_text(what)
+
+    def missing(self) -> list[str]:
+        """pdctl's requirements among NEEDS that this Python (with `--site`) lacks."""
+        r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.accel_check", "deps", *NEEDS],
+                           env=self.env, capture_output=True, text=True)  # fmt: skip
+        if r.returncode != 0:
+            die(_last_line(r.stderr, "accel_check deps failed"))
+        return r.stdout.split()
+
+    def preflight(self) -> None:
+        """Every module the parts import, imported once in a child: one line, exit 2, where
+        one is missing."""
+        code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+        r = subprocess.run([sys.executable, "-c", code, *MODULES], env=self.env,
+                           capture_output=True, text=True)  # fmt: skip
+        if r.returncode != 0:
+            fix = "--index-url URL (the machine's package index) or --wheels DIR"
+            die(f"{_last_line(r.stderr, 'an import failed')}: give {fix}")
 
     def new(self) -> None:
         """The run directory from the template with the keys set, checked by pdctl (`pdctl
@@ -320,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     w = Window(a)
     try:
         w.install()
+        w.preflight()
         w.new()
         if w.train():
             w.after()

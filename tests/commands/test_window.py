@@ -71,6 +71,56 @@ def test_xz_parts_join_to_the_same_bytes(tmp_path):
     assert lzma.decompress(b"".join(p.read_bytes() for p in parts)) == src.read_bytes()
 
 
+def _wheel(folder: Path, name: str) -> Path:
+    """A one-module wheel, built by hand (no build backend offline): NAME/__init__.py."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 1\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in {**files, f"{info}/RECORD": record}.items():
+            z.writestr(f, text)
+    return path
+
+
+def test_install_from_an_index_puts_what_is_missing_on_the_site(tmp_path, monkeypatch, capsys):
+    """--index-url: what pdctl's parts need and this Python lacks is installed from the index
+    (here an empty one, the wheel found beside it in --wheels) into --site, once; the parts'
+    modules are imported before the run starts, a missing one as one line, exit 2."""
+    _wheel(tmp_path / "wheels", "pdctl_window_probe")
+    (tmp_path / "index").mkdir()
+    monkeypatch.setattr(window, "NEEDS", ("pdctl_window_probe",))
+    monkeypatch.setattr(window, "MODULES", ("pdctl_window_probe",))
+    site = tmp_path / "site"
+    a = window._args(["--run", str(tmp_path / "r"), "--seconds", "300", "--site", str(site),
+                      "--index-url", (tmp_path / "index").as_uri(),
+                      "--wheels", str(tmp_path / "wheels")])  # fmt: skip
+    w = window.Window(a)
+    assert w.missing() == ["pdctl_window_probe"]
+    w.install()
+    assert (site / "pdctl_window_probe" / "__init__.py").is_file()
+    assert w.missing() == []  # found on the site now: the next call installs nothing
+    w.preflight()
+    assert "install: pdctl_window_probe into" in capsys.readouterr().out
+
+    monkeypatch.setattr(window, "MODULES", ("pdctl_window_probe", "pdctl_window_absent"))
+    with pytest.raises(SystemExit) as e:
+        w.preflight()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No module named 'pdctl_window_absent'" in err[0], err
+    assert "--index-url URL" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow  # two calls of a TMS run through pdctl (~2 minutes)
 def test_two_calls_stop_resume_harvest_and_pack(tmp_path):
     run = tmp_path / "S"
