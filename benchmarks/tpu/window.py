@@ -5,7 +5,8 @@ same command, call after call, goes on from where the last call stopped, ends wi
 
     python -m benchmarks.tpu.window --run /tmp/S --seconds 540 --template smollm2-all-mlps \\
         --gguf G.gguf --text /tmp/fortunes --set train.steps=1500 --set train.eval_every=375 \\
-        [--wheels .whl-tpu] [--harvest "--tokens 32768 --top-k 5 --sites ..."] [--pack $OUT]
+        [--wheels .whl-tpu] [--index-url file:///opt/pypi/simple] [--install-only] \\
+        [--harvest "--tokens 32768 --top-k 5 --sites ..."] [--pack $OUT]
 
 Each call does, in order, what is not done yet and what its time still allows:
 1. install: what pdctl's parts need and the machine lacks, into `--site`, which goes after the
@@ -83,6 +84,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--wheels", type=Path, help="a folder of wheels to install once")
     ap.add_argument("--index-url", help="a package index for what the machine lacks")
+    ap.add_argument("--install-only", action="store_true",
+                    help="install and check the imports, nothing else (a first call that "
+                    "carries the wheels before the model has arrived)")  # fmt: skip
     ap.add_argument("--site", type=Path, default=Path("/tmp/pdctl-window-site"))
     ap.add_argument("--pack", type=Path, help="the folder to leave the call's small files in")
     ap.add_argument("--part-mib", type=int, default=15)
@@ -359,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     print(machine_line(), flush=True)
     w = Window(a)
+    if a.install_only:
+        w.install()
+        w.preflight()
+        say("installed; the imports pdctl's parts need all work")
+        return 0
     try:
         w.install()
         w.preflight()

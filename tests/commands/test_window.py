@@ -100,16 +100,26 @@ def test_install_from_an_index_puts_what_is_missing_on_the_site(tmp_path, monkey
     monkeypatch.setattr(window, "NEEDS", ("pdctl_window_probe",))
     monkeypatch.setattr(window, "MODULES", ("pdctl_window_probe",))
     site = tmp_path / "site"
-    a = window._args(["--run", str(tmp_path / "r"), "--seconds", "300", "--site", str(site),
-                      "--index-url", (tmp_path / "index").as_uri(),
-                      "--wheels", str(tmp_path / "wheels")])  # fmt: skip
-    w = window.Window(a)
+    argv = [
+        "--run",
+        str(tmp_path / "r"),
+        "--seconds",
+        "300",
+        "--site",
+        str(site),
+        "--index-url",
+        (tmp_path / "index").as_uri(),
+        "--wheels",
+        str(tmp_path / "wheels"),
+    ]
+    w = window.Window(window._args(argv))
     assert w.missing() == ["pdctl_window_probe"]
-    w.install()
+    assert window.main([*argv, "--install-only"]) == 0  # install, check the imports, no run
     assert (site / "pdctl_window_probe" / "__init__.py").is_file()
     assert w.missing() == []  # found on the site now: the next call installs nothing
     w.preflight()
-    assert "install: pdctl_window_probe into" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "install: pdctl_window_probe into" in out and "imports pdctl's parts need" in out
 
     monkeypatch.setattr(window, "MODULES", ("pdctl_window_probe", "pdctl_window_absent"))
     with pytest.raises(SystemExit) as e:
