@@ -107,6 +107,16 @@ def harvest(
             "'model.layers.0.*,model.layers.15.*'): a smaller harvest of a whole model.",
         ),
     ] = None,
+    skip_first: Annotated[
+        str | None,
+        typer.Option(
+            "--skip-first",
+            metavar="N",
+            help="LMs: each sequence's first N positions left out (still shown as context): "
+            "sequences are cut from the joined corpus, so the first token has no context and "
+            "many components fire on it whatever it is.  [default: 1]",
+        ),
+    ] = None,
     fresh: Annotated[
         bool,
         typer.Option(
@@ -132,6 +142,7 @@ def harvest(
         "effects": int_flag(effects, "--effects"),
         "cooc_max": int_flag(cooc_max, "--cooc-max"),
         "sites": tuple(sites.split(",")) if sites is not None else (),
+        "skip_first": int_flag(skip_first, "--skip-first"),
     }
     hv.check_options(stage=stage, **options)  # before anything starts
     proj = project(ctx)

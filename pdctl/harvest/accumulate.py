@@ -122,12 +122,13 @@ def _top_k_u53(u: jax.Array, valid: jax.Array, k: int) -> tuple[jax.Array, jax.A
 @lru_cache(maxsize=16)
 def _step(
     C: int, k_top: int, k_sample: int, window: int, threshold: float, seed: int,
-    lm: bool, cooc: bool,
+    lm: bool, cooc: bool, skip: int = 0,
 ):  # fmt: skip
     """The jitted per-batch program: (state, CI per site (B, T, C) | (B, C), tokens (B, T) |
     None, start, valid, component numbers (C_total,)) -> (state, token counts (n, C_total)
     int32 | None, distinct tokens (n,) | None). `valid`: the batch's first rows that count (the
-    last batch is padded); the component numbers key the sample's priorities."""
+    last batch is padded); `skip`: each row's first positions that do not count (an LM's);
+    the component numbers key the sample's priorities."""
     width = 2 * window + 1
 
     def candidates(val, idx, flat, tok, pos, T, k):
@@ -175,7 +176,7 @@ def _step(
         T = ci.shape[1] if lm else 1
         n = B * T
         flat = ci.reshape(n, C).astype(jnp.float32)
-        ok = jnp.repeat(jnp.arange(B) < valid, T)  # (n,)
+        ok = jnp.repeat(jnp.arange(B) < valid, T) & (jnp.arange(n) % T >= skip)  # (n,)
         pos = start + jnp.arange(n, dtype=jnp.int64)
         fired = (flat > threshold) & ok[:, None]
         new = dict(state)
@@ -236,8 +237,10 @@ class Harvest(SiteLayout):
         seed: int = 0,
         device: Any = None,
         numbered_from: Mapping[str, int] | None = None,
+        skip_first: int = 0,
     ) -> None:
         self.sites = dict(sites)
+        self.skip_first = int(skip_first)  # an LM's first positions of each row: not counted
         self.threshold = float(threshold)
         self.top_k, self.n_samples, self.window = top_k, n_samples, window
         self.vocab, self.cooc_max, self.seed = vocab, cooc_max, seed
@@ -300,8 +303,9 @@ class Harvest(SiteLayout):
         B = arrays[0].shape[0]
         valid = B if valid is None else int(valid)
         T = arrays[0].shape[1] if lm else 1
+        skip = self.skip_first if lm else 0
         fn = _step(self.c_total, self.top_k, self.n_samples, self.window, self.threshold,
-                   self.seed, lm, self.cooc_kept)  # fmt: skip
+                   self.seed, lm, self.cooc_kept, skip)  # fmt: skip
         with jax.enable_x64(True):
             tok = None if tokens is None else jnp.asarray(np.asarray(tokens, np.int32))
             start_ = np.int64(start)
@@ -309,10 +313,10 @@ class Harvest(SiteLayout):
                 self._dev, arrays, tok, start_, np.int32(valid), self._comp
             )
         self._host = None
-        self.n_positions += valid * T
+        self.n_positions += valid * (T - skip)
         if lm:
             assert self.vocab is not None and self.corpus_counts is not None  # set for an LM
-            kept = np.asarray(tokens)[:valid].reshape(-1)
+            kept = np.asarray(tokens)[:valid, skip:].reshape(-1)
             self.corpus_counts += np.bincount(kept, minlength=self.vocab)[: self.vocab]
             self._inflight.append((counts, uniq))
             while len(self._inflight) > PIPELINE:
@@ -442,15 +446,17 @@ class Harvest(SiteLayout):
 
 
 @lru_cache(maxsize=8)
-def _cooc_step(k: int, threshold: float):
+def _cooc_step(k: int, threshold: float, skip: int = 0):
     """(counts (k, k) int64, CI per site, index (k,), valid) -> counts + this batch's
-    co-occurrence of the components `index` (global columns of the sites side by side)."""
+    co-occurrence of the components `index` (global columns of the sites side by side), each
+    row's first `skip` positions left out (`Harvest.skip_first`)."""
 
     def step(counts, cis, index, valid):
         ci = cis[0] if len(cis) == 1 else jnp.concatenate(cis, axis=-1)
         flat = ci.reshape(-1, ci.shape[-1]).astype(jnp.float32)
         T = flat.shape[0] // ci.shape[0]
         ok = jnp.repeat(jnp.arange(ci.shape[0]) < valid, T)
+        ok = ok & (jnp.arange(flat.shape[0]) % T >= skip)
         F = ((jnp.take(flat, index, axis=1) > threshold) & ok[:, None]).astype(jnp.float32)
         hi = jax.lax.Precision.HIGHEST  # exact: every count of one batch is below 2**24
         return counts + jnp.dot(F.T, F, precision=hi).astype(jnp.int64)
@@ -464,8 +470,9 @@ class CoocCounter:
     harvest whose dense C_total x C_total matrix was skipped."""
 
     def __init__(self, sites: dict[str, int], index: np.ndarray, threshold: float,
-                 device: Any = None) -> None:  # fmt: skip
+                 device: Any = None, skip_first: int = 0) -> None:  # fmt: skip
         self.sites = dict(sites)
+        self.skip_first = int(skip_first)  # as the first pass's (an LM's CI; 0 for a toy)
         self.index = np.asarray(index, np.int64)
         self.threshold = float(threshold)
         self._device = device if device is not None else jax.local_devices()[0]
@@ -476,7 +483,8 @@ class CoocCounter:
 
     def add(self, ci: Mapping[str, Any], valid: int) -> None:
         arrays = jax.device_put(tuple(ci[s] for s in self.sites), self._device)
-        fn = _cooc_step(self.index.size, self.threshold)
+        lm = np.ndim(next(iter(ci.values()))) == 3
+        fn = _cooc_step(self.index.size, self.threshold, self.skip_first if lm else 0)
         with jax.enable_x64(True):
             self._counts = fn(self._counts, arrays, self._index, np.int32(valid))
 

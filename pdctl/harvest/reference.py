@@ -133,6 +133,7 @@ class Harvest(SiteLayout):
     vocab: int | None = None  # LMs: the vocabulary (token statistics); toys: None
     cooc_max: int = 8192
     seed: int = 0
+    skip_first: int = 0  # LMs: the first positions of every sequence are not harvested
     n_positions: int = 0
     stats: dict[str, SiteStats] = field(default_factory=dict)
     cooc: np.ndarray | None = None  # (C_total, C_total) int64, or None (skipped)
@@ -162,33 +163,38 @@ class Harvest(SiteLayout):
     def add(self, ci: Mapping[str, np.ndarray], tokens: np.ndarray | None, start: int) -> None:
         """One batch. `ci[s]`: (B, T, C) for an LM (positions start + b * T + t), (B, C) for a
         toy (positions start + b); `tokens` (B, T) for an LM (the inputs at those positions),
-        None for a toy."""
+        None for a toy. An LM's positions t < `skip_first` are left out of every statistic
+        (their tokens still show in the windows of the positions after them)."""
         lm = tokens is not None
         shape = next(iter(ci.values())).shape
         B, T = (shape[0], shape[1]) if lm else (shape[0], 1)
         n = B * T
         pos = start + np.arange(n, dtype=np.int64)
+        keep = np.arange(n) % T >= (self.skip_first if lm else 0)  # (n,)
         offsets = self.offsets()
         fired_all = []
         if tokens is not None:  # an LM (`lm`)
             assert self.vocab is not None and self.corpus_counts is not None  # set for an LM
-            self.corpus_counts += np.bincount(tokens.reshape(-1), minlength=self.vocab)[
+            self.corpus_counts += np.bincount(tokens.reshape(-1)[keep], minlength=self.vocab)[
                 : self.vocab
             ]
         for s, C in self.sites.items():
             c3 = np.asarray(ci[s], np.float32).reshape(B, T, C)
             flat = c3.reshape(n, C)
             st = self.stats[s]
-            fired = flat > self.threshold
+            fired = (flat > self.threshold) & keep[:, None]
             fired_all.append(fired)
             st.count += fired.sum(0)
-            st.ci_sum += np.rint(flat * np.float32(SUM_SCALE)).astype(np.int64).sum(0)
-            st.ci_max = np.maximum(st.ci_max, flat.max(0))
-            bins = np.clip((flat * BINS).astype(np.int64), 0, BINS - 1)
+            kept = flat[keep]
+            st.ci_sum += np.rint(kept * np.float32(SUM_SCALE)).astype(np.int64).sum(0)
+            if kept.size:
+                st.ci_max = np.maximum(st.ci_max, kept.max(0))
+            bins = np.clip((kept * BINS).astype(np.int64), 0, BINS - 1)
             idx = (np.arange(C, dtype=np.int64)[None, :] * BINS + bins).reshape(-1)
             st.hist += np.bincount(idx, minlength=C * BINS).reshape(C, BINS)
             comp = offsets[s] + np.arange(C, dtype=np.int64)
-            st.top = st.top.merge(self._candidates(flat, flat, pos, c3, tokens, self.top_k))
+            key = np.where(keep[:, None], flat, -np.inf)
+            st.top = st.top.merge(self._candidates(key, flat, pos, c3, tokens, self.top_k))
             prio = np.where(fired, priority(self.seed, pos[:, None], comp[None, :]), -np.inf)
             st.sample = st.sample.merge(
                 self._candidates(prio, flat, pos, c3, tokens, self.n_samples)
@@ -204,7 +210,7 @@ class Harvest(SiteLayout):
             F = np.concatenate(fired_all, axis=1).astype(np.float32)
             # exact: every count of one batch is an integer below 2**24
             self.cooc += (F.T @ F).astype(np.int64)
-        self.n_positions += n
+        self.n_positions += int(keep.sum())
 
     def _candidates(self, key, flat, pos, c3, tokens, k) -> Top:
         """This batch's best k per component by `key` (N, C), with their windows."""

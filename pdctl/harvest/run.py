@@ -74,6 +74,7 @@ SLOW_PART_S = 10.0  # a part of the harvest that takes this long says so (`_slow
 PARTIAL_FORMAT = 3
 TOY_INPUTS = 8192  # toys: inputs harvested by default
 TOY_BATCH = 1024
+SKIP_FIRST = 1  # LMs: each sequence's first positions left out (no context: `--skip-first`)
 EFFECTS = 256  # LMs: components (the most often firing) whose output effect is measured
 COOC_MAX = 8192  # components in the dense co-occurrence matrix (C_total^2 int64: 512 MiB)
 # Top and sampled examples kept per component: each is a token window and its CI for every
@@ -392,6 +393,7 @@ def check_options(
     effects: int = EFFECTS,
     cooc_max: int = COOC_MAX,
     sites: tuple[str, ...] = (),
+    skip_first: int | None = None,
 ) -> None:
     """One line naming the flag for a value no harvest takes."""
     if n_tokens is not None and n_tokens < 1:
@@ -410,6 +412,8 @@ def check_options(
         raise PdctlError(f"--stage: {stage!r} has no decomposition (choose from train, warmup)")
     if any(not p.strip() for p in sites):
         raise PdctlError("--sites: an empty pattern (give glob patterns separated by commas)")
+    if skip_first is not None and skip_first < 0:
+        raise PdctlError(f"--skip-first: must be >= 0, got {skip_first}")
 
 
 def _harvest(
@@ -423,6 +427,7 @@ def _harvest(
     effects: int = EFFECTS,
     cooc_max: int = COOC_MAX,
     sites: tuple[str, ...] = (),
+    skip_first: int | None = None,
     on_batch: Callable[[int, int], None] | None = None,
     fresh: bool = False,
 ) -> Result:
@@ -434,7 +439,8 @@ def _harvest(
     from pdctl.stages.inputs import STREAM_TRAIN, stream_key, target_from_config
 
     check_options(stage=stage, n_tokens=n_tokens, batch_size=batch_size, split=split,
-                  top_k=top_k, effects=effects, cooc_max=cooc_max, sites=sites)  # fmt: skip
+                  top_k=top_k, effects=effects, cooc_max=cooc_max, sites=sites,
+                  skip_first=skip_first)  # fmt: skip
     nproc, pid = jax.process_count(), jax.process_index()
     path = harvest_dir(project) / "harvest.db"
     patterns = [p.strip() for p in sites]
@@ -442,13 +448,32 @@ def _harvest(
                              "effects": effects, "cooc_max": cooc_max}  # fmt: skip
     if patterns:  # only when given: a harvest of every site keeps the options it always had
         given["sites"] = patterns
+
+    def first_left_out(lm: bool) -> int:
+        """Each sequence's first positions not harvested (an LM's; `given` records them)."""
+        if not lm:
+            if skip_first:
+                raise PdctlError("--skip-first: a toy's inputs are not sequences (LMs only)")
+            return 0
+        skip = SKIP_FIRST if skip_first is None else skip_first
+        if skip >= project.config.data.seq_len:
+            raise PdctlError(f"--skip-first: {skip} leaves nothing of a sequence of "
+                             f"{project.config.data.seq_len} tokens (data.seq_len)")  # fmt: skip
+        given["skip_first"] = skip
+        return skip
+
+    try:
+        built = target_from_config(project.config, project.root, need_weights=False)
+    except Exception:  # a target it cannot build: the restore below says why
+        built = None
+    if built is not None:
+        first_left_out(built.output_kind == "logits")
     db.check_side_files(path)  # another program's -wal beside harvest.db: before any work
     step = _latest_step(project, stage)
     done_before = None
-    if not fresh and step is not None and path.is_file():  # already done? (nothing restored)
+    if not fresh and step is not None and path.is_file() and built is not None:  # done?
         try:
-            lm_ = target_from_config(project.config, project.root, need_weights=False)
-            B_, devices_ = _batch_and_devices(project.config, lm_.output_kind == "logits",
+            B_, devices_ = _batch_and_devices(project.config, built.output_kind == "logits",
                                               batch_size)  # fmt: skip
         except Exception:  # a target it cannot build: the harvest below says why
             B_ = None
@@ -474,6 +499,7 @@ def _harvest(
     cfg = project.config
     target = dec.target
     lm = target.output_kind == "logits"
+    skip = first_left_out(lm)
     # Several processes (jax.distributed): each harvests its own consecutive batches on its
     # own devices (the pass needs no collective), saves its part, and every process merges
     # the parts (`merge_states`); the output effects are shared out; process 0 writes.
@@ -516,13 +542,14 @@ def _harvest(
     # components numbered among all the decomposition's sites, whichever `--sites` keeps
     h = Harvest(site_sizes, cfg.decomp.ci_threshold, top_k=top_k, n_samples=top_k, vocab=vocab,
                 cooc_max=cooc_max, seed=cfg.run.seed, device=devices[0],
-                numbered_from=offsets(every))  # fmt: skip
+                numbered_from=offsets(every), skip_first=skip)  # fmt: skip
     st = project.stage(stage)
     options = harvest_options(project, stage, dec.step, **given)
     ident = {"stage": stage, "step": dec.step, "run_id": st.get("run_id"), "split": split,
              "items": n_items, "batch": B, "top_k": top_k, "lm": lm,
              "format": PARTIAL_FORMAT, "processes": nproc, "cooc_max": cooc_max,
-             "config": options["config"], **({"sites": patterns} if patterns else {})}  # fmt: skip
+             "config": options["config"], **({"sites": patterns} if patterns else {}),
+             **({"skip_first": skip} if skip else {})}  # fmt: skip
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     out_dir = harvest_dir(project)
     out_dir.mkdir(exist_ok=True)
@@ -530,8 +557,8 @@ def _harvest(
     mine = out_dir / partial_name(pid, nproc)
 
     def positions(lo: int, hi: int) -> int:
-        """Positions batches [lo, hi) cover."""
-        return (min(n_items, hi * B) - min(n_items, lo * B)) * T
+        """Positions batches [lo, hi) cover (those each sequence's `skip` first leave)."""
+        return (min(n_items, hi * B) - min(n_items, lo * B)) * (T - skip)
 
     got = None if fresh else _load_partial(mine, h, key, first, last,
                                            lambda nxt: positions(first, nxt))  # fmt: skip
@@ -602,7 +629,8 @@ def _harvest(
         alive = np.nonzero(count > 0)[0]
         index = np.sort(alive[np.lexsort((alive, -count[alive]))[:cooc_max]])
         if index.size:
-            counter = CoocCounter(site_sizes, index, cfg.decomp.ci_threshold, device=devices[0])
+            counter = CoocCounter(site_sizes, index, cfg.decomp.ci_threshold, device=devices[0],
+                                  skip_first=skip)  # fmt: skip
             mine_c = out_dir / f"cooc-{pid}of{nproc}.npz"
 
             def save_cooc(nxt: int) -> None:

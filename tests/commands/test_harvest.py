@@ -140,12 +140,13 @@ def _random_ci(rng, shape, C):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lm", [True, False], ids=["lm", "toy"])
-def test_the_device_accumulator_equals_the_numpy_reference_bit_for_bit(tmp_path: Path, lm):
+@pytest.mark.parametrize("lm, skip", [(True, 0), (True, 2), (False, 0)],
+                         ids=["lm", "lm-skip-first-2", "toy"])  # fmt: skip
+def test_the_device_accumulator_equals_the_numpy_reference_bit_for_bit(tmp_path: Path, lm, skip):
     """The jitted accumulator against the host reference it replaced (`reference.Harvest`,
     batch by batch in numpy): random CI with many ties, batches of 1, 3 and 7 sequences (the
-    last one padded, as `pdctl harvest` pads it), k = 1 and 4: the same database, row for
-    row."""
+    last one padded, as `pdctl harvest` pads it), k = 1 and 4, an LM's sequences whole or
+    without their first 2 positions: the same database, row for row."""
     from pdctl.harvest import reference
 
     rng = np.random.default_rng(1)
@@ -156,7 +157,8 @@ def test_the_device_accumulator_equals_the_numpy_reference_bit_for_bit(tmp_path:
     if not lm:
         n_seq, T = n_seq * T, 1
     for k in (1, 4):
-        opts = dict(top_k=k, n_samples=k, window=2, vocab=vocab if lm else None, seed=3)
+        opts = dict(top_k=k, n_samples=k, window=2, vocab=vocab if lm else None, seed=3,
+                    skip_first=skip)  # fmt: skip
         ref = reference.Harvest(sites, 0.1, **opts)
         ref.add({s: v[:n_seq] for s, v in ci.items()}, tokens if lm else None, start=0)
         want = _db_rows(tmp_path / f"ref{k}.db", ref)
@@ -171,7 +173,7 @@ def test_the_device_accumulator_equals_the_numpy_reference_bit_for_bit(tmp_path:
                 if lm:
                     tok = np.concatenate([tokens[lo:hi], np.zeros((pad, T), np.int32)])
                 h.add(x, tok, start=lo * T, valid=hi - lo)
-            assert h.n_positions == ref.n_positions
+            assert h.n_positions == ref.n_positions == n_seq * (T - skip)
             got = _db_rows(tmp_path / f"new{k}-{B}.db", h)
             assert got == want, (k, B)
             # the single-batch reference sums CI in one pass; the accumulator per batch
@@ -820,6 +822,8 @@ def test_harvest_holds_the_run_directory_lock(trained_copy: Path, monkeypatch):
         (["--top-k", "0"], "--top-k: must be in [1, 1000], got 0"),
         (["--effects", "-1"], "--effects: must be >= 0, got -1"),
         (["--cooc-max", "nan"], "--cooc-max: must be an integer, got 'nan'"),
+        (["--skip-first", "-1"], "--skip-first: must be >= 0, got -1"),
+        (["--skip-first", "1"], "--skip-first: a toy's inputs are not sequences (LMs only)"),
     ],
 )
 def test_bad_harvest_flags_are_one_line_at_once(trained_copy: Path, args, says):
@@ -1273,3 +1277,45 @@ def test_browse_host_that_is_not_an_address_is_one_line(tmp_path: Path):
     assert line.startswith("error: --host: 'not a host' is not an address to listen on"), line
     line = cli_fails(2, "--project", run, "browse", "--host", "192.0.2.1", "--port", str(port))
     assert line.startswith("error: --host: '192.0.2.1' is not an address of this machine"), line
+
+
+@pytest.mark.slow  # a tiny Llama through its stages, four harvests: ~20 s
+def test_an_lm_harvest_leaves_out_each_sequences_first_position(tmp_path: Path):
+    """Sequences are cut from the joined corpus, so a sequence's first token has no context
+    (and on SmolLM2 most components' highest CI was there): by default a harvest leaves each
+    sequence's first position out of every statistic and example, `--skip-first N` sets how
+    many (0: all), and the option is part of what makes two harvests the same."""
+    run = make_run(tmp_path, "llama-mlp", "lm", pretrain={"steps": 2, "log_every": 1},
+                   warmup={"steps": 2, "log_every": 1})  # fmt: skip
+    for stage in ("init-weights", "pretrain", "warmup"):
+        cli_ok("--project", run, stage)
+    import tomllib
+
+    T = tomllib.loads((run / "pdctl.toml").read_text())["data"]["seq_len"]
+    args = ("--project", run, "harvest", "--stage", "warmup", "--tokens", str(8 * T),
+            "--top-k", "4", "--effects", "0")  # fmt: skip
+    path = run / "harvest" / "harvest.db"
+
+    def read() -> tuple[dict, list[int]]:
+        meta = db.read_meta(path)
+        con = db.open_readonly(path)
+        pos = [r[0] for r in con.execute("SELECT position FROM examples")]
+        con.close()
+        return meta, pos
+
+    out = cli_ok(*args)
+    meta, pos = read()
+    assert out.startswith(f"harvested {8 * (T - 1)} positions"), out
+    assert meta["n_positions"] == 8 * (T - 1) and meta["options"]["skip_first"] == 1
+    assert pos and all(p % T != 0 for p in pos)
+    assert "already complete" in cli_ok(*args)  # the same options: nothing to do
+    out = cli_ok(*args, "--skip-first", "0")  # another harvest: all positions
+    meta, pos = read()
+    assert out.startswith(f"harvested {8 * T} positions"), out
+    assert meta["options"]["skip_first"] == 0 and any(p % T == 0 for p in pos)
+    cli_ok(*args, "--skip-first", "3")
+    meta, pos = read()
+    assert meta["n_positions"] == 8 * (T - 3) and all(p % T >= 3 for p in pos)
+    line = cli_fails(2, *args, "--skip-first", str(T))
+    assert line == (f"error: --skip-first: {T} leaves nothing of a sequence of {T} tokens "
+                    "(data.seq_len)"), line  # fmt: skip

@@ -72,7 +72,7 @@ async function overview() {
   const my = navGen;
   const o = await api("/api/overview");
   const m = o.meta;
-  let h = `<h1>${esc(o.run)}</h1><p>${esc(m.kind)} run, ${esc(m.stage)} checkpoint ${esc(m.step)}: ${esc(m.n_positions)} positions harvested (${esc(m.split)}), CI threshold ${esc(m.threshold)}; co-occurrence ${esc(m.cooc)}</p>`;
+  let h = `<h1>${esc(o.run)}</h1><p>${esc(m.kind)} run, ${esc(m.stage)} checkpoint ${esc(m.step)}: ${esc(m.n_positions)} positions harvested (${esc(m.split)}${m.options && m.options.skip_first ? `; the first ${esc(m.options.skip_first)} of each sequence left out` : ""}), CI threshold ${esc(m.threshold)}; co-occurrence ${esc(m.cooc)}</p>`;
   h += siteGrid(o);
   h += `<h2>sites</h2><table id="sites"><tr><th>site</th><th>C</th><th>alive</th><th>L0</th><th>components by firing frequency (${esc(list(o.frequency_edges).join(" | "))})</th></tr>`;
   for (const s of list(o.sites)) {
