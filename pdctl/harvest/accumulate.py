@@ -119,16 +119,27 @@ def _top_k_u53(u: jax.Array, valid: jax.Array, k: int) -> tuple[jax.Array, jax.A
     return jnp.take_along_axis(idx, order, axis=-1), jnp.take_along_axis(took, order, axis=-1)
 
 
+def hist_method(device: Any) -> str:
+    """How `_step` counts the CI histogram on `device`: by compares on a TPU, whose compiler
+    takes minutes over the integer scatter-add of every (position, component) into its bin
+    (XLA:TPU for v5e, 13,824 components x 4,096 positions: 127.9 s against 34.8 s, most of a
+    whole-model harvest's 182 s first batch on the chip; `benchmarks/tpu/harvest_compile.py
+    --accumulate`), and by the scatter elsewhere (on a CPU the compares cost 4.7-6.4x more)."""
+    return "compare" if getattr(device, "platform", "cpu") == "tpu" else "scatter"
+
+
 @lru_cache(maxsize=16)
 def _step(
     C: int, k_top: int, k_sample: int, window: int, threshold: float, seed: int,
-    lm: bool, cooc: bool, skip: int = 0,
+    lm: bool, cooc: bool, skip: int = 0, hist_by: str = "scatter",
 ):  # fmt: skip
     """The jitted per-batch program: (state, CI per site (B, T, C) | (B, C), tokens (B, T) |
     None, start, valid, component numbers (C_total,)) -> (state, token counts (n, C_total)
     int32 | None, distinct tokens (n,) | None). `valid`: the batch's first rows that count (the
     last batch is padded); `skip`: each row's first positions that do not count (an LM's);
-    the component numbers key the sample's priorities."""
+    the component numbers key the sample's priorities. `hist_by`: how the CI histogram is
+    counted, "scatter" (one integer scatter-add) or "compare" (a compare and sum per bin), the
+    same integers either way (`hist_method`)."""
     width = 2 * window + 1
 
     def candidates(val, idx, flat, tok, pos, T, k):
@@ -188,9 +199,14 @@ def _step(
         masked = jnp.where(ok[:, None], flat, -jnp.inf)
         new["ci_max"] = jnp.maximum(state["ci_max"], jnp.max(masked, axis=0))
         bins = jnp.clip((flat * BINS).astype(jnp.int32), 0, BINS - 1)
-        cell = (jnp.arange(C, dtype=jnp.int32)[None, :] * BINS + bins).reshape(-1)
-        ones = jnp.broadcast_to(ok[:, None], (n, C)).astype(jnp.int32).reshape(-1)
-        hist = jnp.zeros(C * BINS, jnp.int32).at[cell].add(ones)  # integer: any order is exact
+        if hist_by == "compare":
+            okb = jnp.where(ok[:, None], bins, -1)
+            hist = jnp.stack([jnp.sum(okb == b, axis=0, dtype=jnp.int32) for b in range(BINS)],
+                             axis=1)  # fmt: skip
+        else:
+            cell = (jnp.arange(C, dtype=jnp.int32)[None, :] * BINS + bins).reshape(-1)
+            ones = jnp.broadcast_to(ok[:, None], (n, C)).astype(jnp.int32).reshape(-1)
+            hist = jnp.zeros(C * BINS, jnp.int32).at[cell].add(ones)  # integer: any order
         new["hist"] = state["hist"] + hist.reshape(C, BINS).astype(jnp.int64)
         tok_flat = None if tok is None else tok.reshape(n).astype(jnp.int32)
         key = jnp.where(masked == 0, 0.0, masked)  # -0.0 and 0.0 tie, as in numpy's sorts
@@ -305,7 +321,7 @@ class Harvest(SiteLayout):
         T = arrays[0].shape[1] if lm else 1
         skip = self.skip_first if lm else 0
         fn = _step(self.c_total, self.top_k, self.n_samples, self.window, self.threshold,
-                   self.seed, lm, self.cooc_kept, skip)  # fmt: skip
+                   self.seed, lm, self.cooc_kept, skip, hist_method(self._device))  # fmt: skip
         with jax.enable_x64(True):
             tok = None if tokens is None else jnp.asarray(np.asarray(tokens, np.int32))
             start_ = np.int64(start)

@@ -194,6 +194,32 @@ def _db_rows(path: Path, h) -> list[str]:
         con.close()
 
 
+def test_the_histogram_by_compares_equals_the_scatter(monkeypatch):
+    """A TPU's accumulator counts the CI histogram by a compare per bin (its compiler takes
+    minutes over the scatter-add): the same integers as the scatter, every statistic equal,
+    with padded rows and each sequence's first positions left out."""
+    from pdctl.harvest import accumulate
+
+    rng = np.random.default_rng(4)
+    sites = {"a": 5, "b": 3}
+    tokens = rng.integers(0, 7, (9, 6)).astype(np.int32)
+    ci = {s: _random_ci(rng, (9, 6), C) for s, C in sites.items()}
+    states = {}
+    for how in ("scatter", "compare"):
+        monkeypatch.setattr(accumulate, "hist_method", lambda device, how=how: how)
+        h = Harvest(sites, 0.1, top_k=3, n_samples=3, window=2, vocab=7, skip_first=1)
+        for lo in range(0, 9, 4):
+            x = {s: np.concatenate([v[lo : lo + 4], np.zeros((max(0, lo + 4 - 9), 6, v.shape[2]),
+                                   np.float32)]) for s, v in ci.items()}  # fmt: skip
+            tok = np.concatenate([tokens[lo : lo + 4], np.zeros((max(0, lo + 4 - 9), 6), np.int32)])
+            h.add(x, tok, start=lo * 6, valid=min(4, 9 - lo))
+        states[how] = h.state()
+    assert states["scatter"].keys() == states["compare"].keys()
+    for k, v in states["scatter"].items():
+        np.testing.assert_array_equal(v, states["compare"][k], err_msg=k)
+    assert states["scatter"]["hist"].sum() == 9 * 5 * (5 + 3)  # kept positions x components
+
+
 @pytest.mark.slow
 def test_the_fixed_point_sum_is_exact_in_any_order():
     """CI sums are int64 multiples of 2**-24 (`SUM_SCALE`): equal bits to the reference in
