@@ -49,12 +49,13 @@ from pathlib import Path
 
 from benchmarks._harness import child_env, machine_line
 from benchmarks.lm.template_ab import set_key
+from benchmarks.tpu.accel_check import BENCH_DISTS
 
 START = time.monotonic()
 # What pdctl's parts (new, run, harvest, cluster, report) import beyond the machine's JAX, its
-# numpy and scipy: pdctl's requirements by distribution, and the modules imported once first.
-NEEDS = ("optax", "orbax-checkpoint", "grain", "typer", "tomli-w", "rich", "pydantic",
-         "tokenizers", "safetensors", "gguf", "matplotlib")  # fmt: skip
+# numpy and scipy: pdctl's requirements by distribution (the benchmarks' and matplotlib, which
+# `pdctl harvest` and `pdctl report` import), and the modules imported once first.
+NEEDS = (*BENCH_DISTS, "matplotlib")
 MODULES = ("pdctl.cli.app", "pdctl.stages.train", "pdctl.science.targets.imported",
            "pdctl.harvest.run", "pdctl.harvest.cluster", "pdctl.report.build")  # fmt: skip
 
