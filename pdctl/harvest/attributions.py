@@ -259,7 +259,9 @@ def _attributions(project: Any, n_components: int, top: int, on_component: Any) 
         mesh = sharding.make_mesh(1, 1, jax.local_devices()[:1])
         env = StageEnv(project, "train", mesh, dec.target)  # a view only: nothing written
         stream = np.asarray(corpus_tokens(env, meta.get("split", "eval")))
-        n_windows = int(meta["n_positions"]) // T
+        # the sequences harvested: each counted T positions less those its start left out
+        skip = int((meta.get("options") or {}).get("skip_first", 0))
+        n_windows = int(meta["n_positions"]) // (T - skip)
         windows = stream[: n_windows * T].reshape(n_windows, T).astype(np.int32)
         kind = project.config.decomp.ci_fn.type
         order = [p for p in dec.target.site_paths() if p in dec.components]

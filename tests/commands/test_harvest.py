@@ -1329,19 +1329,21 @@ def test_an_lm_harvest_leaves_out_each_sequences_first_position(tmp_path: Path):
         con.close()
         return meta, pos
 
-    out = cli_ok(*args)
+    out = cli_ok(*args).stdout
     meta, pos = read()
     assert out.startswith(f"harvested {8 * (T - 1)} positions"), out
     assert meta["n_positions"] == 8 * (T - 1) and meta["options"]["skip_first"] == 1
     assert pos and all(p % T != 0 for p in pos)
-    assert "already complete" in cli_ok(*args)  # the same options: nothing to do
-    out = cli_ok(*args, "--skip-first", "0")  # another harvest: all positions
+    assert "already complete" in cli_ok(*args).stdout  # the same options: nothing to do
+    out = cli_ok(*args, "--skip-first", "0").stdout  # another harvest: all positions
     meta, pos = read()
     assert out.startswith(f"harvested {8 * T} positions"), out
     assert meta["options"]["skip_first"] == 0 and any(p % T == 0 for p in pos)
     cli_ok(*args, "--skip-first", "3")
     meta, pos = read()
     assert meta["n_positions"] == 8 * (T - 3) and all(p % T >= 3 for p in pos)
+    # attributions find each example's sequence among the 8 harvested (positions b * T + t)
+    cli_ok("--project", run, "attributions", "--components", "2", "--top", "2")
     line = cli_fails(2, *args, "--skip-first", str(T))
     assert line == (f"error: --skip-first: {T} leaves nothing of a sequence of {T} tokens "
                     "(data.seq_len)"), line  # fmt: skip
