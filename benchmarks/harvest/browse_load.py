@@ -84,13 +84,33 @@ def server_ms(base: str, paths: list[str]) -> float:
     return sum(min(get_ms(base + p) for _ in range(5)) for p in paths)
 
 
-def _drivers(browser):
-    """(js, load): a JS expression's value in the page; a route loaded, ms to its ready mark."""
+def _pages(site: str, comp: int, C: int) -> list[tuple[str, str, list[str]]]:
+    """(name, route, the API requests it makes) of the pages timed: the overview, the first
+    clusters, `site`'s component `comp` and `site`'s table of `C` rows."""
+    s, c = urllib.parse.quote(site, safe=""), comp
+    return [
+        ("overview", "#/", ["/api/overview"]),
+        ("clusters (first 50)", "#/clusters", ["/api/clusters?offset=0&limit=50"]),
+        (f"component ({site} #{comp})", f"#/c/{s}/{c}",
+         [f"/api/component/{s}/{c}", f"/api/like/{s}/{c}", f"/api/cluster_of/{s}/{c}",
+          f"/api/attributions/{s}/{c}", f"/api/labels?site={s}&component={c}"]),
+        (f"site table ({C} rows)", f"#/site/{s}",
+         [f"/api/components?site={s}&sort=frequency&desc=1&min_frequency=0&limit=5000",
+          f"/api/labels?site={s}"]),
+    ]  # fmt: skip
 
-    def js(expr: str):
-        out = browser.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                           browser.session)  # fmt: skip
-        return out["result"].get("value")
+
+def _timed(pages, base: str, load) -> list[tuple[str, int, float | None, float | None]]:
+    """Each page's row: its API requests' server ms (`server_ms`) and Chromium's best of 5."""
+    return [(name, len(paths), server_ms(base, paths),
+             min(load(f"{base}/{route}", route) for _ in range(5)))
+            for name, route, paths in pages]  # fmt: skip
+
+
+def _drivers(browser):
+    """(js, load): a JS expression's value in the page (`Browser.js`); a route loaded, ms to
+    its ready mark."""
+    js = browser.js
 
     def load(url: str, ready: str) -> float:
         browser.call("Page.navigate", {"url": "about:blank"}, browser.session)
@@ -178,29 +198,12 @@ def main() -> None:
         (site,),
     ).fetchone()
     con.close()
-    q = urllib.parse.quote
-    s, c = q(site, safe=""), comp
-    pages = [
-        ("overview", "#/", ["/api/overview"]),
-        ("clusters (first 50)", "#/clusters", ["/api/clusters?offset=0&limit=50"]),
-        (f"component ({site} #{comp})", f"#/c/{s}/{c}",
-         [f"/api/component/{s}/{c}", f"/api/like/{s}/{c}", f"/api/cluster_of/{s}/{c}",
-          f"/api/attributions/{s}/{c}", f"/api/labels?site={s}&component={c}"]),
-        (f"site table ({C} rows)", f"#/site/{s}",
-         [f"/api/components?site={s}&sort=frequency&desc=1&min_frequency=0&limit=5000",
-          f"/api/labels?site={s}"]),
-    ]  # fmt: skip
-
     server, base = serve(run)
     old_server, old_base = serve(old)
     browser = Browser(tmp / "profile")
 
     js, load = _drivers(browser)
-    rows = []
-    for name, route, paths in pages:
-        ms = server_ms(base, paths)
-        chrome = min(load(f"{base}/{route}", route) for _ in range(5))
-        rows.append((name, len(paths), ms, chrome))
+    rows = _timed(_pages(site, comp, C), base, load)
     # what any page costs: navigation, the page and its script, one API call (a 404)
     chrome = min(load(f"{base}/#/cluster/999999", "#/cluster/999999") for _ in range(5))
     rows.append(("baseline: a page whose one API call fails (#/cluster/999999)", 1, None, chrome))
@@ -255,29 +258,14 @@ def real(args: argparse.Namespace) -> None:
         ).fetchone()
     (C,) = con.execute("SELECT C FROM sites WHERE site = ?", (site,)).fetchone()
     con.close()
-    q = urllib.parse.quote
-    s = q(site, safe="")
-    pages = [
-        ("overview", "#/", ["/api/overview"]),
-        ("clusters (first 50)", "#/clusters", ["/api/clusters?offset=0&limit=50"]),
-        (f"component ({site} #{comp})", f"#/c/{s}/{comp}",
-         [f"/api/component/{s}/{comp}", f"/api/like/{s}/{comp}", f"/api/cluster_of/{s}/{comp}",
-          f"/api/attributions/{s}/{comp}", f"/api/labels?site={s}&component={comp}"]),
-        (f"site table ({C} rows)", f"#/site/{s}",
-         [f"/api/components?site={s}&sort=frequency&desc=1&min_frequency=0&limit=5000",
-          f"/api/labels?site={s}"]),
-    ]  # fmt: skip
+    pages = _pages(site, comp, C)
     tmp = Path(tempfile.mkdtemp(prefix="pdctl-browse-"))
     server, base = serve(args.run)
     browser = Browser(tmp / "profile")
     js, load = _drivers(browser)
-    rows = []
-    for name, route, paths in pages:
-        ms = server_ms(base, paths)
-        chrome = min(load(f"{base}/{route}", route) for _ in range(5))
-        rows.append((name, len(paths), ms, chrome))
+    rows = _timed(pages, base, load)
     if args.screenshots is not None:
-        shots(browser, js, load, base, args.screenshots, args.prefix, f"#/c/{s}/{comp}")
+        shots(browser, js, load, base, args.screenshots, args.prefix, pages[2][1])
     browser.close()
     server.should_exit = True
     shutil.rmtree(tmp, ignore_errors=True)

@@ -4,8 +4,9 @@ accel_check.py deps [DIST ...]  pdctl's requirements that the benchmarks import 
                                 named) and this Python lacks (or has at a version pdctl does
                                 not accept), one requirement a line; JAX itself must come from
                                 the machine
-accel_check.py imports          import what the benchmarks import; one line naming the first
-                                module that is missing, exit 2
+accel_check.py imports [MODULE ...]
+                                import what the benchmarks import (or the modules named); one
+                                line naming the first module that is missing, exit 2
 accel_check.py platform         what JAX will run on, told without opening the device (JSON)
 accel_check.py limit BUDGET LEFT ONLY
                                 precision's time limit, seconds (`item_limit`)
@@ -70,10 +71,10 @@ def deps(names: tuple[str, ...] | list[str] = BENCH_DISTS) -> None:
             print(str(req))
 
 
-def imports() -> None:
+def imports(names: tuple[str, ...] | list[str] = BENCH_MODULES) -> None:
     import importlib
 
-    for mod in BENCH_MODULES:
+    for mod in names:
         try:
             importlib.import_module(mod)
         except ImportError as e:
@@ -620,7 +621,7 @@ def main() -> None:
     if cmd == "deps":
         deps(rest or BENCH_DISTS)
     elif cmd == "imports":
-        imports()
+        imports(rest or BENCH_MODULES)
     elif cmd == "platform":
         print(json.dumps(platform_info()))
     elif cmd == "limit":  # precision's: BUDGET LEFT ONLY (the driver's steps that will run)

@@ -49,15 +49,15 @@ from pathlib import Path
 
 from benchmarks._harness import child_env, machine_line
 from benchmarks.lm.template_ab import set_key
-from benchmarks.tpu.accel_check import BENCH_DISTS
+from benchmarks.tpu.accel_check import BENCH_DISTS, BENCH_MODULES
 
 START = time.monotonic()
 # What pdctl's parts (new, run, harvest, cluster, report) import beyond the machine's JAX, its
 # numpy and scipy: pdctl's requirements by distribution (the benchmarks' and matplotlib, which
 # `pdctl harvest` and `pdctl report` import), and the modules imported once first.
 NEEDS = (*BENCH_DISTS, "matplotlib")
-MODULES = ("pdctl.cli.app", "pdctl.stages.train", "pdctl.science.targets.imported",
-           "pdctl.harvest.run", "pdctl.harvest.cluster", "pdctl.report.build")  # fmt: skip
+MODULES = (*BENCH_MODULES, "pdctl.cli.app", "pdctl.harvest.run", "pdctl.harvest.cluster",
+           "pdctl.report.build")  # fmt: skip
 
 
 def say(msg: str) -> None:
@@ -207,11 +207,10 @@ class Window:
         return r.stdout.split()
 
     def preflight(self) -> None:
-        """Every module the parts import, imported once in a child: one line, exit 2, where
-        one is missing."""
-        code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
-        r = subprocess.run([sys.executable, "-c", code, *MODULES], env=self.env,
-                           capture_output=True, text=True)  # fmt: skip
+        """Every module the parts import, imported once in a child (`accel_check imports`):
+        one line, exit 2, where one is missing."""
+        r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.accel_check", "imports",
+                            *MODULES], env=self.env, capture_output=True, text=True)  # fmt: skip
         if r.returncode != 0:
             fix = "--index-url URL (the machine's package index) or --wheels DIR"
             die(f"{_last_line(r.stderr, 'an import failed')}: give {fix}")
