@@ -1,15 +1,18 @@
 """The benchmarks stay runnable as the code moves: each is a module of `benchmarks/<question>/`
 that goes through `benchmarks._harness` (the machine line, the child runs), sets no import path
 by hand, reaches into no test module, and imports only modules that exist (anywhere in the file,
-a lazy import in a function too; the torch reference's own modules aside). The fast check reads
+a lazy import in a function too; the torch reference's own modules and pdctl's optional extras
+aside: the README's test command installs `.[dev]` only). The fast check reads
 the source (AST); the slow one runs every benchmark's `--help` in a fresh process."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,10 @@ BENCH = ROOT / "benchmarks"
 TEST_MODULES = {"helpers", "fixtures", "real_model", "conftest"}
 # what only the torch reference's own environment has (benchmarks/*/torch_step.py run there)
 REFERENCE_ONLY = {"spd", "datasets"}
+# what only an optional extra installs (parity: torch, transformers, accelerate; tpu-aot: libtpu)
+_EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+OPTIONAL = {re.split(r"[^A-Za-z0-9_-]", spec, maxsplit=1)[0].replace("-", "_")
+            for name, specs in _EXTRAS.items() if name != "dev" for spec in specs}  # fmt: skip
 
 
 def _scripts() -> list[Path]:
@@ -68,7 +75,7 @@ def _problems(path: Path) -> list[str]:
         top = m.split(".")[0]
         if top in TEST_MODULES or top.startswith("test_") or top == "tests":
             out.append(f"imports the test module {m}")
-        elif top not in REFERENCE_ONLY and not _exists(m):
+        elif top not in REFERENCE_ONLY | OPTIONAL and not _exists(m):
             out.append(f"imports {m}, which does not exist")
     return out
 
